@@ -1,0 +1,50 @@
+"""Chunk keys: a rolling hash over the token prefix inside a namespace.
+
+key_0 = H(namespace, tokens of chunk 0), key_i = H(key_{i-1}, tokens of chunk i), with H = BLAKE2b-128
+over little-endian uint32 token ids. Nothing depends on PYTHONHASHSEED, so keys are the same in every
+process and after restarts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+
+from .layout import LayoutError, ModelLayout
+
+KEY_BYTES = 16
+
+
+def namespace(layout: ModelLayout, tp_rank: int, chunk_tokens: int, salt: str = "") -> bytes:
+    """The 16-byte namespace of one engine rank: model, layout fingerprint, rank, chunk size, salt."""
+    if not 0 <= tp_rank < layout.tp_size:
+        raise LayoutError(f"tp_rank {tp_rank} outside [0, {layout.tp_size})")
+    layout.check_chunk_tokens(chunk_tokens)
+    fields = ("hybridkv-ns-v1", layout.model, layout.fingerprint(), layout.tp_size, tp_rank, chunk_tokens, salt)
+    return hashlib.blake2b(msgspec.msgpack.encode(fields), digest_size=KEY_BYTES).digest()
+
+
+def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"token ids must be one-dimensional, got shape {arr.shape}")
+    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+        raise ValueError("token ids must lie in [0, 2**32)")
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+def chunk_keys(ns: bytes, tokens: Sequence[int] | np.ndarray, chunk_tokens: int) -> list[bytes]:
+    """Keys of every full chunk of `tokens` (a trailing partial chunk has no key: it is never cached)."""
+    if len(ns) != KEY_BYTES:
+        raise ValueError(f"namespace must be {KEY_BYTES} bytes, got {len(ns)}")
+    data = _token_bytes(tokens)
+    step = 4 * chunk_tokens
+    keys: list[bytes] = []
+    prev = ns
+    for off in range(0, len(data) - step + 1, step):
+        prev = hashlib.blake2b(prev + data[off:off + step], digest_size=KEY_BYTES).digest()
+        keys.append(prev)
+    return keys

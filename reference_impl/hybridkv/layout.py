@@ -1,0 +1,116 @@
+"""KV-cache group layouts: what a hybrid model's paged cache looks like to the cache.
+
+A model's KV cache is a list of groups as vLLM builds them. Every layer of a group has one page per
+block; pages are opaque bytes here. These types travel on the wire (engine registration), so they
+are msgspec structs that validate themselves on construction and on decode.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Literal
+
+import msgspec
+
+GroupKind = Literal["attention", "recurrent"]
+
+# Dtype names the legacy wire formats use to rebuild typed tensors (the seed serialized bf16 tensors).
+DTYPE_BYTES = {
+    "uint8": 1, "int8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "bfloat16": 2, "float16": 2, "int16": 2, "float32": 4, "int32": 4, "float64": 8, "int64": 8,
+}
+
+
+class LayoutError(ValueError):
+    """A layout, chunk size or block list that cannot describe a paged KV cache."""
+
+
+class GroupLayout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One KV-cache group: its kind, its layers, the bytes of one page per layer and tokens per block."""
+
+    kind: GroupKind
+    layer_names: tuple[str, ...]
+    page_bytes: int
+    block_tokens: int
+    # dtype of the page contents, used only by the legacy pickle / torch.save formats
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if not self.layer_names:
+            raise LayoutError("a group needs at least one layer")
+        if len(set(self.layer_names)) != len(self.layer_names):
+            raise LayoutError(f"duplicate layer names in group: {self.layer_names}")
+        if self.page_bytes <= 0:
+            raise LayoutError(f"page_bytes must be positive, got {self.page_bytes}")
+        if self.block_tokens <= 0:
+            raise LayoutError(f"block_tokens must be positive, got {self.block_tokens}")
+        if self.dtype not in DTYPE_BYTES:
+            raise LayoutError(f"unknown dtype {self.dtype!r}; known: {sorted(DTYPE_BYTES)}")
+        if self.page_bytes % DTYPE_BYTES[self.dtype]:
+            raise LayoutError(f"page_bytes {self.page_bytes} is not a whole number of {self.dtype}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_names)
+
+
+class ModelLayout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A model's KV-cache layout on one tensor-parallel rank: its groups, in vLLM's group order."""
+
+    model: str
+    groups: tuple[GroupLayout, ...]
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise LayoutError("model id must not be empty")
+        if not self.groups:
+            raise LayoutError("a layout needs at least one group")
+        if self.tp_size < 1:
+            raise LayoutError(f"tp_size must be >= 1, got {self.tp_size}")
+        names = [n for g in self.groups for n in g.layer_names]
+        if len(set(names)) != len(names):
+            raise LayoutError("a layer appears in more than one group")
+        if not any(g.kind == "attention" for g in self.groups):
+            # A cache of recurrent state alone has no prefix to resume from block by block.
+            raise LayoutError("a layout needs at least one attention group")
+
+    def fingerprint(self) -> bytes:
+        """A stable 16-byte digest of everything that decides where a byte of a page lives."""
+        return hashlib.blake2b(msgspec.msgpack.encode(self), digest_size=16).digest()
+
+    def check_chunk_tokens(self, chunk_tokens: int) -> None:
+        """Reject a chunk size that does not cover a whole number of blocks in every group."""
+        if chunk_tokens <= 0:
+            raise LayoutError(f"chunk_tokens must be positive, got {chunk_tokens}")
+        for i, g in enumerate(self.groups):
+            if chunk_tokens % g.block_tokens:
+                raise LayoutError(
+                    f"chunk_tokens {chunk_tokens} is not a multiple of group {i}'s block size {g.block_tokens}"
+                )
+
+    def default_chunk_tokens(self) -> int:
+        """The smallest chunk that is whole blocks in every group (vLLM's unified block size)."""
+        from math import lcm
+
+        return lcm(*(g.block_tokens for g in self.groups))
+
+    def blocks_per_chunk(self, group: int, chunk_tokens: int) -> int:
+        return chunk_tokens // self.groups[group].block_tokens
+
+    def object_bytes(self, group: int, chunk_tokens: int) -> int:
+        """Bytes of one (chunk, group) object: every layer's pages for the chunk, or its end state."""
+        g = self.groups[group]
+        pages = self.blocks_per_chunk(group, chunk_tokens) if g.kind == "attention" else 1
+        return g.num_layers * pages * g.page_bytes
+
+    def chunk_bytes(self, chunk_tokens: int) -> int:
+        return sum(self.object_bytes(i, chunk_tokens) for i in range(len(self.groups)))
+
+    @property
+    def attention_groups(self) -> list[int]:
+        return [i for i, g in enumerate(self.groups) if g.kind == "attention"]
+
+    @property
+    def recurrent_groups(self) -> list[int]:
+        return [i for i, g in enumerate(self.groups) if g.kind == "recurrent"]

@@ -1,0 +1,149 @@
+"""Model presets: layouts computed from model configs with vLLM's hybrid page-alignment rule.
+
+vLLM makes every page of a hybrid model the same size. The attention block size is raised to
+    block = align * cdiv(mamba_page, align * attn_page_per_token)
+(align = 16 for FlashAttention on Hopper), the recurrent page is padded up to block * attn_page_per_token,
+and layers are split into groups of equal size (the smallest layer count of a type, or the largest when
+they are within 25% of each other), as `vllm.v1.core.kv_cache_utils` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from math import ceil
+
+from .layout import DTYPE_BYTES, GroupLayout, LayoutError, ModelLayout
+
+
+@dataclass(frozen=True, slots=True)
+class HybridModelConfig:
+    """The fields of a Qwen3.5 / Qwen3-Next style config that decide the KV-cache layout."""
+
+    name: str
+    num_layers: int
+    full_attention_interval: int  # every n-th layer (1-based n, n, 2n, ...) is full attention
+    num_kv_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    num_attention_heads: int = 0
+    hidden_size: int = 0
+    kv_dtype: str = "bfloat16"
+    conv_dtype: str = "bfloat16"
+    ssm_dtype: str = "float32"
+    # parameters active per token, for the roofline prefill model (2 FLOP per parameter per token)
+    active_params: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in ("num_layers", "full_attention_interval", "num_kv_heads", "head_dim",
+                  "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                  "linear_value_head_dim", "linear_conv_kernel_dim"):
+            if getattr(self, f) <= 0:
+                raise LayoutError(f"{self.name}: {f} must be positive, got {getattr(self, f)}")
+        for f in ("kv_dtype", "conv_dtype", "ssm_dtype"):
+            if getattr(self, f) not in DTYPE_BYTES:
+                raise LayoutError(f"{self.name}: unknown {f} {getattr(self, f)!r}")
+
+    def layer_kinds(self) -> list[str]:
+        return ["attention" if (i + 1) % self.full_attention_interval == 0 else "recurrent"
+                for i in range(self.num_layers)]
+
+    def attn_page_per_token(self, tp: int) -> int:
+        """K and V bytes of one token in one attention layer on one rank (kv heads replicated to >= 1)."""
+        kv_heads = max(1, self.num_kv_heads // tp)
+        return 2 * kv_heads * self.head_dim * DTYPE_BYTES[self.kv_dtype]
+
+    def recurrent_state_bytes(self, tp: int) -> tuple[int, int]:
+        """(conv state, SSM state) bytes of one Gated DeltaNet layer on one rank, as vLLM shapes them."""
+        key_dim = self.linear_num_key_heads * self.linear_key_head_dim
+        value_dim = self.linear_num_value_heads * self.linear_value_head_dim
+        conv_dim = (2 * key_dim + value_dim) // tp
+        conv = (self.linear_conv_kernel_dim - 1) * conv_dim * DTYPE_BYTES[self.conv_dtype]
+        v_heads = self.linear_num_value_heads // tp
+        ssm = v_heads * self.linear_key_head_dim * self.linear_value_head_dim * DTYPE_BYTES[self.ssm_dtype]
+        return conv, ssm
+
+
+def vllm_group_size(layer_counts: list[int]) -> int:
+    """Layers per KV-cache group under vLLM's uniform-page-size grouping."""
+    lo, hi = min(layer_counts), max(layer_counts)
+    return hi if hi < lo * 1.25 else lo
+
+
+def hybrid_layout(cfg: HybridModelConfig, tp: int = 1, align: int = 16) -> ModelLayout:
+    """The layout of one tensor-parallel rank of `cfg`, with vLLM's alignment and grouping rules."""
+    if tp < 1 or (tp & (tp - 1)):
+        raise LayoutError(f"tensor-parallel size must be a power of two, got {tp}")
+    if cfg.linear_num_value_heads % tp or cfg.linear_num_key_heads % tp:
+        raise LayoutError(f"{cfg.name}: linear-attention heads do not split over tp={tp}")
+    attn_tok = cfg.attn_page_per_token(tp)
+    conv, ssm = cfg.recurrent_state_bytes(tp)
+    mamba_page = conv + ssm
+    block = align * ceil(mamba_page / (align * attn_tok))
+    page = block * attn_tok
+    assert page >= mamba_page
+    kinds = cfg.layer_kinds()
+    by_kind = {k: [i for i, x in enumerate(kinds) if x == k] for k in ("attention", "recurrent")}
+    size = vllm_group_size([len(v) for v in by_kind.values() if v])
+    groups: list[GroupLayout] = []
+    for kind, idxs in by_kind.items():
+        for start in range(0, len(idxs), size):
+            groups.append(GroupLayout(
+                kind=kind,  # type: ignore[arg-type]
+                layer_names=tuple(f"model.layers.{i}" for i in idxs[start:start + size]),
+                page_bytes=page,
+                block_tokens=block,
+                dtype=cfg.kv_dtype if kind == "attention" else "uint8",
+            ))
+    return ModelLayout(model=cfg.name, groups=tuple(groups), tp_size=tp)
+
+
+# Qwen3.5-27B and Qwen3.6-27B share these shapes (ANCHORS.md).
+QWEN36_27B = HybridModelConfig(
+    name="Qwen/Qwen3.6-27B", num_layers=64, full_attention_interval=4, num_kv_heads=4, head_dim=256,
+    num_attention_heads=24, hidden_size=5120, linear_num_key_heads=16, linear_num_value_heads=48,
+    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, active_params=27e9,
+)
+QWEN35_27B = replace(QWEN36_27B, name="Qwen/Qwen3.5-27B")
+QWEN3_NEXT_80B = HybridModelConfig(
+    name="Qwen/Qwen3-Next-80B-A3B-Instruct", num_layers=48, full_attention_interval=4, num_kv_heads=2,
+    head_dim=256, num_attention_heads=16, hidden_size=2048, linear_num_key_heads=16,
+    linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4, ssm_dtype="bfloat16", active_params=3e9,
+)
+# Four groups like the Qwen models, pages of a few KiB: CPU tests and the smoke scenario.
+TINY_HYBRID = HybridModelConfig(
+    name="hybridkv/tiny-hybrid", num_layers=8, full_attention_interval=4, num_kv_heads=2, head_dim=16,
+    num_attention_heads=4, hidden_size=64, linear_num_key_heads=4, linear_num_value_heads=8,
+    linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, active_params=1e6,
+)
+# Qwen3.6-27B's page shape with a fraction of its layers: full-size pages at a CPU-friendly chunk size.
+QWEN36_27B_4L = replace(QWEN36_27B, name="hybridkv/qwen3.6-27b-4-layers", num_layers=4,
+                        active_params=27e9 * 4 / 64)
+
+MODEL_CONFIGS: dict[str, HybridModelConfig] = {
+    "qwen3.6-27b": QWEN36_27B,
+    "qwen3.5-27b": QWEN35_27B,
+    "qwen3-next-80b-a3b": QWEN3_NEXT_80B,
+    "tiny-hybrid": TINY_HYBRID,
+    "qwen3.6-27b-4layers": QWEN36_27B_4L,
+}
+
+
+def preset_names() -> list[str]:
+    return sorted(MODEL_CONFIGS)
+
+
+def model_config(name: str) -> HybridModelConfig:
+    try:
+        return MODEL_CONFIGS[name]
+    except KeyError:
+        raise LayoutError(f"unknown model preset {name!r}; known: {', '.join(preset_names())}") from None
+
+
+def preset_layout(name: str, tp: int = 1) -> ModelLayout:
+    """The layout of preset `name` on one rank at tensor-parallel size `tp`."""
+    return hybrid_layout(model_config(name), tp)
