@@ -1,0 +1,79 @@
+"""The seed's wire formats, kept as baselines: a typed tensor serialized with pickle or torch.save.
+
+Both sides pay a full serialize and deserialize per object, and the server must import torch to
+decode them. That cost is the point of keeping them: it is what the seed system paid.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+
+
+class PayloadError(ValueError):
+    """A payload frame that does not decode to the object it claims to be."""
+
+
+def _torch():
+    import torch  # only the legacy formats need torch; the server imports it on first use
+
+    return torch
+
+
+def encode_tensor(fmt: str, tensor) -> bytes:
+    """Serialize a CPU tensor the way the seed did."""
+    if fmt == "pickle":
+        return pickle.dumps(tensor, protocol=pickle.HIGHEST_PROTOCOL)
+    if fmt == "torch_save":
+        buf = io.BytesIO()
+        _torch().save(tensor, buf)
+        return buf.getvalue()
+    raise PayloadError(f"unknown legacy format {fmt!r}")
+
+
+def decode_tensor(fmt: str, frame: bytes | memoryview):
+    """Deserialize a frame made by encode_tensor; anything else is a PayloadError, never executed code."""
+    torch = _torch()
+    try:
+        if fmt == "pickle":
+            # The seed unpickled whatever arrived; restrict to tensors so a frame cannot run code here.
+            t = _TensorUnpickler(io.BytesIO(frame)).load()
+        elif fmt == "torch_save":
+            t = torch.load(io.BytesIO(frame), weights_only=True, map_location="cpu")
+        else:
+            raise PayloadError(f"unknown legacy format {fmt!r}")
+    except PayloadError:
+        raise
+    except Exception as e:
+        raise PayloadError(f"{fmt} payload does not decode: {type(e).__name__}: {e}") from None
+    if not isinstance(t, torch.Tensor):
+        raise PayloadError(f"{fmt} payload decodes to {type(t).__name__}, not a tensor")
+    return t
+
+
+def bytes_to_tensor(data: memoryview, dtype: str):
+    """A tensor of `dtype` sharing `data`'s memory (no copy)."""
+    torch = _torch()
+    return torch.frombuffer(data, dtype=torch.uint8).view(getattr(torch, dtype))
+
+
+def copy_tensor_into(t, out: memoryview) -> None:
+    """Copy a decoded tensor's bytes into `out`, which must be exactly its size."""
+    torch = _torch()
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    if flat.numel() != len(out):
+        raise PayloadError(f"payload holds {flat.numel()} B, the object is {len(out)} B")
+    torch.frombuffer(out, dtype=torch.uint8).copy_(flat)
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    """Unpickles torch tensors and nothing else that could execute code."""
+
+    _ALLOWED_PREFIXES = ("torch", "collections.OrderedDict", "builtins.")
+
+    def find_class(self, module: str, name: str):
+        full = f"{module}.{name}"
+        if module.startswith("torch") or full == "collections.OrderedDict" or (
+                module == "builtins" and name in ("set", "frozenset", "slice", "complex")):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to unpickle {full}")

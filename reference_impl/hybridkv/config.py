@@ -1,0 +1,93 @@
+"""Server configuration: one typed struct built at the edge (CLI or harness) and passed down."""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+EVICTION_POLICIES = ("lru", "fifo")
+
+
+class ConfigError(ValueError):
+    """A server setting that cannot work; the message names the setting and the value."""
+
+
+def default_ipc_dir() -> Path:
+    """A private (0700) directory for the server's ipc socket."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    return Path(base) / f"hybridkv-{os.getuid()}"
+
+
+def ensure_private_dir(path: Path) -> Path:
+    """Create `path` with mode 0700, or check that an existing one is ours and not open to others."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        raise ConfigError(f"{path} belongs to uid {st.st_uid}, not to us: refusing to put a socket there")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise ConfigError(f"{path} is open to other users (mode {oct(stat.S_IMODE(st.st_mode))}); chmod 700 it")
+    return path
+
+
+def default_endpoint() -> str:
+    return f"ipc://{default_ipc_dir() / 'server.sock'}"
+
+
+def check_endpoint(endpoint: str) -> str:
+    """Accept ipc://PATH, or tcp on the loopback interface only (the protocol has no authentication)."""
+    if endpoint.startswith("ipc://"):
+        if len(endpoint) <= len("ipc://"):
+            raise ConfigError("ipc endpoint needs a path, e.g. ipc:///tmp/hybridkv-0/server.sock")
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint[len("tcp://"):].rpartition(":")
+        if host not in ("127.0.0.1", "localhost", "[::1]"):
+            raise ConfigError(f"tcp endpoint must bind 127.0.0.1 (no authentication on the wire), got {host!r}")
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"tcp endpoint needs a port in 1..65535, got {port!r}")
+        return endpoint
+    raise ConfigError(f"endpoint must start with ipc:// or tcp://127.0.0.1:, got {endpoint!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    l1_bytes: int
+    endpoint: str = ""
+    l1_dir: str = "/dev/shm"
+    l2_dir: str | None = None
+    l2_bytes: int = 0
+    l2_fsync: bool = False
+    chunk_tokens: int = 0           # 0: each engine chooses; otherwise engines must register with it
+    eviction: str = "lru"
+    client_timeout_s: float = 30.0  # an engine silent this long is gone: its reservations and pins are reclaimed
+    quarantine_s: float = 5.0       # reclaimed slots stay unused this long, in case a late writer still DMAs
+    io_threads: int = 4
+    spill_watermark: float = 0.1    # keep this fraction of L1 free or clean (in L2) so stores never wait
+    flush_on_exit: bool = False     # spill every dirty L1 object to L2 on a clean shutdown
+
+    def __post_init__(self) -> None:
+        if not self.endpoint:
+            object.__setattr__(self, "endpoint", default_endpoint())
+        check_endpoint(self.endpoint)
+        if self.l1_bytes <= 0:
+            raise ConfigError(f"L1 size must be positive, got {self.l1_bytes} B")
+        if self.l2_bytes < 0:
+            raise ConfigError(f"L2 size must be >= 0, got {self.l2_bytes} B")
+        if self.l2_bytes and not self.l2_dir:
+            raise ConfigError("an L2 size needs an L2 directory (--l2-dir)")
+        if self.chunk_tokens < 0:
+            raise ConfigError(f"chunk tokens must be >= 0, got {self.chunk_tokens}")
+        if self.eviction not in EVICTION_POLICIES:
+            raise ConfigError(f"eviction policy must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
+        if self.client_timeout_s <= 0 or self.quarantine_s < 0:
+            raise ConfigError("client timeout must be > 0 and quarantine >= 0 seconds")
+        if not 1 <= self.io_threads <= 64:
+            raise ConfigError(f"io threads must be in 1..64, got {self.io_threads}")
+        if not 0 <= self.spill_watermark < 1:
+            raise ConfigError(f"spill watermark must be in [0, 1), got {self.spill_watermark}")
+
+    @property
+    def has_l2(self) -> bool:
+        return bool(self.l2_dir) and self.l2_bytes > 0

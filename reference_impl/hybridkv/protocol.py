@@ -1,0 +1,218 @@
+"""The wire protocol between engines (ZMQ DEALER) and the cache server (ZMQ ROUTER).
+
+A message is one msgpack frame holding a tagged msgspec struct, followed by zero or more payload
+frames. Payload bytes never go inside msgpack: they travel as separate frames sent with copy=False,
+so there is no 4 GiB msgpack limit and no copy on either side of the socket. Every message carries
+the protocol version `v` and a request id `id` that the reply echoes.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from .layout import ModelLayout
+
+PROTOCOL_VERSION = 1
+
+WireFormat = Literal["shm", "raw", "pickle", "torch_save"]
+RetrievePolicy = Literal["boundary", "all"]
+LEGACY_FORMATS = ("pickle", "torch_save")
+
+
+class Message(msgspec.Struct, tag_field="op", kw_only=True, forbid_unknown_fields=True):
+    v: int = PROTOCOL_VERSION
+    id: int = 0
+
+
+# ---- requests ------------------------------------------------------------------------------------
+
+class Register(Message, tag="register"):
+    """Register an engine rank: its layout, rank and chunk size decide its namespace."""
+    layout: ModelLayout
+    chunk_tokens: int
+    tp_rank: int = 0
+    salt: str = ""
+    name: str = ""
+
+
+class Unregister(Message, tag="unregister"):
+    """Forget an engine: its reservations are aborted and its pins released."""
+    engine: int
+
+
+class Heartbeat(Message, tag="heartbeat"):
+    """Tell the server this engine is alive (any request does; this one does nothing else)."""
+    engine: int
+
+
+class Lookup(Message, tag="lookup"):
+    """Find the longest resumable prefix of `keys`; pin its objects for `request` and bring them into L1."""
+    engine: int
+    request: str
+    keys: list[bytes]
+    policy: RetrievePolicy = "boundary"
+    # chunks the engine already holds: their attention objects are neither pinned nor returned
+    skip_chunks: int = 0
+    pin: bool = True
+
+
+class PrepareStore(Message, tag="prepare_store"):
+    """Reserve L1 slots for the objects (chunk index into keys, group) that the server lacks."""
+    engine: int
+    request: str
+    keys: list[bytes]
+    objects: list[tuple[int, int]]
+
+
+class CommitStore(Message, tag="commit_store"):
+    """Make a reservation's objects visible. For raw and legacy formats one payload frame per slot follows."""
+    engine: int
+    reservation: int
+    format: WireFormat = "shm"
+
+
+class AbortStore(Message, tag="abort_store"):
+    """Drop a reservation: its slots are freed and nothing of it ever becomes visible."""
+    engine: int
+    reservation: int
+
+
+class Retrieve(Message, tag="retrieve"):
+    """Send a lease's objects as payload frames (raw or legacy formats; shm engines read the arena)."""
+    engine: int
+    lease: int
+    format: WireFormat = "raw"
+
+
+class Release(Message, tag="release"):
+    """Unpin a lease's objects."""
+    engine: int
+    lease: int
+
+
+class EndSession(Message, tag="end_session"):
+    """A request has finished: release its leases and abort its open reservations."""
+    engine: int
+    request: str
+
+
+class Stats(Message, tag="stats"):
+    """Ask for the server's counters."""
+
+
+class Clear(Message, tag="clear"):
+    """Drop every unpinned, committed object of this engine's namespace (or of all, with engine=None)."""
+    engine: int | None = None
+
+
+class Health(Message, tag="health"):
+    """Ask whether the server is up."""
+
+
+Request = (Register | Unregister | Heartbeat | Lookup | PrepareStore | CommitStore | AbortStore
+           | Retrieve | Release | EndSession | Stats | Clear | Health)
+
+
+# ---- replies -------------------------------------------------------------------------------------
+
+class ObjectLoc(msgspec.Struct, array_like=True, frozen=True):
+    """Where one (chunk, group) object lives in the arena: byte offset and length."""
+    chunk: int
+    group: int
+    offset: int
+    length: int
+
+
+class Refusal(msgspec.Struct, array_like=True, frozen=True):
+    chunk: int
+    group: int
+    reason: str
+
+
+class Error(Message, tag="error"):
+    """A request failed; `code` is one of ErrorCode, `message` names the offending value."""
+    code: str
+    message: str
+
+
+class Registered(Message, tag="registered"):
+    engine: int
+    namespace: bytes
+    object_bytes: list[int]      # per group
+    arena_path: str              # the L1 arena file, for engines on this host that map it (shm format)
+    arena_bytes: int
+    heartbeat_s: float           # send something at least this often or be reclaimed
+
+
+class LookupResult(Message, tag="lookup_result"):
+    hit_chunks: int
+    lease: int                   # 0 when nothing was pinned
+    objects: list[ObjectLoc]     # the pinned objects, in retrieve order
+
+
+class Prepared(Message, tag="prepared"):
+    reservation: int             # 0 when nothing was reserved
+    slots: list[ObjectLoc]       # reserved, to be written then committed, in this order
+    present: list[tuple[int, int]]
+    refused: list[Refusal]
+
+
+class Committed(Message, tag="committed"):
+    objects: int
+    bytes: int
+
+
+class Retrieved(Message, tag="retrieved"):
+    objects: list[ObjectLoc]     # one payload frame follows per object
+
+
+class Done(Message, tag="done"):
+    count: int = 0
+
+
+class StatsResult(Message, tag="stats_result"):
+    counters: dict[str, int | float]
+
+
+class HealthResult(Message, tag="health_result"):
+    status: str
+    version: str
+    uptime_s: float
+    pid: int
+
+
+Reply = (Error | Registered | LookupResult | Prepared | Committed | Retrieved | Done | StatsResult
+         | HealthResult)
+
+
+class ErrorCode:
+    BAD_MESSAGE = "bad_message"          # not a decodable request
+    VERSION = "version"                  # protocol version mismatch
+    UNKNOWN_ENGINE = "unknown_engine"
+    UNKNOWN_RESERVATION = "unknown_reservation"
+    UNKNOWN_LEASE = "unknown_lease"
+    BAD_PAYLOAD = "bad_payload"          # wrong frame count or size
+    BAD_REQUEST = "bad_request"          # decodable but inconsistent (key size, index, group)
+    LAYOUT = "layout"
+    NO_SPACE = "no_space"
+    INTERNAL = "internal"
+
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_request(frame: bytes | memoryview) -> Request:
+    """Decode one request frame; raises msgspec.DecodeError / ValidationError naming the problem."""
+    return _request_decoder.decode(frame)
+
+
+def decode_reply(frame: bytes | memoryview) -> Reply:
+    return _reply_decoder.decode(frame)
