@@ -94,7 +94,10 @@ def _widest_alignment(*values: int | np.ndarray) -> int:
     """The widest of 16, 8, 4, 2, 1 bytes dividing every value."""
     acc = 0
     for v in values:
-        acc |= int(np.bitwise_or.reduce(v)) if isinstance(v, np.ndarray) and v.size else int(v)
+        if isinstance(v, np.ndarray):
+            acc |= int(np.bitwise_or.reduce(v)) if v.size else 0
+        else:
+            acc |= int(v)
     lowest = acc & -acc if acc else 16
     return min(16, lowest)
 
@@ -117,14 +120,15 @@ def build_plan(direction: Direction, transfers: Sequence[PageTransfer | tuple]) 
     transfers = tuple(PageTransfer(*t) for t in transfers)
     if not transfers:
         raise ValueError("a plan needs at least one transfer")
+    for i, t in enumerate(transfers):
+        if not isinstance(t.layers, PagedLayers):
+            raise ValueError(f"transfer {i}: layers must be PagedLayers, got {type(t.layers).__name__}")
     first = transfers[0].layers
     page_bytes, device = first.page_bytes, first.device
     groups: dict[int, int] = {}  # id(PagedLayers) -> index into group_layers
     group_layers: list[PagedLayers] = []
     normalized, ids_list, tr_group = [], [], []
     for i, (layers, ids, obj) in enumerate(transfers):
-        if not isinstance(layers, PagedLayers):
-            raise ValueError(f"transfer {i}: layers must be PagedLayers, got {type(layers).__name__}")
         if layers.page_bytes != page_bytes:
             raise ValueError(f"transfer {i}: page_bytes {layers.page_bytes} differs from the plan's "
                              f"{page_bytes}; groups with other page sizes need their own plan")
