@@ -1,0 +1,196 @@
+"""Page copy plans: every page copy of a gather or scatter as (src, dst) address pairs, validated once.
+
+An object is one group's pages for some blocks, layer-major: `obj[l, j] = layers[l][block_ids[j]]`,
+`L * n * page_bytes` contiguous bytes. A plan joins any number of (layers, block_ids, object)
+transfers, from any number of groups with one page size, so one kernel launch can move them all.
+Everything is checked here, before any byte moves: a plan that exists is safe to run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import numpy as np
+import torch
+
+from hybridkv_kernels.pages import PagedLayers
+
+Direction = Literal["gather", "scatter"]
+
+
+class PageTransfer(NamedTuple):
+    """One object: `layers`' pages at `block_ids`, gathered into or scattered from `obj` (flat uint8)."""
+
+    layers: PagedLayers
+    block_ids: Sequence[int] | np.ndarray | torch.Tensor
+    obj: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PageCopyPlan:
+    """Page copies of `page_bytes` each, `src_addr[p] -> dst_addr[p]`, and the tensors they live in."""
+
+    direction: Direction
+    device: torch.device
+    page_bytes: int
+    elem_bytes: int  # widest of 16/8/4/2/1 dividing page_bytes and every address: the kernel's access width
+    src_addr: np.ndarray  # int64 (P,)
+    dst_addr: np.ndarray  # int64 (P,)
+    page_transfer: np.ndarray  # int64 (P,): index into transfers
+    page_layer: np.ndarray  # int64 (P,): layer within that transfer's group
+    engine_storage: np.ndarray  # int64 (P,): storage address of the engine page's allocation
+    transfers: tuple[PageTransfer, ...]  # block_ids normalized to int64 numpy arrays
+    anchor: torch.Tensor  # an engine page view; kernels address every page relative to its data_ptr()
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.src_addr.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    @property
+    def engine_addr(self) -> np.ndarray:
+        """Addresses of the engine-side pages (sources of a gather, destinations of a scatter)."""
+        return self.src_addr if self.direction == "gather" else self.dst_addr
+
+
+def _block_ids(ids: Sequence[int] | np.ndarray | torch.Tensor, index: int) -> np.ndarray:
+    """Block ids as a 1-d int64 numpy array; a device tensor is copied to the host (and syncs)."""
+    if isinstance(ids, torch.Tensor):
+        ids = ids.detach().cpu().numpy()
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise ValueError(f"transfer {index}: block ids must be a 1-d sequence of ints, got {arr.dtype} "
+                         f"shape {arr.shape}")
+    return arr.astype(np.int64, copy=False)
+
+
+def _check_object(obj: torch.Tensor, layers: PagedLayers, n: int, device: torch.device, index: int) -> None:
+    """Reject an object tensor of the wrong type, size or place for its transfer."""
+    if not isinstance(obj, torch.Tensor):
+        raise ValueError(f"transfer {index}: object must be a torch.Tensor, got {type(obj).__name__}")
+    if obj.dtype != torch.uint8:
+        raise ValueError(f"transfer {index}: object dtype must be torch.uint8, got {obj.dtype}")
+    if not obj.is_contiguous():
+        raise ValueError(f"transfer {index}: object must be contiguous bytes, got strides {obj.stride()}")
+    want = layers.object_bytes(n)
+    if obj.numel() != want:
+        raise ValueError(f"transfer {index}: object has {obj.numel()} B, expected {want} B "
+                         f"({layers.num_layers} layers x {n} blocks x {layers.page_bytes} B)")
+    if obj.device == device:
+        return
+    # A GPU reaches host memory only when it is page-locked (pinned, or cudaHostRegister'ed).
+    if device.type == "cuda" and obj.device.type == "cpu" and obj.is_pinned():
+        return
+    raise ValueError(f"transfer {index}: object on {obj.device} is not reachable from {device} "
+                     f"(use a tensor on {device} or page-locked host memory)")
+
+
+def _widest_alignment(*values: int | np.ndarray) -> int:
+    """The widest of 16, 8, 4, 2, 1 bytes dividing every value."""
+    acc = 0
+    for v in values:
+        if isinstance(v, np.ndarray):
+            acc |= int(np.bitwise_or.reduce(v)) if v.size else 0
+        else:
+            acc |= int(v)
+    lowest = acc & -acc if acc else 16
+    return min(16, lowest)
+
+
+def _check_no_overlap(plan_dst: np.ndarray, page_bytes: int, describe) -> None:
+    """Reject destination pages that overlap: two writes to the same bytes in one launch race."""
+    if plan_dst.size < 2:
+        return
+    order = np.argsort(plan_dst, kind="stable")
+    close = np.flatnonzero(np.diff(plan_dst[order]) < page_bytes)
+    if close.size:
+        a, b = order[close[0]], order[close[0] + 1]
+        raise ValueError(f"destination pages overlap: {describe(a)} and {describe(b)}")
+
+
+def build_plan(direction: Direction, transfers: Sequence[PageTransfer | tuple]) -> PageCopyPlan:
+    """Validate `transfers` and lay out every page copy of a gather or scatter over all of them."""
+    if direction not in ("gather", "scatter"):
+        raise ValueError(f"direction must be 'gather' or 'scatter', got {direction!r}")
+    transfers = tuple(PageTransfer(*t) for t in transfers)
+    if not transfers:
+        raise ValueError("a plan needs at least one transfer")
+    for i, t in enumerate(transfers):
+        if not isinstance(t.layers, PagedLayers):
+            raise ValueError(f"transfer {i}: layers must be PagedLayers, got {type(t.layers).__name__}")
+    first = transfers[0].layers
+    page_bytes, device = first.page_bytes, first.device
+    groups: dict[int, int] = {}  # id(PagedLayers) -> index into group_layers
+    group_layers: list[PagedLayers] = []
+    normalized, ids_list, tr_group = [], [], []
+    for i, (layers, ids, obj) in enumerate(transfers):
+        if layers.page_bytes != page_bytes:
+            raise ValueError(f"transfer {i}: page_bytes {layers.page_bytes} differs from the plan's "
+                             f"{page_bytes}; groups with other page sizes need their own plan")
+        if layers.device != device:
+            raise ValueError(f"transfer {i}: layers on {layers.device}, the plan's engine device is {device}")
+        arr = _block_ids(ids, i)
+        _check_object(obj, layers, arr.size, device, i)
+        g = groups.setdefault(id(layers), len(group_layers))
+        if g == len(group_layers):
+            group_layers.append(layers)
+        tr_group.append(g)
+        ids_list.append(arr)
+        normalized.append(PageTransfer(layers, arr, obj))
+
+    n = np.array([a.size for a in ids_list], dtype=np.int64)
+    tr_group_arr = np.array(tr_group, dtype=np.int64)
+    num_blocks = np.array([g.num_blocks for g in group_layers], dtype=np.int64)[tr_group_arr]
+    ids_all = np.concatenate(ids_list) if ids_list else np.zeros(0, np.int64)
+    tr_of_id = np.repeat(np.arange(len(transfers)), n)
+    bad = np.flatnonzero((ids_all < 0) | (ids_all >= num_blocks[tr_of_id]))
+    if bad.size:
+        t = int(tr_of_id[bad[0]])
+        raise ValueError(f"transfer {t}: block id {int(ids_all[bad[0]])} is out of range "
+                         f"[0, {int(num_blocks[t])})")
+
+    # Page p of transfer t is (layer l, block j) with p - start[t] = l * n[t] + j: layer-major objects.
+    num_layers = np.array([g.num_layers for g in group_layers], dtype=np.int64)
+    layer_off = np.concatenate(([0], np.cumsum(num_layers)[:-1]))
+    base_all = np.concatenate([g.base for g in group_layers])
+    stride_all = np.concatenate([g.stride for g in group_layers])
+    storage_all = np.concatenate([g.storage_base for g in group_layers])
+    counts = num_layers[tr_group_arr] * n
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    id_starts = np.concatenate(([0], np.cumsum(n)[:-1]))
+    page_tr = np.repeat(np.arange(len(transfers), dtype=np.int64), counts)
+    k = np.arange(int(counts.sum()), dtype=np.int64) - starts[page_tr]
+    n_p = n[page_tr]
+    layer = k // np.maximum(n_p, 1)
+    block = ids_all[id_starts[page_tr] + k % np.maximum(n_p, 1)]
+    glayer = layer_off[tr_group_arr][page_tr] + layer
+    engine = base_all[glayer] + block * stride_all[glayer]
+    obj_addr = np.array([t.obj.data_ptr() for t in normalized], dtype=np.int64)
+    objects = obj_addr[page_tr] + k * page_bytes
+    src, dst = (engine, objects) if direction == "gather" else (objects, engine)
+
+    def describe(p: int) -> str:
+        """Name page p the way its caller knows it."""
+        return f"transfer {int(page_tr[p])} layer {int(layer[p])} block {int(block[p])}"
+
+    _check_no_overlap(dst, page_bytes, describe)
+    anchor = first.views[0]
+    # The anchor and its storage base join the alignment so a typed anchor view of that width exists.
+    elem = _widest_alignment(src, dst, page_bytes, anchor.data_ptr(), anchor.untyped_storage().data_ptr())
+    return PageCopyPlan(direction, device, page_bytes, elem, src, dst, page_tr, layer,
+                        storage_all[glayer], tuple(normalized), anchor)
+
+
+def plan_gather(transfers: Sequence[PageTransfer | tuple]) -> PageCopyPlan:
+    """A plan copying engine pages into contiguous layer-major objects."""
+    return build_plan("gather", transfers)
+
+
+def plan_scatter(transfers: Sequence[PageTransfer | tuple]) -> PageCopyPlan:
+    """A plan copying contiguous layer-major objects back into engine pages."""
+    return build_plan("scatter", transfers)

@@ -1,0 +1,160 @@
+"""Plans: vectorized addresses equal a per-page loop, and bad input fails before any byte moves."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from hybridkv_kernels import PagedLayers, plan_gather, plan_scatter
+from hybridkv_kernels.copy_dma import copy_runs
+from kernel_pools import POOLS, guarded, qwen_like_groups, random_bytes
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    return torch.Generator().manual_seed(42)
+
+
+def _qwen_scale(gen, chunks=71, layers=16, page_bytes=64):
+    """71 chunks x 4 groups x 16 layers of one-block objects: 4544 pages, as a 56k-token Qwen3.6 store."""
+    blocks = 4 * chunks + 5
+    groups = [p.layers() for p in qwen_like_groups(gen, layers, 4, blocks, page_bytes)]
+    perm = torch.randperm(blocks, generator=gen).tolist()
+    arena = torch.empty(4 * chunks * layers * page_bytes, dtype=torch.uint8)
+    objs = arena.view(4 * chunks, layers * page_bytes)
+    transfers = [(groups[g], [perm[g * chunks + c]], objs[g * chunks + c])
+                 for g in range(4) for c in range(chunks)]
+    return transfers
+
+
+def test_vectorized_addresses_equal_a_per_page_loop(gen):
+    transfers = _qwen_scale(gen)
+    plan = plan_gather(transfers)
+    src, dst = [], []
+    for layers, ids, obj in transfers:
+        for layer, v in enumerate(layers.views):
+            for j, b in enumerate(ids):
+                src.append(v[b].data_ptr())
+                dst.append(obj.data_ptr() + (layer * len(ids) + j) * layers.page_bytes)
+    assert plan.num_pages == 4544
+    np.testing.assert_array_equal(plan.src_addr, src)
+    np.testing.assert_array_equal(plan.dst_addr, dst)
+
+
+def test_plan_build_is_vectorized(gen, benchmark):
+    transfers = _qwen_scale(gen)
+    plan_gather(transfers)  # warm numpy
+    t0 = time.perf_counter()
+    benchmark(plan_gather, transfers)
+    # A per-page Python loop takes tens of ms here; the vectorized build takes ~1-3 ms on a laptop.
+    assert time.perf_counter() - t0 < 0.05
+
+
+def test_dma_coalesces_consecutive_blocks(gen):
+    pool = POOLS["dense_bf16"](gen)  # page stride == page_bytes
+    layers = pool.layers()
+    ids = [4, 5, 6, 9, 2, 3]
+    _, obj = guarded(layers.object_bytes(len(ids)))
+    starts, lengths = copy_runs(plan_gather([(layers, ids, obj)]))
+    # Per layer: [4,5,6], [9], [2,3]; layers are separate allocations in no order, so runs never join.
+    assert lengths.tolist() == [3, 1, 2] * pool.num_layers
+    assert starts.tolist() == [0, 3, 4, 6, 9, 10, 12, 15, 16]
+
+
+def test_strided_pages_never_coalesce(gen):
+    pool = POOLS["shared_fp32"](gen)  # page stride > page_bytes
+    layers = pool.layers()
+    _, obj = guarded(layers.object_bytes(3))
+    _, lengths = copy_runs(plan_gather([(layers, [1, 2, 3], obj)]))
+    assert lengths.tolist() == [1] * 3 * pool.num_layers
+
+
+def _engine_bytes(pool):
+    return pool.raw.clone()
+
+
+@pytest.mark.parametrize("bad", [-1, 11, 1000])
+def test_block_id_out_of_range(gen, bad):
+    pool = POOLS["dense_bf16"](gen)
+    before = _engine_bytes(pool)
+    payload = random_bytes((pool.layers().object_bytes(2),), gen)
+    with pytest.raises(ValueError, match=rf"transfer 0: block id {bad} is out of range \[0, 11\)"):
+        plan_scatter([(pool.layers(), [3, bad], payload)])
+    assert torch.equal(pool.raw, before)
+
+
+def test_wrong_object_size(gen):
+    pool = POOLS["dense_bf16"](gen)
+    want = pool.layers().object_bytes(2)
+    with pytest.raises(ValueError, match=rf"object has {want - 1} B, expected {want} B"):
+        plan_gather([(pool.layers(), [1, 2], torch.empty(want - 1, dtype=torch.uint8))])
+
+
+def test_object_dtype_and_contiguity(gen):
+    layers = POOLS["shared_fp32"](gen).layers()
+    n = layers.object_bytes(1)
+    with pytest.raises(ValueError, match="object dtype must be torch.uint8, got torch.float32"):
+        plan_gather([(layers, [0], torch.empty(n // 4))])
+    with pytest.raises(ValueError, match="object must be contiguous bytes"):
+        plan_gather([(layers, [0], torch.empty(2 * n, dtype=torch.uint8)[::2])])
+
+
+def test_mismatched_page_bytes_need_their_own_plan(gen):
+    a, b = POOLS["dense_bf16"](gen).layers(), POOLS["shared_fp32"](gen).layers()
+    with pytest.raises(ValueError, match="transfer 1: page_bytes 100 differs from the plan's 222"):
+        plan_gather([(a, [0], torch.empty(a.object_bytes(1), dtype=torch.uint8)),
+                     (b, [0], torch.empty(b.object_bytes(1), dtype=torch.uint8))])
+
+
+def test_duplicate_scatter_target_in_one_object(gen):
+    pool = POOLS["padded_fp8"](gen)
+    before = _engine_bytes(pool)
+    payload = random_bytes((pool.layers().object_bytes(3),), gen)
+    with pytest.raises(ValueError, match="transfer 0 layer 0 block 4 and transfer 0 layer 0 block 4"):
+        plan_scatter([(pool.layers(), [4, 1, 4], payload)])
+    assert torch.equal(pool.raw, before)
+
+
+def test_same_block_from_two_groups_of_a_shared_pool(gen):
+    # Groups share the raw tensors, so one block id in two groups is one engine page written twice.
+    g0, g1 = qwen_like_groups(gen, layers=2, groups=2)
+    before = _engine_bytes(g0)
+    la, lb = g0.layers(), g1.layers()
+    objs = [random_bytes((la.object_bytes(1),), gen) for _ in range(2)]
+    with pytest.raises(ValueError, match=r"transfer 0 layer 0 block 6 and transfer 1 layer 0 block 6"):
+        plan_scatter([(la, [6], objs[0]), (lb, [6], objs[1])])
+    assert torch.equal(g0.raw, before)
+
+
+def test_gather_into_overlapping_objects(gen):
+    layers = POOLS["dense_bf16"](gen).layers()
+    n = layers.object_bytes(1)
+    arena = torch.empty(2 * n, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="destination pages overlap"):
+        plan_gather([(layers, [0], arena[:n]), (layers, [1], arena[10 : 10 + n])])
+
+
+def test_bad_block_id_types(gen):
+    layers = POOLS["dense_bf16"](gen).layers()
+    obj = torch.empty(layers.object_bytes(2), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="block ids must be a 1-d sequence of ints, got float64"):
+        plan_gather([(layers, [0.0, 1.0], obj)])
+
+
+def test_layers_must_be_paged_layers(gen):
+    pool = POOLS["dense_bf16"](gen)
+    with pytest.raises(ValueError, match="layers must be PagedLayers, got list"):
+        plan_gather([(pool.tensors, [0], torch.empty(1, dtype=torch.uint8))])
+
+
+def test_empty_plan_is_rejected():
+    with pytest.raises(ValueError, match="at least one transfer"):
+        plan_gather([])
+
+
+def test_zero_block_transfer_is_a_no_op(gen):
+    layers = PagedLayers.from_views([torch.zeros(4, 32, dtype=torch.uint8)])
+    plan = plan_gather([(layers, [], torch.empty(0, dtype=torch.uint8))])
+    assert plan.num_pages == 0
