@@ -1,0 +1,387 @@
+"""The engine-side transfer library: moves a hybrid model's paged KV blocks and recurrent states
+between the engine's cache (GPU or CPU tensors) and the cache server, for every KV-cache group.
+
+Shaped for a vLLM connector (KVConnectorBase_V1 + SupportsHMA): block ids come as one list per group,
+lookups are synchronous, stores and retrieves are asynchronous handles, and `get_finished` reports
+requests whose transfers completed. Block j of a group covers tokens [j*B, (j+1)*B) of the request;
+for a recurrent group it holds the state after those tokens (vLLM's prefix-caching "align" mode).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from hybridkv_kernels import PagedLayers, available_impls, build_plan, run_plan
+
+from . import protocol as P
+from .client import CacheClient
+from .keys import chunk_keys
+from .layout import LayoutError, ModelLayout
+from .wire import ArenaMapping, StagingPool, decode_objects, encode_objects
+
+WIRE_FORMATS = ("shm", "raw", "pickle", "torch_save")
+COPY_ENGINES = ("kernel", "dma")
+STREAM_MODES = ("single", "per_group")
+POLICIES = ("boundary", "all")
+
+
+@dataclass(frozen=True, slots=True)
+class TransferConfig:
+    """How an engine moves bytes; validated at construction."""
+
+    wire_format: str = "shm"
+    copy_engine: str = "kernel"       # kernel: one Triton launch per plan (torch reference off CUDA); dma: copy_ per page run
+    streams: str = "single"           # single: every group on one stream; per_group: a stream per group (the seed's)
+    retrieve_policy: str = "boundary"  # boundary: recurrent state only at the last hit chunk; all: every chunk (the seed's)
+    store_policy: str = "boundary"    # boundary: recurrent state only at the last stored chunk; all: every chunk
+    chunk_tokens: int = 0             # 0: the layout's unified block size
+    tp_rank: int = 0
+    salt: str = ""
+    timeout_s: float = 60.0
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for fld, allowed in (("wire_format", WIRE_FORMATS), ("copy_engine", COPY_ENGINES),
+                             ("streams", STREAM_MODES), ("retrieve_policy", POLICIES), ("store_policy", POLICIES)):
+            if getattr(self, fld) not in allowed:
+                raise ValueError(f"{fld} must be one of {allowed}, got {getattr(self, fld)!r}")
+        if self.chunk_tokens < 0 or self.timeout_s <= 0:
+            raise ValueError(f"chunk_tokens must be >= 0 and timeout_s > 0, got {self.chunk_tokens}, {self.timeout_s}")
+
+
+@dataclass(slots=True)
+class Hit:
+    """A lookup's answer: the resumable prefix, and the server-side objects pinned for it."""
+
+    request_id: str
+    keys: list[bytes]
+    hit_chunks: int
+    chunk_tokens: int
+    lease: int
+    objects: list[P.ObjectLoc]
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.hit_chunks * self.chunk_tokens
+
+    @property
+    def nbytes(self) -> int:
+        return sum(o.length for o in self.objects)
+
+
+@dataclass(eq=False)
+class TransferHandle:
+    """An asynchronous store or retrieve. `done` resolves when the engine's pages are free to use
+    (store: read; retrieve: written); for a store `committed` resolves once the server made it visible."""
+
+    kind: str
+    request_id: str
+    done: Future = field(default_factory=Future)
+    committed: Future = field(default_factory=Future)
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_copy_start: float = 0.0
+    t_done: float = 0.0
+    t_committed: float = 0.0
+    nbytes: int = 0
+    objects: int = 0
+    skipped: int = 0
+    refused: int = 0
+
+    def wait(self, timeout: float | None = None) -> TransferHandle:
+        """Block until the pages are safe (store: read; retrieve: written); re-raises a failure."""
+        self.done.result(timeout)
+        return self
+
+    def wait_committed(self, timeout: float | None = None) -> TransferHandle:
+        self.committed.result(timeout)
+        return self
+
+    @property
+    def copy_s(self) -> float:
+        return self.t_done - self.t_copy_start
+
+    @property
+    def total_s(self) -> float:
+        return (self.t_committed or self.t_done) - self.t_submit
+
+
+class KVTransfer:
+    """One engine rank's connection to the cache server, with its paged caches registered."""
+
+    def __init__(self, endpoint: str, layout: ModelLayout,
+                 pages: Sequence[Sequence[torch.Tensor]] | Mapping[str, torch.Tensor],
+                 config: TransferConfig | None = None, client: CacheClient | None = None):
+        self.layout = layout
+        self.config = config = config or TransferConfig()
+        self.groups = self._paged_groups(layout, pages)
+        self.device = self.groups[0].device
+        self.chunk_tokens = config.chunk_tokens or layout.default_chunk_tokens()
+        layout.check_chunk_tokens(self.chunk_tokens)
+        self.impl = self._pick_impl(config.copy_engine, self.device)
+        self._own_client = client is None
+        self.client = client or CacheClient(endpoint, timeout_s=config.timeout_s)
+        reg, _ = self.client.call(P.Register(layout=layout, chunk_tokens=self.chunk_tokens, tp_rank=config.tp_rank,
+                                             salt=config.salt, name=config.name))
+        self.engine_id, self.namespace = reg.engine, reg.namespace
+        self.object_bytes = reg.object_bytes
+        expect = [layout.object_bytes(g, self.chunk_tokens) for g in range(len(layout.groups))]
+        if self.object_bytes != expect:
+            raise LayoutError(f"server sizes objects {self.object_bytes}, this engine {expect}")
+        self.client.keepalive(self.engine_id, reg.heartbeat_s)
+        self.arena = ArenaMapping(reg.arena_path, reg.arena_bytes, self.device) if config.wire_format == "shm" else None
+        self.staging = StagingPool(self.device)
+        cuda = self.device.type == "cuda"
+        n_streams = len(self.groups) if config.streams == "per_group" else 1
+        self._streams = {k: [torch.cuda.Stream(self.device) for _ in range(n_streams)] if cuda else [None]
+                         for k in ("store", "load")}
+        self._finished: dict[str, set[str]] = {"store": set(), "load": set()}
+        self._finished_lock = threading.Lock()
+        self._queues = {k: queue.SimpleQueue() for k in ("store", "load")}
+        # Stores and loads on their own threads: a store parked behind L2 never delays a retrieve.
+        self._workers = [threading.Thread(target=self._work, args=(k,), name=f"hkv-{k}", daemon=True)
+                         for k in ("store", "load")]
+        for w in self._workers:
+            w.start()
+
+    # ---- construction helpers ---------------------------------------------------------------------
+
+    @staticmethod
+    def _paged_groups(layout: ModelLayout, pages) -> list[PagedLayers]:
+        """Page views per group, checked against the layout (layer count, names, page size)."""
+        if isinstance(pages, Mapping):
+            missing = [n for g in layout.groups for n in g.layer_names if n not in pages]
+            if missing:
+                raise LayoutError(f"no cache tensor for layers {missing[:4]}{'...' if len(missing) > 4 else ''}")
+            per_group = [[pages[n] for n in g.layer_names] for g in layout.groups]
+        else:
+            per_group = [list(p) for p in pages]
+        if len(per_group) != len(layout.groups):
+            raise LayoutError(f"layout has {len(layout.groups)} groups, pages were given for {len(per_group)}")
+        out = []
+        for i, (g, views) in enumerate(zip(layout.groups, per_group, strict=True)):
+            if len(views) != g.num_layers:
+                raise LayoutError(f"group {i} has {g.num_layers} layers, {len(views)} page views were given")
+            paged = PagedLayers.from_views(views)
+            if paged.page_bytes != g.page_bytes:
+                raise LayoutError(f"group {i}: pages of {paged.page_bytes} B, the layout says {g.page_bytes} B")
+            out.append(paged)
+        if len({p.device for p in out}) != 1:
+            raise LayoutError("every group's pages must be on one device")
+        return out
+
+    @staticmethod
+    def _pick_impl(copy_engine: str, device: torch.device) -> str:
+        if copy_engine == "dma":
+            return "dma"
+        return "triton" if "triton" in available_impls(device) else "torch"
+
+    # ---- public API -------------------------------------------------------------------------------
+
+    def keys(self, token_ids: Sequence[int] | np.ndarray) -> list[bytes]:
+        """Chunk keys of every full chunk of `token_ids` in this engine's namespace."""
+        return chunk_keys(self.namespace, token_ids, self.chunk_tokens)
+
+    def lookup(self, request_id: str, token_ids: Sequence[int] | np.ndarray, skip_tokens: int = 0) -> Hit:
+        """The longest resumable prefix; its objects are pinned (and in L1) until retrieved or end_session."""
+        keys = self.keys(token_ids)
+        if not keys:
+            return Hit(request_id, keys, 0, self.chunk_tokens, 0, [])
+        r, _ = self.client.call(P.Lookup(engine=self.engine_id, request=request_id, keys=keys,
+                                         policy=self.config.retrieve_policy,
+                                         skip_chunks=skip_tokens // self.chunk_tokens))
+        return Hit(request_id, keys, r.hit_chunks, self.chunk_tokens, r.lease, r.objects)
+
+    def retrieve(self, hit: Hit, block_ids: Sequence[Sequence[int]]) -> TransferHandle:
+        """Load a hit's objects into the engine's blocks (one list per group), asynchronously."""
+        h = TransferHandle("load", hit.request_id)
+        jobs = self._object_blocks(hit.objects, block_ids)  # validate in the caller's thread
+        if not hit.objects:
+            h.t_copy_start = h.t_done = h.t_committed = time.perf_counter()
+            h.done.set_result(h)
+            h.committed.set_result(h)
+            return h
+        self._queues["load"].put((h, (hit, jobs)))
+        return h
+
+    def store(self, request_id: str, token_ids: Sequence[int] | np.ndarray,
+              block_ids: Sequence[Sequence[int]], start_chunk: int = 0) -> TransferHandle:
+        """Store every full chunk of `token_ids` from the engine's blocks, asynchronously and delta-aware.
+
+        Copies start after the work already queued on the caller's current CUDA stream. `done` says the
+        engine may reuse the blocks; `committed` that the server made the objects visible.
+        """
+        keys = self.keys(token_ids)
+        n = len(keys)
+        objects = []
+        for c in range(start_chunk, n):
+            for g, grp in enumerate(self.layout.groups):
+                if grp.kind == "attention" or self.config.store_policy == "all" or c == n - 1:
+                    objects.append((c, g))
+        h = TransferHandle("store", request_id)
+        locs = [P.ObjectLoc(c, g, 0, self.object_bytes[g]) for c, g in objects]
+        self._object_blocks(locs, block_ids)  # validate block lists now, in the caller's thread
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        if not objects:
+            h.done.set_result(h)
+            h.committed.set_result(h)
+            return h
+        self._queues["store"].put((h, (keys, objects, block_ids, ready)))
+        return h
+
+    def end_session(self, request_id: str) -> int:
+        """The request is finished: the server drops its pins and open reservations."""
+        done, _ = self.client.call(P.EndSession(engine=self.engine_id, request=request_id))
+        return done.count
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """Request ids whose stores / retrieves completed since the last call (vLLM's get_finished)."""
+        with self._finished_lock:
+            out = (self._finished["store"], self._finished["load"])
+            self._finished = {"store": set(), "load": set()}
+        return out
+
+    def close(self) -> None:
+        for q in self._queues.values():
+            q.put(None)
+        for w in self._workers:
+            w.join(timeout=self.config.timeout_s)
+        try:
+            self.client.forget(self.engine_id)
+            self.client.call(P.Unregister(engine=self.engine_id), timeout=5)
+        except Exception:
+            pass  # the server may be gone already; it reclaims silent engines anyway
+        if self._own_client:
+            self.client.close()
+        if self.arena is not None:
+            self.arena.close()
+
+    def __enter__(self) -> KVTransfer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- workers ------------------------------------------------------------------------------------
+
+    def _work(self, kind: str) -> None:
+        while (item := self._queues[kind].get()) is not None:
+            h, args = item
+            try:
+                (self._do_store if kind == "store" else self._do_load)(h, *args)
+                with self._finished_lock:
+                    self._finished[kind].add(h.request_id)
+            except BaseException as e:  # delivered through the handle; the worker keeps going
+                for f in (h.done, h.committed):
+                    if not f.done():
+                        f.set_exception(e)
+
+    def _object_blocks(self, objects: Sequence[P.ObjectLoc], block_ids: Sequence[Sequence[int]]) -> list:
+        """For each object, its group's block ids: a chunk's blocks (attention) or its last block (state)."""
+        if len(block_ids) != len(self.groups):
+            raise ValueError(f"block ids for {len(block_ids)} groups given; the layout has {len(self.groups)}")
+        out = []
+        for o in objects:
+            grp = self.layout.groups[o.group]
+            bpc = self.chunk_tokens // grp.block_tokens
+            ids = block_ids[o.group]
+            if len(ids) < (o.chunk + 1) * bpc:
+                raise ValueError(f"group {o.group} has {len(ids)} block ids; chunk {o.chunk} needs "
+                                 f"{(o.chunk + 1) * bpc} ({bpc} per chunk of {self.chunk_tokens} tokens)")
+            sel = ids[o.chunk * bpc:(o.chunk + 1) * bpc] if grp.kind == "attention" else [ids[(o.chunk + 1) * bpc - 1]]
+            out.append((o, np.asarray(sel, dtype=np.int64)))
+        return out
+
+    def _copy(self, kind: str, direction: str, transfers: list[tuple[int, object]], ready=None) -> None:
+        """Run the page copies (grouped per stream mode) and wait for them on this worker thread."""
+        streams = self._streams[kind]
+        by_stream: dict[int, list] = {}
+        for g, t in transfers:
+            by_stream.setdefault(g % len(streams), []).append(t)
+        events = []
+        for i, ts in by_stream.items():
+            plan = build_plan(direction, ts)
+            s = streams[i]
+            if s is not None and ready is not None:
+                s.wait_event(ready)
+            run_plan(plan, self.impl, s)
+            if s is not None:
+                ev = torch.cuda.Event()
+                ev.record(s)
+                events.append((ev, plan))
+        for ev, _ in events:
+            ev.synchronize()
+
+    def _do_store(self, h: TransferHandle, keys, objects, block_ids, ready) -> None:
+        fmt = self.config.wire_format
+        prep, _ = self.client.call(P.PrepareStore(engine=self.engine_id, request=h.request_id, keys=keys,
+                                                  objects=objects))
+        h.skipped, h.refused = len(prep.present), len(prep.refused)
+        if not prep.slots:
+            h.t_copy_start = h.t_done = h.t_committed = time.perf_counter()
+            h.done.set_result(h)
+            h.committed.set_result(h)
+            return
+        try:
+            blocks = self._object_blocks(prep.slots, block_ids)
+            staging = None
+            if fmt == "shm":
+                dsts = [self.arena.slot(s.offset, s.length) for s in prep.slots]
+            else:
+                staging = self.staging.get(sum(s.length for s in prep.slots))
+                dsts = list(torch.split(staging, [s.length for s in prep.slots]))
+            h.t_copy_start = time.perf_counter()
+            self._copy("store", "gather", [(o.group, (self.groups[o.group], ids, d))
+                                           for (o, ids), d in zip(blocks, dsts, strict=True)], ready)
+            h.t_done = time.perf_counter()
+            h.nbytes, h.objects = sum(s.length for s in prep.slots), len(prep.slots)
+            h.done.set_result(h)
+            frames = [] if fmt == "shm" else encode_objects(fmt, dsts, [self.layout.groups[s.group].dtype
+                                                                       for s in prep.slots])
+            self.client.call(P.CommitStore(engine=self.engine_id, reservation=prep.reservation, format=fmt), frames)
+            if staging is not None:
+                self.staging.put(staging)
+        except BaseException:
+            try:  # nothing half-written may stay reserved on the server
+                self.client.call(P.AbortStore(engine=self.engine_id, reservation=prep.reservation), timeout=5)
+            except Exception:
+                pass
+            raise
+        h.t_committed = time.perf_counter()
+        h.committed.set_result(h)
+
+    def _do_load(self, h: TransferHandle, hit: Hit, jobs) -> None:
+        fmt = self.config.wire_format
+        staging = None
+        try:
+            h.t_copy_start = time.perf_counter()
+            if fmt == "shm":
+                srcs = [self.arena.slot(o.offset, o.length) for o in hit.objects]
+            else:
+                rep, frames = self.client.call(P.Retrieve(engine=self.engine_id, lease=hit.lease, format=fmt))
+                if [(o.chunk, o.group) for o in rep.objects] != [(o.chunk, o.group) for o in hit.objects]:
+                    raise RuntimeError(f"server returned objects {rep.objects} for lease {hit.lease}")
+                srcs, staging = decode_objects(fmt, frames, [o.length for o in hit.objects], self.device, self.staging)
+            self._copy("load", "scatter", [(o.group, (self.groups[o.group], ids, s))
+                                           for (o, ids), s in zip(jobs, srcs, strict=True)])
+            h.t_done = h.t_committed = time.perf_counter()
+            h.nbytes, h.objects = hit.nbytes, len(hit.objects)
+        finally:
+            if staging is not None:
+                self.staging.put(staging)
+            try:
+                self.client.call(P.Release(engine=self.engine_id, lease=hit.lease))
+            except Exception:
+                pass  # end_session or the server's reclaim drops the pins anyway
+        h.done.set_result(h)
+        h.committed.set_result(h)
