@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-
 from hybridkv_kernels import PagedLayers, available_impls, build_plan, run_plan
 
 from . import protocol as P
@@ -47,12 +46,15 @@ class TransferConfig:
     salt: str = ""
     timeout_s: float = 60.0
     name: str = ""
+    kernel_impl: str = "auto"         # auto: Triton on CUDA, the torch reference elsewhere; or force triton / torch
 
     def __post_init__(self) -> None:
         for fld, allowed in (("wire_format", WIRE_FORMATS), ("copy_engine", COPY_ENGINES),
                              ("streams", STREAM_MODES), ("retrieve_policy", POLICIES), ("store_policy", POLICIES)):
             if getattr(self, fld) not in allowed:
                 raise ValueError(f"{fld} must be one of {allowed}, got {getattr(self, fld)!r}")
+        if self.kernel_impl not in ("auto", "triton", "torch"):
+            raise ValueError(f"kernel_impl must be auto, triton or torch, got {self.kernel_impl!r}")
         if self.chunk_tokens < 0 or self.timeout_s <= 0:
             raise ValueError(f"chunk_tokens must be >= 0 and timeout_s > 0, got {self.chunk_tokens}, {self.timeout_s}")
 
@@ -125,7 +127,7 @@ class KVTransfer:
         self.device = self.groups[0].device
         self.chunk_tokens = config.chunk_tokens or layout.default_chunk_tokens()
         layout.check_chunk_tokens(self.chunk_tokens)
-        self.impl = self._pick_impl(config.copy_engine, self.device)
+        self.impl = self._pick_impl(config, self.device)
         self._own_client = client is None
         self.client = client or CacheClient(endpoint, timeout_s=config.timeout_s)
         reg, _ = self.client.call(P.Register(layout=layout, chunk_tokens=self.chunk_tokens, tp_rank=config.tp_rank,
@@ -178,10 +180,15 @@ class KVTransfer:
         return out
 
     @staticmethod
-    def _pick_impl(copy_engine: str, device: torch.device) -> str:
-        if copy_engine == "dma":
+    def _pick_impl(config: TransferConfig, device: torch.device) -> str:
+        if config.copy_engine == "dma":
             return "dma"
-        return "triton" if "triton" in available_impls(device) else "torch"
+        if config.kernel_impl == "auto":
+            return "triton" if device.type == "cuda" and "triton" in available_impls(device) else "torch"
+        if config.kernel_impl not in available_impls(device):
+            raise ValueError(f"kernel_impl {config.kernel_impl!r} cannot run on {device}; "
+                             f"available: {available_impls(device)}")
+        return config.kernel_impl
 
     # ---- public API -------------------------------------------------------------------------------
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from conftest import Engine
 from hybridkv import protocol as P
 from hybridkv.client import CacheClient, ServerError
 from hybridkv.presets import preset_layout
+from serverkit import Engine
 
 
 def test_store_lookup_retrieve_shm_round_trip(client):

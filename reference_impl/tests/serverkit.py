@@ -1,0 +1,88 @@
+"""Test helpers: real cache-server processes on private ipc endpoints, and an engine driven by hand."""
+
+from __future__ import annotations
+
+import select
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+from hybridkv import protocol as P
+from hybridkv.arena import map_arena
+from hybridkv.client import CacheClient
+from hybridkv.presets import preset_layout
+
+
+@dataclass
+class ServerProc:
+    proc: subprocess.Popen
+    endpoint: str
+    arena_path: str
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=timeout)
+
+
+def spawn_server(sock_dir: str, *args: str, name: str = "s", l1_gib: float = 0.05,
+                 client_timeout: float = 30.0) -> ServerProc:
+    """Start `hybridkv serve` as its own process and wait for its ready line."""
+    endpoint = f"ipc://{sock_dir}/{name}.sock"
+    cmd = [sys.executable, "-m", "hybridkv.cli", "serve", "--endpoint", endpoint, "--l1-gib", str(l1_gib),
+           "--client-timeout", str(client_timeout), "--log-level", "warning", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ready, _, _ = select.select([proc.stdout], [], [], 30)
+    line = proc.stdout.readline() if ready else ""
+    if "ready" not in line:
+        proc.kill()
+        raise RuntimeError(f"server did not start: {line!r} {proc.stderr.read()}")
+    arena = line.split("arena=")[1].split()[0]
+    return ServerProc(proc, endpoint, arena)
+
+
+class Engine:
+    """The engine side of the shm format, by hand: register, map the arena, write and read slots."""
+
+    def __init__(self, client: CacheClient, layout=None, chunk_tokens: int = 0, tp_rank: int = 0, salt: str = ""):
+        self.client = client
+        self.layout = layout or preset_layout("tiny-hybrid")
+        reg, _ = client.call(P.Register(layout=self.layout, chunk_tokens=chunk_tokens, tp_rank=tp_rank, salt=salt))
+        self.reg = reg
+        self.id = reg.engine
+        self.sizes = reg.object_bytes
+        self.chunk_tokens = chunk_tokens or self.layout.default_chunk_tokens()
+        self.arena = np.frombuffer(map_arena(reg.arena_path, reg.arena_bytes), dtype=np.uint8)
+
+    def keys(self, n: int, seed: int = 0) -> list[bytes]:
+        from hybridkv.keys import chunk_keys
+
+        tokens = np.random.default_rng(seed).integers(0, 50000, n * self.chunk_tokens)
+        return chunk_keys(self.reg.namespace, tokens, self.chunk_tokens)
+
+    @staticmethod
+    def payload(key: bytes, group: int, length: int) -> np.ndarray:
+        seed = int.from_bytes(key[:8], "little") ^ group
+        return np.random.default_rng(seed).integers(0, 256, length, dtype=np.uint8)
+
+    def store(self, keys: list[bytes], objects=None, request: str = "r") -> P.Prepared:
+        objects = objects if objects is not None else [
+            (c, g) for c in range(len(keys)) for g in range(len(self.layout.groups))]
+        prep, _ = self.client.call(P.PrepareStore(engine=self.id, request=request, keys=keys, objects=objects))
+        for s in prep.slots:
+            self.arena[s.offset:s.offset + s.length] = self.payload(keys[s.chunk], s.group, s.length)
+        if prep.reservation:
+            self.client.call(P.CommitStore(engine=self.id, reservation=prep.reservation))
+        return prep
+
+    def lookup(self, keys, policy="boundary", request="r", skip=0) -> P.LookupResult:
+        r, _ = self.client.call(P.Lookup(engine=self.id, request=request, keys=keys, policy=policy,
+                                         skip_chunks=skip))
+        return r
+
+    def check(self, keys, res: P.LookupResult) -> None:
+        for o in res.objects:
+            got = self.arena[o.offset:o.offset + o.length]
+            assert np.array_equal(got, self.payload(keys[o.chunk], o.group, o.length)), (o.chunk, o.group)

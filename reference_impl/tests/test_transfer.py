@@ -1,0 +1,194 @@
+"""The transfer library against a real server: every wire format x copy engine x stream mode x
+retrieve policy returns identical bytes, on CPU tensors (the same code runs CUDA tensors on a GPU)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import numpy as np
+import pytest
+import torch
+from hybridkv.client import ServerError, ServerTimeout
+from hybridkv.layout import LayoutError
+from hybridkv.pools import BlockAllocator, vllm_pools
+from hybridkv.presets import preset_layout
+from hybridkv.transfer import KVTransfer, TransferConfig
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NUM_BLOCKS = 48
+SENTINEL = 0xA5
+
+
+def fill_random(pools, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for t in {id(t): t for grp in pools for t in grp}.values():
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g))
+
+
+def poison(pools, blocks) -> None:
+    for g, ids in enumerate(blocks):
+        for t in pools[g]:
+            t[ids] = SENTINEL
+
+
+@pytest.fixture(scope="module")
+def endpoint(tmp_path_factory):
+    import shutil
+    import tempfile
+
+    from serverkit import spawn_server
+
+    d = tempfile.mkdtemp(prefix="hkv-", dir="/tmp")
+    s = spawn_server(d, l1_gib=0.5)
+    yield s.endpoint
+    s.stop()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def round_trip(endpoint: str, layout, cfg: TransferConfig, chunks: int, seed: int) -> None:
+    """Store `chunks` full chunks (+ a partial one) from some blocks, retrieve into other blocks, compare."""
+    pools = vllm_pools(layout, NUM_BLOCKS, DEVICE)
+    fill_random(pools, seed)
+    alloc = BlockAllocator(NUM_BLOCKS)
+    with KVTransfer(endpoint, layout, pools, cfg) as kv:
+        ct = kv.chunk_tokens
+        bpc = [ct // g.block_tokens for g in layout.groups]
+        tokens = np.random.default_rng(seed).integers(0, 150_000, chunks * ct + ct // 2)
+        src = [alloc.allocate(chunks * b + 1) for b in bpc]
+        st = kv.store("req-a", tokens, src).wait_committed(30)
+        n_obj = sum(chunks if (g.kind == "attention" or cfg.store_policy == "all") else 1 for g in layout.groups)
+        assert st.objects == n_obj and st.refused == 0
+        hit = kv.lookup("req-b", tokens)
+        assert hit.hit_chunks == chunks and hit.hit_tokens == chunks * ct
+        dst = [alloc.allocate(chunks * b + 1) for b in bpc]
+        poison(pools, dst)
+        before = [[t.clone() for t in grp] for grp in pools]
+        kv.retrieve(hit, dst).wait(30)
+        for g, grp in enumerate(layout.groups):
+            if grp.kind == "attention":
+                moved = list(range(chunks * bpc[g]))
+            else:  # only the blocks that end a chunk hold states; boundary loads only the last one
+                ends = [(c + 1) * bpc[g] - 1 for c in range(chunks)]
+                moved = ends if cfg.retrieve_policy == "all" else ends[-1:]
+            for layer, t in enumerate(pools[g]):
+                for j in range(len(dst[g])):
+                    got = t[dst[g][j]]
+                    if j in moved:
+                        assert torch.equal(got, t[src[g][j]]), (cfg, g, layer, j)
+                    else:  # nothing else written: still poison
+                        assert bool((got == SENTINEL).all()), (cfg, g, layer, j)
+                # source blocks untouched by the whole round trip
+                for j in src[g]:
+                    assert torch.equal(t[j], before[g][layer][j])
+        kv.end_session("req-a")
+        kv.end_session("req-b")
+
+
+AXES = list(itertools.product(("shm", "raw", "pickle", "torch_save"), ("kernel", "dma"),
+                              ("single", "per_group"), ("boundary", "all")))
+
+
+@pytest.mark.parametrize("fmt,engine,streams,policy", AXES, ids=["-".join(a) for a in AXES])
+def test_round_trip_tiny_hybrid(endpoint, fmt, engine, streams, policy):
+    cfg = TransferConfig(wire_format=fmt, copy_engine=engine, streams=streams, retrieve_policy=policy,
+                         store_policy=policy, salt="-".join((fmt, engine, streams, policy)))
+    round_trip(endpoint, preset_layout("tiny-hybrid"), cfg, chunks=3, seed=hash(cfg.salt) % 1000)
+
+
+@pytest.mark.parametrize("fmt", ["shm", "raw", "pickle", "torch_save"])
+@pytest.mark.parametrize("engine", ["kernel", "dma"])
+def test_round_trip_qwen36_page_shape(endpoint, fmt, engine):
+    """Qwen3.6-27B's 4-group layout and 3.2 MB pages, scaled down in layers and blocks, not page shape."""
+    layout = preset_layout("qwen3.6-27b-4layers")
+    assert layout.groups[0].page_bytes == 3_211_264 and len(layout.groups) == 4
+    cfg = TransferConfig(wire_format=fmt, copy_engine=engine, salt=f"q-{fmt}-{engine}")
+    round_trip(endpoint, layout, cfg, chunks=2, seed=7)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="Triton runs on CPU only under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("fmt", ["shm", "raw"])
+def test_round_trip_through_the_triton_kernel(endpoint, fmt):
+    cfg = TransferConfig(wire_format=fmt, copy_engine="kernel", kernel_impl="triton", salt=f"triton-{fmt}")
+    round_trip(endpoint, preset_layout("tiny-hybrid"), cfg, chunks=2, seed=3)
+
+
+def test_store_is_delta_aware_and_partial_chunks_are_not_stored(endpoint):
+    layout = preset_layout("tiny-hybrid")
+    pools = vllm_pools(layout, NUM_BLOCKS, DEVICE)
+    fill_random(pools, 1)
+    with KVTransfer(endpoint, layout, pools, TransferConfig(salt="delta")) as kv:
+        ct = kv.chunk_tokens
+        tokens = np.arange(4 * ct + 3) % 1000
+        blocks = [list(range(g * 5, g * 5 + 5)) for g in range(4)]
+        first = kv.store("a", tokens[:2 * ct], blocks).wait_committed(30)
+        assert first.objects == 2 + 3  # attention for both chunks, states at the last
+        again = kv.store("a", tokens, blocks).wait_committed(30)
+        assert again.skipped == 2 and again.objects == 2 + 3  # attention chunks 0-1 already there
+        assert kv.lookup("b", tokens).hit_chunks == 4
+
+
+def test_get_finished_reports_completed_requests(endpoint):
+    layout = preset_layout("tiny-hybrid")
+    pools = vllm_pools(layout, NUM_BLOCKS, DEVICE)
+    fill_random(pools, 2)
+    with KVTransfer(endpoint, layout, pools, TransferConfig(salt="finished")) as kv:
+        tokens = np.arange(2 * kv.chunk_tokens)
+        blocks = [[g * 2, g * 2 + 1] for g in range(4)]
+        kv.store("s1", tokens, blocks).wait_committed(30)
+        hit = kv.lookup("l1", tokens)
+        kv.retrieve(hit, [[20 + g * 2, 21 + g * 2] for g in range(4)]).wait(30)
+        stores, loads = kv.get_finished()
+        assert stores == {"s1"} and loads == {"l1"}
+        assert kv.get_finished() == (set(), set())
+
+
+def test_bad_layouts_and_block_ids_are_refused_before_any_byte_moves(endpoint):
+    layout = preset_layout("tiny-hybrid")
+    pools = vllm_pools(layout, NUM_BLOCKS, DEVICE)
+    fill_random(pools, 4)
+    with pytest.raises(LayoutError, match="groups"):
+        KVTransfer(endpoint, layout, pools[:3])
+    wrong = vllm_pools(preset_layout("tiny-hybrid", tp=2), NUM_BLOCKS, DEVICE)
+    with pytest.raises(LayoutError, match="pages of"):
+        KVTransfer(endpoint, layout, wrong)
+    with pytest.raises(LayoutError, match="multiple"):
+        KVTransfer(endpoint, layout, pools, TransferConfig(chunk_tokens=layout.groups[0].block_tokens + 1))
+    with pytest.raises(ValueError, match="wire_format"):
+        TransferConfig(wire_format="json")
+    snapshot = [[t.clone() for t in g] for g in pools]
+    with KVTransfer(endpoint, layout, pools, TransferConfig(salt="bad-ids")) as kv:
+        tokens = np.arange(2 * kv.chunk_tokens)
+        with pytest.raises(ValueError, match="block ids"):
+            kv.store("x", tokens, [[0, 1]] * 3)
+        with pytest.raises(ValueError, match="needs 2"):
+            kv.store("x", tokens, [[0]] * 4)
+        h = kv.store("x", tokens, [[0, NUM_BLOCKS + 7]] * 4)
+        with pytest.raises(ValueError, match=f"block id {NUM_BLOCKS + 7}"):
+            h.wait_committed(30)
+        # the failed store left nothing reserved or visible on the server
+        assert kv.lookup("y", tokens).hit_chunks == 0
+    for g, grp in enumerate(pools):
+        for t, s in zip(grp, snapshot[g], strict=True):
+            assert torch.equal(t, s), "the engine's own pages must never be touched by a failed transfer"
+
+
+def test_a_server_that_is_gone_gives_a_clear_error(sock_dir):
+    layout = preset_layout("tiny-hybrid")
+    pools = vllm_pools(layout, 8, DEVICE)
+    with pytest.raises(ServerTimeout, match="no reply"):
+        KVTransfer(f"ipc://{sock_dir}/nobody.sock", layout, pools, TransferConfig(timeout_s=0.5))
+
+
+def test_a_server_error_fails_the_handle(endpoint):
+    layout = preset_layout("tiny-hybrid")
+    pools = vllm_pools(layout, NUM_BLOCKS, DEVICE)
+    fill_random(pools, 5)
+    kv = KVTransfer(endpoint, layout, pools, TransferConfig(salt="gone"))
+    tokens = np.arange(2 * kv.chunk_tokens)
+    kv.client.call(__import__("hybridkv.protocol", fromlist=["Unregister"]).Unregister(engine=kv.engine_id))
+    h = kv.store("x", tokens, [[0, 1]] * 4)
+    with pytest.raises(ServerError, match="unknown_engine"):
+        h.wait_committed(30)
+    kv.close()
