@@ -39,7 +39,7 @@ class Pool:
     def page(self, layer: int, block: int) -> np.ndarray:
         """The page's bytes read straight from raw at the oracle's offset."""
         o = self.offset(layer, block)
-        return self.raw.reshape(-1).numpy()[o : o + self.page_bytes].copy()
+        return self.raw.reshape(-1)[o : o + self.page_bytes].cpu().numpy()
 
     def expected_object(self, block_ids) -> np.ndarray:
         """Layer-major concatenation of the pages at block_ids: what a gather must produce."""

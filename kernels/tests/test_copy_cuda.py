@@ -1,0 +1,113 @@
+"""The same byte-exact cases on a GPU, with objects in device memory, pinned memory and a registered
+shared-memory mapping (the cache server's arena as an engine maps it). Skipped without CUDA."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+from hybridkv_kernels import available_impls, plan_gather, plan_scatter, run_plan
+from kernel_pools import POOLS, SENTINEL, assert_guards, guarded, qwen_like_groups, random_bytes
+
+pytestmark = pytest.mark.cuda
+IDS = [7, 0, 3, 8, 1]
+GUARD = 64
+
+
+@pytest.fixture(params=["torch", "triton", "dma"])
+def gpu_impl(request) -> str:
+    if request.param not in available_impls("cuda"):
+        pytest.skip(f"{request.param} not available on CUDA")
+    return request.param
+
+
+@pytest.fixture
+def shm_arena():
+    """A /dev/shm file mapped here and page-locked with cudaHostRegister, as a uint8 tensor."""
+    size = 1 << 20
+    with tempfile.NamedTemporaryFile(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as f:
+        f.truncate(size)
+        mm = mmap.mmap(f.fileno(), size)
+        arena = torch.frombuffer(mm, dtype=torch.uint8)
+        cudart = torch.cuda.cudart()
+        assert int(cudart.cudaHostRegister(arena.data_ptr(), size, 0)) == 0
+        try:
+            assert arena.is_pinned(), "registered memory must count as page-locked"
+            yield arena
+        finally:
+            torch.cuda.synchronize()
+            cudart.cudaHostUnregister(arena.data_ptr())
+            del arena
+            mm.close()
+
+
+def _object_buffer(place: str, nbytes: int, shm_arena) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sentinel-filled buffer with guards in device, pinned or registered-shm memory, and its object."""
+    if place == "shm":
+        buf = shm_arena[4096 - GUARD : 4096 + nbytes + GUARD]
+        buf.fill_(SENTINEL)
+        return buf, buf[GUARD : GUARD + nbytes]
+    return guarded(nbytes, GUARD, device="cuda" if place == "device" else "cpu", pin=place == "pinned")
+
+
+@pytest.mark.parametrize("place", ["device", "pinned", "shm"])
+@pytest.mark.parametrize("pool_name", sorted(POOLS))
+def test_gather_and_scatter_on_gpu(pool_name, place, gpu_impl, shm_arena):
+    gen = torch.Generator().manual_seed(5)
+    pool = POOLS[pool_name](gen, device="cuda")
+    layers = pool.layers()
+    buf, obj = _object_buffer(place, layers.object_bytes(len(IDS)), shm_arena)
+    run_plan(plan_gather([(layers, IDS, obj)]), gpu_impl)
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(obj.cpu().numpy(), pool.expected_object(IDS))
+    assert_guards(buf, GUARD)
+
+    target = POOLS[pool_name](torch.Generator().manual_seed(6), device="cuda")
+    expected = target.raw.reshape(-1).cpu().numpy().copy()
+    src = obj.cpu().numpy().reshape(pool.num_layers, len(IDS), pool.page_bytes)
+    for layer in range(pool.num_layers):
+        for j, b in enumerate(IDS):
+            o = target.offset(layer, b)
+            expected[o : o + pool.page_bytes] = src[layer, j]
+    run_plan(plan_scatter([(target.layers(), IDS, obj)]), gpu_impl)
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(target.raw.reshape(-1).cpu().numpy(), expected)
+
+
+@pytest.mark.parametrize("place", ["pinned", "shm"])
+def test_multi_group_on_a_side_stream(place, gpu_impl, shm_arena):
+    gen = torch.Generator().manual_seed(8)
+    groups = qwen_like_groups(gen, device="cuda")
+    ids = [[5, 17], [11], [19], [13]]
+    transfers, bufs, offset = [], [], 0
+    for pool, blocks in zip(groups, ids, strict=True):
+        layers = pool.layers()
+        n = layers.object_bytes(len(blocks))
+        if place == "shm":
+            buf = shm_arena[offset : offset + n + 2 * GUARD]
+            buf.fill_(SENTINEL)
+            obj = buf[GUARD : GUARD + n]
+            offset += n + 2 * GUARD
+        else:
+            buf, obj = guarded(n, GUARD, pin=True)
+        transfers.append((layers, blocks, obj))
+        bufs.append(buf)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    run_plan(plan_gather(transfers), gpu_impl, stream=stream)
+    stream.synchronize()
+    for pool, blocks, buf, (_, _, obj) in zip(groups, ids, bufs, transfers, strict=True):
+        np.testing.assert_array_equal(obj.cpu().numpy(), pool.expected_object(blocks))
+        assert_guards(buf, GUARD)
+
+
+def test_pageable_host_object_is_rejected():
+    pool = POOLS["dense_bf16"](torch.Generator().manual_seed(1), device="cuda")
+    layers = pool.layers()
+    obj = random_bytes((layers.object_bytes(1),), torch.Generator().manual_seed(2))
+    with pytest.raises(ValueError, match="object on cpu is not reachable from cuda"):
+        plan_scatter([(layers, [1], obj)])
