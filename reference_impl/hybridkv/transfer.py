@@ -286,12 +286,16 @@ class KVTransfer:
             h, args = item
             try:
                 (self._do_store if kind == "store" else self._do_load)(h, *args)
-                with self._finished_lock:
-                    self._finished[kind].add(h.request_id)
             except BaseException as e:  # delivered through the handle; the worker keeps going
                 for f in (h.done, h.committed):
                     if not f.done():
                         f.set_exception(e)
+
+    def _resolve_done(self, h: TransferHandle) -> None:
+        """The engine's pages are free: report the request to get_finished, then wake waiters."""
+        with self._finished_lock:
+            self._finished[h.kind].add(h.request_id)
+        h.done.set_result(h)
 
     def _object_blocks(self, objects: Sequence[P.ObjectLoc], block_ids: Sequence[Sequence[int]]) -> list:
         """For each object, its group's block ids: a chunk's blocks (attention) or its last block (state)."""
@@ -336,7 +340,7 @@ class KVTransfer:
         h.skipped, h.refused = len(prep.present), len(prep.refused)
         if not prep.slots:
             h.t_copy_start = h.t_done = h.t_committed = time.perf_counter()
-            h.done.set_result(h)
+            self._resolve_done(h)
             h.committed.set_result(h)
             return
         try:
@@ -352,7 +356,7 @@ class KVTransfer:
                                            for (o, ids), d in zip(blocks, dsts, strict=True)], ready)
             h.t_done = time.perf_counter()
             h.nbytes, h.objects = sum(s.length for s in prep.slots), len(prep.slots)
-            h.done.set_result(h)
+            self._resolve_done(h)
             frames = [] if fmt == "shm" else encode_objects(fmt, dsts, [self.layout.groups[s.group].dtype
                                                                        for s in prep.slots])
             self.client.call(P.CommitStore(engine=self.engine_id, reservation=prep.reservation, format=fmt), frames)
@@ -390,5 +394,5 @@ class KVTransfer:
                 self.client.call(P.Release(engine=self.engine_id, lease=hit.lease))
             except Exception:
                 pass  # end_session or the server's reclaim drops the pins anyway
-        h.done.set_result(h)
+        self._resolve_done(h)
         h.committed.set_result(h)
