@@ -548,27 +548,28 @@ def scaled(scenario: Scenario, factor: float) -> Scenario:
         raise AssertionError(w)
 
     workloads = tuple(shrink(w) for w in scenario.workloads)
-    footprint = lambda ws: max(working_set_bytes(w, layout, chunk, "all") for w in ws)  # noqa: E731
-    ratio = footprint(workloads) / footprint(scenario.workloads)
-    floor_bytes = 4 * layout.chunk_bytes(chunk)
-    l1 = max(scenario.server.l1_bytes * ratio, floor_bytes)
+    smallest = "boundary" if "boundary" in scenario.matrix.store_policy else "all"
+    size = lambda w, policy="all": working_set_bytes(w, layout, chunk, policy) / GIB  # noqa: E731
+    ratio = max(size(w) for w in workloads) / max(size(w) for w in scenario.workloads)
+    l1 = max(scenario.server.l1_gib * ratio, 4 * layout.chunk_bytes(chunk) / GIB)
+    l2 = scenario.server.l2_gib * ratio
     for old, new in zip(scenario.workloads, workloads, strict=True):
         if isinstance(new, L1Pressure):
             continue
-        # What fitted before still fits, and one request's prefix always fits twice over.
-        if working_set_bytes(old, layout, chunk, "all") <= scenario.server.l1_bytes:
-            l1 = max(l1, working_set_bytes(new, layout, chunk, "all"))
-        l1 = max(l1, 2 * prefix_bytes(layout, chunk, request_prefix_tokens(new), "all"))
-    l2 = max(scenario.server.l2_bytes * ratio, floor_bytes) if scenario.server.l2_gib > 0 else 0
-    smallest = "boundary" if "boundary" in scenario.matrix.store_policy else "all"
+        # What fitted before still fits; one request's prefix always fits (validate demands it).
+        if size(old) <= scenario.server.l1_gib:
+            l1 = max(l1, size(new))
+        l1 = max(l1, prefix_bytes(layout, chunk, request_prefix_tokens(new), smallest) / GIB)
     fixed = []
-    for w in workloads:
+    for old, w in zip(scenario.workloads, workloads, strict=True):
         if isinstance(w, L1Pressure):
-            doc = prefix_bytes(layout, chunk, w.prompt_tokens, smallest)
-            w = msgspec.structs.replace(w, documents=max(w.documents, math.ceil(1.5 * l1 / doc)))
-            l2 = max(l2, working_set_bytes(w, layout, chunk, "all"))
+            if size(w, smallest) <= l1:
+                doc = prefix_bytes(layout, chunk, w.prompt_tokens, smallest) / GIB
+                w = msgspec.structs.replace(w, documents=math.ceil(1.5 * l1 / doc))
+            if size(old, smallest) <= scenario.server.l2_gib:
+                l2 = max(l2, size(w, smallest))
         fixed.append(w)
-    server = msgspec.structs.replace(scenario.server, l1_gib=l1 / GIB, l2_gib=l2 / GIB)
+    server = msgspec.structs.replace(scenario.server, l1_gib=l1, l2_gib=l2)
     out = msgspec.structs.replace(scenario, workloads=tuple(fixed), server=server)
     validate(out, f"{scenario.name} scaled by {factor}")
     return out
