@@ -1,0 +1,119 @@
+"""Metric names and how a case's metrics are computed from its per-request rows.
+
+One function, `case_metrics`, turns request rows (what requests.csv holds), the run's calibration
+and a server sample into a case's metrics. The runner calls it to fill run.json; the report calls
+it again on the CSV and flags any case whose stored metrics differ, so no figure is taken on trust.
+
+Definitions (seconds; GB/s = 1e9 B/s). "Measured" rows are those with repeat >= 0 (warm-up rows
+carry negative repeat numbers and count only toward verified/corrupt chunks: corruption is never
+hidden by calling it warm-up).
+- ttft_cold_s / ttft_warm_s: p50 of ttft_s over cold / warm rows; `_p90`, `_p99` beside (linear
+  interpolation between order statistics, numpy's default).
+- lookup_s: p50 over all rows. store_s / load_s: p50 over rows that stored / loaded any bytes.
+- store_gbps / load_gbps: total bytes over total seconds of those rows (bytes-weighted, not a mean
+  of per-request rates).
+- prefill_s: p50 of the modeled prefill of cold rows: the compute a hit saves.
+- bytes_stored, bytes_loaded, hit_tokens: sums over measured rows (all repeats).
+- verified_chunks, corrupt_chunks: sums over every row, warm-up included.
+- store_ceiling_ratio = store_gbps / d2h_peak_gbps; load_ceiling_ratio = load_gbps / h2d_peak_gbps;
+  ttft_speedup = ttft_cold_s / ttft_warm_s.
+A metric that cannot be computed (no warm rows, no NVML) is None, written as null: never 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Literal
+
+import msgspec
+import numpy as np
+
+Number = float | int | bool | None
+
+TTFT_METRICS = tuple(f"ttft_{p}_s{s}" for p in ("cold", "warm") for s in ("", "_p90", "_p99"))
+REQUEST_METRICS = (
+    *TTFT_METRICS, "lookup_s", "store_s", "load_s", "store_gbps", "load_gbps", "prefill_s",
+    "bytes_stored", "bytes_loaded", "hit_tokens", "verified_chunks", "corrupt_chunks",
+)
+CALIBRATION_METRICS = ("d2h_peak_gbps", "h2d_peak_gbps")
+SERVER_METRICS = ("server_vram_mib", "server_cuda_mapped", "server_rss_mib", "server_cpu_s")
+RATIO_METRICS = ("store_ceiling_ratio", "load_ceiling_ratio", "ttft_speedup")
+METRICS = (*REQUEST_METRICS, *CALIBRATION_METRICS, *SERVER_METRICS, *RATIO_METRICS)
+
+# How each metric improves; the gate's --write-baseline and the report read this.
+HIGHER_IS_BETTER = frozenset({"store_gbps", "load_gbps", "hit_tokens", "verified_chunks",
+                              "store_ceiling_ratio", "load_ceiling_ratio", "ttft_speedup"})
+
+
+class RequestRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One request of one case: a line of requests.csv. Times in seconds, prefill_s modeled."""
+
+    case: str
+    workload: str
+    repeat: int  # < 0: warm-up
+    request: int
+    phase: Literal["cold", "warm"]
+    prompt_tokens: int
+    hit_tokens: int
+    lookup_s: float
+    store_s: float
+    load_s: float
+    prefill_s: float
+    ttft_s: float
+    bytes_stored: int
+    bytes_loaded: int
+    verified_chunks: int
+    corrupt_chunks: int
+
+
+REQUEST_COLUMNS: tuple[str, ...] = RequestRow.__struct_fields__
+
+
+def _p(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def _rate(rows: list[RequestRow], nbytes: str, seconds: str) -> float | None:
+    moved = [r for r in rows if getattr(r, nbytes) > 0]
+    total_s = sum(getattr(r, seconds) for r in moved)
+    if not moved or total_s <= 0:
+        return None
+    return sum(getattr(r, nbytes) for r in moved) / total_s / 1e9
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def case_metrics(rows: Iterable[RequestRow], calibration: Mapping | None = None,
+                 server: Mapping[str, Number] | None = None) -> dict[str, Number]:
+    """Every metric of one case (one matrix point on one workload) from its request rows."""
+    rows = list(rows)
+    measured = [r for r in rows if r.repeat >= 0]
+    m: dict[str, Number] = {}
+    for phase in ("cold", "warm"):
+        ttft = [r.ttft_s for r in measured if r.phase == phase]
+        m[f"ttft_{phase}_s"] = _p(ttft, 50)
+        m[f"ttft_{phase}_s_p90"] = _p(ttft, 90)
+        m[f"ttft_{phase}_s_p99"] = _p(ttft, 99)
+    m["lookup_s"] = _p([r.lookup_s for r in measured], 50)
+    m["store_s"] = _p([r.store_s for r in measured if r.bytes_stored > 0], 50)
+    m["load_s"] = _p([r.load_s for r in measured if r.bytes_loaded > 0], 50)
+    m["store_gbps"] = _rate(measured, "bytes_stored", "store_s")
+    m["load_gbps"] = _rate(measured, "bytes_loaded", "load_s")
+    m["prefill_s"] = _p([r.prefill_s for r in measured if r.phase == "cold"], 50)
+    for f in ("bytes_stored", "bytes_loaded", "hit_tokens"):
+        m[f] = sum(getattr(r, f) for r in measured)
+    for f in ("verified_chunks", "corrupt_chunks"):
+        m[f] = sum(getattr(r, f) for r in rows)
+    calibration = calibration or {}
+    for f in CALIBRATION_METRICS:
+        m[f] = calibration.get(f)
+    server = server or {}
+    for f in SERVER_METRICS:
+        m[f] = server.get(f)
+    m["store_ceiling_ratio"] = _ratio(m["store_gbps"], m["d2h_peak_gbps"])  # type: ignore[arg-type]
+    m["load_ceiling_ratio"] = _ratio(m["load_gbps"], m["h2d_peak_gbps"])  # type: ignore[arg-type]
+    m["ttft_speedup"] = _ratio(m["ttft_cold_s"], m["ttft_warm_s"])  # type: ignore[arg-type]
+    assert tuple(m) == METRICS, "metric order drifted from METRICS"
+    return m

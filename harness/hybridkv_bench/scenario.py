@@ -1,0 +1,575 @@
+"""Scenario files: a model, a server, a prefill model, workloads and a matrix of transfer axes.
+
+A scenario is TOML decoded strictly into the structs below (an unknown or misspelt key is an error
+naming the key path and the file), then checked against the model's layout: chunk size against the
+block sizes, L1 against one chunk, workloads against L1. `expand_matrix` turns the matrix into the
+list of cases a runner executes; `scaled` shrinks a scenario for quick CPU runs ("shortened by a
+flag, not by separate files").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import math
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+from hybridkv.layout import LayoutError, ModelLayout
+from hybridkv.presets import HybridModelConfig, hybrid_layout, model_config
+
+GIB = 1 << 30
+
+WireFormat = Literal["shm", "raw", "pickle", "torch_save", "cuda_ipc"]
+CopyEngine = Literal["kernel", "dma"]
+Streams = Literal["single", "per_group"]
+Policy = Literal["boundary", "all"]
+Device = Literal["auto", "cpu", "cuda"]
+
+# Matrix axes in case-name order: `shm-kernel-single-boundary-all`.
+AXES = ("wire_format", "copy_engine", "streams", "retrieve_policy", "store_policy")
+
+# What a wire format needs inside the cache server. The legacy formats rebuild tensors there, so the
+# server imports torch (whose CUDA build maps libcudart & co. even with no GPU visible); cuda_ipc is
+# upstream LMCache's mode where the server itself copies through a CUDA context and so holds VRAM.
+# The gate reads these two sets; nothing else may decide which invariant applies to which format.
+SERVER_IMPORTS_TORCH: frozenset[str] = frozenset({"pickle", "torch_save", "cuda_ipc"})
+SERVER_HOLDS_CUDA_CONTEXT: frozenset[str] = frozenset({"cuda_ipc"})
+
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
+
+
+class ScenarioError(ValueError):
+    """A scenario file that cannot be run as written; the message names the file and the value."""
+
+
+class _Strict(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class ModelOverrides(_Strict, omit_defaults=True):
+    """Optional replacements for fields of the preset's HybridModelConfig (None keeps the preset's)."""
+
+    num_layers: int | None = None
+    full_attention_interval: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    linear_num_key_heads: int | None = None
+    linear_num_value_heads: int | None = None
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
+    linear_conv_kernel_dim: int | None = None
+    num_attention_heads: int | None = None
+    hidden_size: int | None = None
+    kv_dtype: str | None = None
+    conv_dtype: str | None = None
+    ssm_dtype: str | None = None
+    active_params: float | None = None
+
+
+class ModelSpec(_Strict):
+    """Which model's cache to move: a preset, its tensor-parallel size, the chunk size."""
+
+    preset: str
+    tp: int = 1
+    chunk_tokens: int = 0  # 0: the layout's unified block size
+    overrides: ModelOverrides = ModelOverrides()
+
+    def config(self) -> HybridModelConfig:
+        """The preset's config with the overrides applied (raises LayoutError on a bad preset/value)."""
+        changes = {k: v for k, v in msgspec.structs.asdict(self.overrides).items() if v is not None}
+        return dataclasses.replace(model_config(self.preset), **changes)
+
+    def layout(self) -> ModelLayout:
+        """The layout of one tensor-parallel rank."""
+        return hybrid_layout(self.config(), self.tp)
+
+    def resolved_chunk_tokens(self, layout: ModelLayout | None = None) -> int:
+        layout = layout or self.layout()
+        return self.chunk_tokens or layout.default_chunk_tokens()
+
+
+class ServerSpec(_Strict):
+    """Cache-server capacities. GiB = 2**30 bytes."""
+
+    l1_gib: float
+    l2_gib: float = 0.0  # 0: no L2
+    l2_dir: str = ""  # "": a temporary directory made by the runner
+    client_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.l1_gib > 0:
+            raise ValueError(f"l1_gib must be positive, got {self.l1_gib}")
+        if self.l2_gib < 0:
+            raise ValueError(f"l2_gib must be >= 0, got {self.l2_gib}")
+        if not self.client_timeout_s > 0:
+            raise ValueError(f"client_timeout_s must be positive, got {self.client_timeout_s}")
+
+    @property
+    def l1_bytes(self) -> int:
+        return int(self.l1_gib * GIB)
+
+    @property
+    def l2_bytes(self) -> int:
+        return int(self.l2_gib * GIB)
+
+
+class RooflinePrefill(_Strict, tag_field="kind", tag="roofline"):
+    """Prefill time = FLOPs / (device_tflops * efficiency); see hybridkv_bench.prefill."""
+
+    device_tflops: float
+    efficiency: float
+
+    def __post_init__(self) -> None:
+        if not self.device_tflops > 0:
+            raise ValueError(f"device_tflops must be positive, got {self.device_tflops}")
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"efficiency must lie in (0, 1], got {self.efficiency}")
+
+
+class RatePrefill(_Strict, tag_field="kind", tag="tokens_per_s"):
+    """Prefill time = uncached tokens / rate (the whole engine, all TP ranks together)."""
+
+    rate: float
+
+    def __post_init__(self) -> None:
+        if not self.rate > 0:
+            raise ValueError(f"rate must be positive, got {self.rate}")
+
+
+PrefillModel = RooflinePrefill | RatePrefill
+
+
+def _positive(struct: msgspec.Struct, *fields: str) -> None:
+    for f in fields:
+        v = getattr(struct, f)
+        if v < 1:
+            raise ValueError(f"{f} must be >= 1, got {v}")
+
+
+class _Workload(_Strict, tag_field="kind"):
+    name: str = ""  # "" : the kind; names must be unique within a scenario
+
+    @property
+    def label(self) -> str:
+        return self.name or self.kind
+
+    @property
+    def kind(self) -> str:
+        return type(self).__struct_config__.tag
+
+
+class LongDocQA(_Workload, tag="long_doc_qa", kw_only=True):
+    """Each document is asked cold (full prefill, store), then warm (lookup, load, prefill the question)."""
+
+    prompt_tokens: int
+    question_tokens: int
+    documents: int = 1
+
+    def __post_init__(self) -> None:
+        _positive(self, "prompt_tokens", "question_tokens", "documents")
+
+
+class MultiTurn(_Workload, tag="multi_turn", kw_only=True):
+    """Chats whose prefix grows by `turn_tokens` a turn; every turn after the first resumes the last."""
+
+    system_tokens: int
+    turn_tokens: int
+    turns: int
+    conversations: int = 1
+
+    def __post_init__(self) -> None:
+        _positive(self, "system_tokens", "turn_tokens", "turns", "conversations")
+
+
+class FanOut(_Workload, tag="fan_out", kw_only=True):
+    """`requests` requests share one system prompt and differ in a `user_tokens` tail."""
+
+    system_tokens: int
+    user_tokens: int
+    requests: int
+
+    def __post_init__(self) -> None:
+        _positive(self, "system_tokens", "user_tokens", "requests")
+
+
+class Divergence(_Workload, tag="divergence", kw_only=True):
+    """Two prompts share a prefix and differ from a point inside a chunk or exactly at a chunk edge."""
+
+    prompt_tokens: int
+    at: Literal["inside_chunk", "chunk_edge"]
+
+    def __post_init__(self) -> None:
+        _positive(self, "prompt_tokens")
+
+
+class L1Pressure(_Workload, tag="l1_pressure", kw_only=True):
+    """More documents than L1 holds: the early ones must spill to L2 and come back from it."""
+
+    documents: int
+    prompt_tokens: int
+
+    def __post_init__(self) -> None:
+        _positive(self, "documents", "prompt_tokens")
+
+
+class MultiEngine(_Workload, tag="multi_engine", kw_only=True):
+    """`engines` engines at once; engine i is TP rank i % tp (beyond tp: data-parallel replicas)."""
+
+    engines: int
+    prompt_tokens: int
+
+    def __post_init__(self) -> None:
+        _positive(self, "engines", "prompt_tokens")
+
+
+Workload = LongDocQA | MultiTurn | FanOut | Divergence | L1Pressure | MultiEngine
+
+
+class Exclude(_Strict, omit_defaults=True):
+    """A partial assignment of axes; every case that matches all its given axes is left out."""
+
+    wire_format: WireFormat | None = None
+    copy_engine: CopyEngine | None = None
+    streams: Streams | None = None
+    retrieve_policy: Policy | None = None
+    store_policy: Policy | None = None
+
+    def __post_init__(self) -> None:
+        if all(v is None for v in msgspec.structs.astuple(self)):
+            raise ValueError("an exclude entry needs at least one axis")
+
+    def matches(self, axes: dict[str, str]) -> bool:
+        return all(v is None or axes[k] == v for k, v in msgspec.structs.asdict(self).items())
+
+
+class Matrix(_Strict):
+    """Lists of values per axis; the cases are their product minus the `exclude` entries."""
+
+    wire_format: tuple[WireFormat, ...] = ("shm",)
+    copy_engine: tuple[CopyEngine, ...] = ("kernel",)
+    streams: tuple[Streams, ...] = ("single",)
+    retrieve_policy: tuple[Policy, ...] = ("boundary",)
+    store_policy: tuple[Policy, ...] = ("all",)
+    exclude: tuple[Exclude, ...] = ()
+
+    def __post_init__(self) -> None:
+        for axis in AXES:
+            values = getattr(self, axis)
+            if not values:
+                raise ValueError(f"axis {axis} needs at least one value")
+            if len(set(values)) != len(values):
+                raise ValueError(f"axis {axis} lists a value twice: {list(values)}")
+
+
+class Scenario(_Strict):
+    """One scenario file, decoded. Build with `load_scenario` or `decode_scenario`, which validate it."""
+
+    name: str
+    model: ModelSpec
+    server: ServerSpec
+    prefill: PrefillModel
+    workloads: tuple[Workload, ...]
+    description: str = ""
+    seed: int = 0
+    repeats: int = 1
+    warmup: int = 0
+    device: Device = "auto"
+    matrix: Matrix = Matrix()
+
+    def __post_init__(self) -> None:
+        if not _NAME_RE.match(self.name):
+            raise ValueError(f"name must match {_NAME_RE.pattern}, got {self.name!r}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if not self.workloads:
+            raise ValueError("a scenario needs at least one workload")
+        labels = [w.label for w in self.workloads]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"workload names must be unique (set `name` to tell them apart): {labels}")
+
+
+class Case(msgspec.Struct, frozen=True, kw_only=True):
+    """One point of the matrix: a stable name and its axis values."""
+
+    name: str
+    axes: dict[str, str]
+
+
+def expand_matrix(scenario: Scenario) -> list[Case]:
+    """Every combination of the matrix's axes, in file order, minus the excluded ones."""
+    m = scenario.matrix
+    cases = []
+    used = [False] * len(m.exclude)
+    for values in itertools.product(*(getattr(m, a) for a in AXES)):
+        axes = dict(zip(AXES, values, strict=True))
+        hits = [i for i, ex in enumerate(m.exclude) if ex.matches(axes)]
+        for i in hits:
+            used[i] = True
+        if not hits:
+            cases.append(Case(name="-".join(values), axes=axes))
+    for i, u in enumerate(used):
+        if not u:
+            raise ScenarioError(f"{scenario.name}: exclude entry {msgspec.to_builtins(m.exclude[i])} "
+                                "matches no case of the matrix")
+    if not cases:
+        raise ScenarioError(f"{scenario.name}: the exclude list removes every case of the matrix")
+    return cases
+
+
+# ---- sizes ---------------------------------------------------------------------------------------
+
+def prefix_bytes(layout: ModelLayout, chunk_tokens: int, tokens: int, policy: str) -> int:
+    """Bytes of the cached objects of a `tokens`-long prefix (full chunks only) under a store or
+    retrieve policy: `all` = every group for every chunk; `boundary` = attention for every chunk and
+    recurrent state only at the last one (what resuming the prefix needs)."""
+    n = tokens // chunk_tokens
+    if n == 0:
+        return 0
+    attn = sum(layout.object_bytes(g, chunk_tokens) for g in layout.attention_groups)
+    rec = sum(layout.object_bytes(g, chunk_tokens) for g in layout.recurrent_groups)
+    return n * attn + (n if policy == "all" else 1) * rec
+
+
+def request_prefix_tokens(w: Workload) -> int:
+    """Tokens of the longest prefix one request of the workload expects to find cached."""
+    match w:
+        case LongDocQA() | Divergence() | L1Pressure() | MultiEngine():
+            return w.prompt_tokens
+        case MultiTurn():
+            return w.system_tokens + (w.turns - 1) * w.turn_tokens
+        case FanOut():
+            return w.system_tokens
+    raise AssertionError(w)
+
+
+def working_set_bytes(w: Workload, layout: ModelLayout, chunk_tokens: int, policy: str) -> int:
+    """Bytes the workload stores into the cache (all documents, conversations, branches, ranks)."""
+    one = lambda tokens: prefix_bytes(layout, chunk_tokens, tokens, policy)  # noqa: E731
+    match w:
+        case LongDocQA():
+            return w.documents * one(w.prompt_tokens + w.question_tokens)
+        case MultiTurn():
+            return w.conversations * one(w.system_tokens + w.turns * w.turn_tokens)
+        case FanOut():
+            shared = one(w.system_tokens)
+            return shared + w.requests * (one(w.system_tokens + w.user_tokens) - shared)
+        case Divergence():
+            return 2 * one(w.prompt_tokens)
+        case L1Pressure():
+            return w.documents * one(w.prompt_tokens)
+        case MultiEngine():
+            return w.engines * one(w.prompt_tokens)
+    raise AssertionError(w)
+
+
+# ---- validation ----------------------------------------------------------------------------------
+
+def validate(scenario: Scenario, source: str = "<scenario>") -> None:
+    """Check what the types cannot: the model against the presets, sizes against the layout."""
+    def fail(msg: str) -> ScenarioError:
+        return ScenarioError(f"{source}: {msg}")
+
+    try:
+        cfg = scenario.model.config()
+        layout = hybrid_layout(cfg, scenario.model.tp)
+    except (LayoutError, TypeError) as e:
+        raise fail(f"model: {e}") from None
+    chunk = scenario.model.chunk_tokens
+    if chunk < 0:
+        raise fail(f"model.chunk_tokens must be >= 0 (0 = the unified block size), got {chunk}")
+    chunk = chunk or layout.default_chunk_tokens()
+    try:
+        layout.check_chunk_tokens(chunk)
+    except LayoutError as e:
+        raise fail(f"model.chunk_tokens: {e}") from None
+    chunk_bytes = layout.chunk_bytes(chunk)
+    if scenario.server.l1_bytes < chunk_bytes:
+        raise fail(f"server.l1_gib {scenario.server.l1_gib} is smaller than one chunk of {layout.model} "
+                   f"at tp={scenario.model.tp} ({chunk} tokens = {chunk_bytes / GIB:.4f} GiB)")
+    roofline = isinstance(scenario.prefill, RooflinePrefill)
+    if roofline and (cfg.active_params <= 0 or cfg.num_attention_heads <= 0):
+        raise fail(f"prefill: the roofline needs active_params and num_attention_heads of {layout.model}; "
+                   "set them in [model.overrides] or use kind = \"tokens_per_s\"")
+    # Cases are expanded here so that a dead exclude entry is reported at load time.
+    try:
+        expand_matrix(scenario)
+    except ScenarioError as e:
+        raise fail(str(e).removeprefix(f"{scenario.name}: ")) from None
+    smallest = "boundary" if "boundary" in scenario.matrix.store_policy else "all"
+    for i, w in enumerate(scenario.workloads):
+        where = f"workloads[{i}] ({w.label})"
+        prefix = request_prefix_tokens(w)
+        if prefix < chunk:
+            raise fail(f"{where}: a {prefix}-token prefix is shorter than one {chunk}-token chunk, "
+                       "so nothing would ever be cached")
+        if isinstance(w, Divergence) and w.prompt_tokens < 2 * chunk:
+            raise fail(f"{where}: prompt_tokens {w.prompt_tokens} must span at least 2 chunks ({2 * chunk})")
+        if isinstance(w, L1Pressure):
+            total = working_set_bytes(w, layout, chunk, smallest)
+            if total <= scenario.server.l1_bytes:
+                raise fail(f"{where}: {w.documents} x {w.prompt_tokens} tokens store {total / GIB:.3f} GiB, "
+                           f"which fits in server.l1_gib {scenario.server.l1_gib}: nothing would spill")
+            if scenario.server.l2_gib <= 0:
+                raise fail(f"{where}: needs an L2 to spill to (server.l2_gib is 0)")
+        one = prefix_bytes(layout, chunk, prefix, smallest)
+        if one > scenario.server.l1_bytes:
+            raise fail(f"{where}: one request's {prefix}-token prefix needs {one / GIB:.3f} GiB, more than "
+                       f"server.l1_gib {scenario.server.l1_gib}: no warm request could ever hit")
+
+
+# ---- decoding ------------------------------------------------------------------------------------
+
+_MSGSPEC_AT = re.compile(r"^(?P<msg>.*?)(?: - at `(?P<path>[^`]*)`)?$", re.S)
+
+
+def _describe(e: msgspec.ValidationError) -> str:
+    """msgspec's `Object contains unknown field `x` - at `$.matrix`` as `unknown field `x` at $.matrix`."""
+    m = _MSGSPEC_AT.match(str(e))
+    assert m is not None
+    msg = m["msg"].removeprefix("Object contains ").removeprefix("Object ")
+    msg = msg[:1].lower() + msg[1:]
+    return f"{msg} at {m['path']}" if m["path"] else msg
+
+
+def decode_scenario(data: dict | str, source: str = "<string>") -> Scenario:
+    """Decode a scenario from TOML text or an already-parsed table, and validate it."""
+    if isinstance(data, str):
+        try:
+            data = tomllib.loads(data)
+        except tomllib.TOMLDecodeError as e:
+            raise ScenarioError(f"{source}: invalid TOML: {e}") from None
+    try:
+        scenario = msgspec.convert(data, type=Scenario)
+    except msgspec.ValidationError as e:
+        raise ScenarioError(f"{source}: {_describe(e)}") from None
+    validate(scenario, source)
+    return scenario
+
+
+@dataclass(frozen=True, slots=True)
+class ScenarioFile:
+    """A scenario with where it came from: path, SHA-256 of the file, and the scale applied to it."""
+
+    path: Path
+    sha256: str
+    scenario: Scenario
+    scale: float = 1.0
+
+    def scaled(self, factor: float) -> ScenarioFile:
+        return dataclasses.replace(self, scenario=scaled(self.scenario, factor), scale=self.scale * factor)
+
+    def record(self) -> dict:
+        """The scenario as plain data for run.json, with its path, digest and scale."""
+        return {**msgspec.to_builtins(self.scenario), "path": str(self.path), "sha256": self.sha256,
+                "scale": self.scale}
+
+
+def load_scenario(path: str | Path) -> ScenarioFile:
+    """Read, decode and validate a scenario file. Its `name` must be the file's stem."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ScenarioError(f"{path}: cannot read scenario file ({e.strerror})") from None
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError:
+        raise ScenarioError(f"{path}: not UTF-8 text") from None
+    scenario = decode_scenario(text, str(path))
+    if scenario.name != path.stem:
+        # Baselines and reports identify a scenario by name; two files with one name would mix them.
+        raise ScenarioError(f"{path}: name {scenario.name!r} must equal the file name {path.stem!r}")
+    return ScenarioFile(path=path, sha256=hashlib.sha256(raw).hexdigest(), scenario=scenario)
+
+
+def find_scenarios(folder: str | Path) -> list[Path]:
+    return sorted(Path(folder).glob("*.toml"))
+
+
+# ---- scaling -------------------------------------------------------------------------------------
+
+def scaled(scenario: Scenario, factor: float) -> Scenario:
+    """A smaller copy for quick runs: token counts and request counts times `factor`.
+
+    Prompt and system prefixes become multiples of the chunk size, at least 2 chunks and never more
+    than before; a turn grows the prefix by whole chunks, at least one; tails (question, user) keep at
+    least 1 token. Counts keep what the workload is for: at least 1 document or conversation, 3 turns
+    (two resumes), 2 fan-out requests (one reuser); engines stay one per rank. L1 and L2 shrink with
+    the largest workload's footprint (L1 to at least 4 chunks, and never below what fitted before);
+    an l1_pressure workload gets as many documents as it takes to exceed the new L1 by half again.
+    """
+    if not 0 < factor <= 1:
+        raise ScenarioError(f"{scenario.name}: scale factor must lie in (0, 1], got {factor}")
+    layout = scenario.model.layout()
+    chunk = scenario.model.resolved_chunk_tokens(layout)
+
+    def prefix(tokens: int) -> int:
+        if tokens < 2 * chunk:
+            return tokens
+        return min(tokens // chunk * chunk, max(2, math.floor(tokens * factor / chunk)) * chunk)
+
+    def step(tokens: int) -> int:
+        if tokens < chunk:
+            return tokens
+        return min(tokens // chunk * chunk, max(1, math.floor(tokens * factor / chunk)) * chunk)
+
+    def tail(tokens: int) -> int:
+        return max(1, round(tokens * factor))
+
+    def count(n: int, least: int) -> int:
+        return min(n, max(least, round(n * factor)))
+
+    def shrink(w: Workload) -> Workload:
+        r = msgspec.structs.replace
+        match w:
+            case LongDocQA():
+                return r(w, prompt_tokens=prefix(w.prompt_tokens), question_tokens=tail(w.question_tokens),
+                         documents=count(w.documents, 1))
+            case MultiTurn():
+                return r(w, system_tokens=prefix(w.system_tokens), turn_tokens=step(w.turn_tokens),
+                         turns=count(w.turns, 3), conversations=count(w.conversations, 1))
+            case FanOut():
+                return r(w, system_tokens=prefix(w.system_tokens), user_tokens=tail(w.user_tokens),
+                         requests=count(w.requests, 2))
+            case L1Pressure():
+                return r(w, prompt_tokens=prefix(w.prompt_tokens), documents=count(w.documents, 1))
+            case Divergence() | MultiEngine():
+                return r(w, prompt_tokens=prefix(w.prompt_tokens))
+        raise AssertionError(w)
+
+    workloads = tuple(shrink(w) for w in scenario.workloads)
+    smallest = "boundary" if "boundary" in scenario.matrix.store_policy else "all"
+    size = lambda w, policy="all": working_set_bytes(w, layout, chunk, policy) / GIB  # noqa: E731
+    ratio = max(size(w) for w in workloads) / max(size(w) for w in scenario.workloads)
+    l1 = max(scenario.server.l1_gib * ratio, 4 * layout.chunk_bytes(chunk) / GIB)
+    l2 = scenario.server.l2_gib * ratio
+    for old, new in zip(scenario.workloads, workloads, strict=True):
+        if isinstance(new, L1Pressure):
+            continue
+        # What fitted before still fits; one request's prefix always fits (validate demands it).
+        if size(old) <= scenario.server.l1_gib:
+            l1 = max(l1, size(new))
+        l1 = max(l1, prefix_bytes(layout, chunk, request_prefix_tokens(new), smallest) / GIB)
+    fixed = []
+    for old, w in zip(scenario.workloads, workloads, strict=True):
+        if isinstance(w, L1Pressure):
+            if size(w, smallest) <= l1:
+                doc = prefix_bytes(layout, chunk, w.prompt_tokens, smallest) / GIB
+                w = msgspec.structs.replace(w, documents=math.ceil(1.5 * l1 / doc))
+            if size(old, smallest) <= scenario.server.l2_gib:
+                l2 = max(l2, size(w, smallest))
+        fixed.append(w)
+    server = msgspec.structs.replace(scenario.server, l1_gib=l1, l2_gib=l2)
+    out = msgspec.structs.replace(scenario, workloads=tuple(fixed), server=server)
+    validate(out, f"{scenario.name} scaled by {factor}")
+    return out
