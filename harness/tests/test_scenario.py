@@ -5,7 +5,6 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from conftest import SCENARIOS
 from hybridkv.presets import HybridModelConfig, preset_layout
 from hybridkv_bench.scenario import (
     AXES,
@@ -21,6 +20,8 @@ from hybridkv_bench.scenario import (
     scaled,
     working_set_bytes,
 )
+
+from conftest import SCENARIOS
 
 BASE = """
 name = "t"

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 from pathlib import Path
 
 import pytest
 from hybridkv.client import CacheClient
-from serverkit import ServerProc, spawn_server
+from serverkit import spawn_server
 
 
 @pytest.fixture
@@ -23,9 +24,9 @@ def sock_dir():
 
 @pytest.fixture
 def server_factory(sock_dir):
-    procs: list[ServerProc] = []
+    procs = []
 
-    def start(*args: str, **kw) -> ServerProc:
+    def start(*args: str, **kw):
         kw.setdefault("name", f"s{len(procs)}")
         s = spawn_server(sock_dir, *args, **kw)
         procs.append(s)
@@ -33,16 +34,11 @@ def server_factory(sock_dir):
 
     yield start
     for s in procs:
-        if s.proc.poll() is None:
-            s.proc.kill()
-            s.proc.wait()
-        s.proc.stdout.close()
-        s.proc.stderr.close()
-        Path(s.arena_path).unlink(missing_ok=True)
+        s.stop(signal.SIGKILL)
 
 
 @pytest.fixture
-def server(server_factory) -> ServerProc:
+def server(server_factory):
     return server_factory()
 
 

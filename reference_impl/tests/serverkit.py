@@ -2,45 +2,18 @@
 
 from __future__ import annotations
 
-import select
-import signal
-import subprocess
-import sys
-from dataclasses import dataclass
-
 import numpy as np
 from hybridkv import protocol as P
 from hybridkv.arena import map_arena
 from hybridkv.client import CacheClient
+from hybridkv.launch import ServerProcess, start_server
 from hybridkv.presets import preset_layout
 
 
-@dataclass
-class ServerProc:
-    proc: subprocess.Popen
-    endpoint: str
-    arena_path: str
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        return self.proc.wait(timeout=timeout)
-
-
 def spawn_server(sock_dir: str, *args: str, name: str = "s", l1_gib: float = 0.05,
-                 client_timeout: float = 30.0) -> ServerProc:
-    """Start `hybridkv serve` as its own process and wait for its ready line."""
-    endpoint = f"ipc://{sock_dir}/{name}.sock"
-    cmd = [sys.executable, "-m", "hybridkv.cli", "serve", "--endpoint", endpoint, "--l1-gib", str(l1_gib),
-           "--client-timeout", str(client_timeout), "--log-level", "warning", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    ready, _, _ = select.select([proc.stdout], [], [], 30)
-    line = proc.stdout.readline() if ready else ""
-    if "ready" not in line:
-        proc.kill()
-        raise RuntimeError(f"server did not start: {line!r} {proc.stderr.read()}")
-    arena = line.split("arena=")[1].split()[0]
-    return ServerProc(proc, endpoint, arena)
+                 client_timeout: float = 30.0) -> ServerProcess:
+    """Start `hybridkv serve` on an ipc socket in `sock_dir` and wait for its ready line."""
+    return start_server(f"ipc://{sock_dir}/{name}.sock", *args, l1_gib=l1_gib, client_timeout=client_timeout)
 
 
 class Engine:

@@ -1,0 +1,72 @@
+"""Start a cache server as its own process (`python -m hybridkv.cli serve ...`) and wait until it is ready.
+
+Used by the harness runner, the benchmarks and the tests: the server under measurement is always a
+separate process, as it is in production, so its VRAM, mapped libraries and CPU time are its own.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class ServerStartError(RuntimeError):
+    """The server process exited or stayed silent instead of printing its ready line."""
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    endpoint: str
+    arena_path: str
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        """Signal the server and wait; kills it if it does not exit in time. Returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for f in (self.proc.stdout, self.proc.stderr):
+            if f is not None:
+                f.close()
+        Path(self.arena_path).unlink(missing_ok=True)  # a killed server cannot unlink its own arena
+        return self.proc.returncode
+
+
+def start_server(endpoint: str, *args: str, l1_gib: float, client_timeout: float = 30.0,
+                 log_level: str = "warning", ready_timeout: float = 60.0, stderr=subprocess.PIPE) -> ServerProcess:
+    """Run `hybridkv serve` with these flags in a new process; returns once it printed its ready line."""
+    cmd = [sys.executable, "-m", "hybridkv.cli", "serve", "--endpoint", endpoint, "--l1-gib", f"{l1_gib:.6f}",
+           "--client-timeout", str(client_timeout), "--log-level", log_level, *args]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+    deadline = time.monotonic() + ready_timeout
+    line = ""
+    while time.monotonic() < deadline and proc.poll() is None:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
+        if ready:
+            line = proc.stdout.readline()
+            break
+    if "ready" not in line:
+        proc.kill()
+        err = proc.stderr.read() if proc.stderr not in (None, subprocess.DEVNULL) else ""
+        proc.wait()
+        raise ServerStartError(f"cache server did not start ({' '.join(cmd[3:])}): {line.strip()} {err.strip()}")
+    arena = line.split("arena=")[1].split()[0]
+    return ServerProcess(proc, endpoint, arena)
