@@ -200,9 +200,17 @@ class ErrorCode:
     INTERNAL = "internal"
 
 
+class _Envelope(msgspec.Struct):
+    """The fields every message carries, read leniently (unknown fields ignored) from a frame that
+    did not decode, so its error reply can still name the right version and echo the request id."""
+    v: int = PROTOCOL_VERSION
+    id: int = 0
+
+
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
+_envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
 
 
 def encode(msg: Message) -> bytes:
@@ -212,6 +220,15 @@ def encode(msg: Message) -> bytes:
 def decode_request(frame: bytes | memoryview) -> Request:
     """Decode one request frame; raises msgspec.DecodeError / ValidationError naming the problem."""
     return _request_decoder.decode(frame)
+
+
+def peek_envelope(frame: bytes | memoryview) -> tuple[int, int]:
+    """(version, request id) of a frame that failed decode_request; (PROTOCOL_VERSION, 0) if unreadable."""
+    try:
+        env = _envelope_decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return PROTOCOL_VERSION, 0
+    return env.v, env.id
 
 
 def decode_reply(frame: bytes | memoryview) -> Reply:

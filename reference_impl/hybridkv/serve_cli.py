@@ -52,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import zmq
+
     from .arena import ArenaError
     from .cli import UserError
     from .config import ConfigError, ServerConfig
@@ -64,7 +66,11 @@ def run(args: argparse.Namespace) -> int:
             eviction=args.eviction, client_timeout_s=args.client_timeout, quarantine_s=args.quarantine,
             io_threads=args.io_threads, spill_watermark=args.spill_watermark, flush_on_exit=args.flush_on_exit)
         server = CacheServer(cfg)
-        endpoint = server.bind()
+        try:
+            endpoint = server.bind()
+        except zmq.ZMQError as e:
+            server.arena.close()  # else the arena file of this failed start stays in /dev/shm
+            raise UserError(f"cannot listen on --endpoint {cfg.endpoint}: {e}") from None
     except (ConfigError, ArenaError, OSError) as e:
         raise UserError(str(e)) from None
     except Exception as e:

@@ -150,7 +150,14 @@ class CacheServer(RequestHandlers):
         try:
             msg = P.decode_request(frames[1].buffer)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            self._send_error(ident, 0, P.ErrorCode.BAD_MESSAGE, f"undecodable request: {e}")
+            # A newer client's request may not decode here at all: report the version, not its fields,
+            # and echo the id so a client library's waiting future gets the error instead of a timeout.
+            v, req_id = P.peek_envelope(frames[1].buffer)
+            if v != P.PROTOCOL_VERSION:
+                self._send_error(ident, req_id, P.ErrorCode.VERSION,
+                                 f"protocol version {v} not supported; this server speaks {P.PROTOCOL_VERSION}")
+            else:
+                self._send_error(ident, req_id, P.ErrorCode.BAD_MESSAGE, f"undecodable request: {e}")
             return
         if msg.v != P.PROTOCOL_VERSION:
             self._send_error(ident, msg.id, P.ErrorCode.VERSION,
