@@ -100,7 +100,8 @@ def _composition(run: Run, df: pd.DataFrame) -> str:
     req = pd.DataFrame([msgspec.structs.asdict(r) for r in run.requests if r.repeat >= 0])
     if req.empty:
         return "_No measured requests._"
-    req["other_s"] = req.ttft_s - req.lookup_s - req.load_s - req.prefill_s
+    other = req.ttft_s - req.lookup_s - req.load_s - req.prefill_s
+    req["other_s"] = other.where(other.abs() > 1e-9 * req.ttft_s, 0.0)  # float noise is not time
     g = req.groupby(["workload", "case", "phase"], sort=False)[
         ["ttft_s", "lookup_s", "load_s", "prefill_s", "other_s"]].mean().reset_index()
     rows = [[r.workload, r.case, r.phase, r.ttft_s, r.lookup_s, r.load_s, r.prefill_s, r.other_s,

@@ -1,0 +1,86 @@
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, write_fake_run
+from hybridkv.cli import main
+
+
+def test_report_command(run_folder: Path, capsys):
+    assert main(["report", str(run_folder)]) == 0
+    assert (run_folder / "report.md").is_file()
+    assert "report.md" in capsys.readouterr().out
+
+
+def test_report_of_a_non_run_folder_is_a_user_error(tmp_path: Path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"hybridkv report: error: not a run folder: {tmp_path} (no run.json)"
+
+
+def test_report_of_an_incomplete_run_warns(tmp_path: Path, smoke, capsys):
+    folder = write_fake_run(tmp_path / "r", smoke, finish=False, max_cases=1)
+    assert main(["report", str(folder)]) == 0
+    assert "warning: incomplete run" in capsys.readouterr().out
+
+
+def test_gate_exit_codes(run_folder: Path, tmp_path: Path, smoke, capsys):
+    baseline = tmp_path / "baselines" / "smoke.toml"
+    assert main(["gate", str(run_folder), "--write-baseline", str(baseline)]) == 0
+    assert main(["gate", str(run_folder), "--write-baseline", str(baseline)]) == 2  # exists, no --force
+    assert main(["gate", str(run_folder), "--baseline", str(baseline)]) == 0
+    assert "gate: pass" in capsys.readouterr().out
+
+    slow = write_fake_run(tmp_path / "slow", smoke,
+                          tamper={"shm-kernel-single-all-all": {"ttft_speedup": 1.0}})
+    assert main(["gate", str(slow), "--baseline", str(baseline)]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"FAIL +long_doc_qa +shm-kernel-single-all-all +ttft_speedup +1 +>= ", out)
+    assert "gate: FAIL (2 of 256 checks failed)" in out  # ttft_speedup of both workloads
+
+    partial = write_fake_run(tmp_path / "partial", smoke, finish=False, max_cases=4)
+    assert main(["gate", str(partial), "--baseline", str(baseline)]) == 1
+    assert "incomplete run:" in capsys.readouterr().out
+    assert main(["gate", str(partial), "--write-baseline", str(tmp_path / "x.toml")]) == 2
+    assert "incomplete run:" in capsys.readouterr().err
+
+    other = tmp_path / "other.toml"
+    other.write_text("scenario = 'seed_56k'\n")
+    assert main(["gate", str(run_folder), "--baseline", str(other)]) == 2
+    assert main(["gate", str(run_folder), "--baseline", str(tmp_path / "missing.toml")]) == 2
+    assert main(["gate", str(tmp_path / "nope"), "--baseline", str(baseline)]) == 2
+
+
+def test_calibrate_command(capsys):
+    assert main(["calibrate", "--device", "cpu", "--json"]) == 0
+    cal = json.loads(capsys.readouterr().out)
+    assert cal["method"] == "cpu-memcpy" and cal["d2h_peak_gbps"] > 0
+    assert main(["calibrate", "--device", "cpu"]) == 0
+    assert "GB/s" in capsys.readouterr().out
+
+
+def test_list_command(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "seed_56k" in out and "Qwen3.6-27B TP1, one 55,664-token document" in out
+    assert re.search(r"qwen3\.6-27b +1 +4 \(ARRR\) +784 +3,211,264 +205,520,896\n", out)
+
+
+def test_list_shows_a_broken_scenario(tmp_path: Path, capsys):
+    (tmp_path / "bad.toml").write_text("name = 'bad'\n")
+    assert main(["list", "--scenarios", str(tmp_path)]) == 0
+    assert "bad            INVALID: " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("module", ["cli_report", "cli_gate", "cli_list", "cli_calibrate", "report", "gate",
+                                    "results", "scenario", "probes", "context"])
+def test_light_commands_do_not_import_torch(module: str):
+    code = f"import sys, hybridkv_bench.{module}; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ}, cwd=REPO)
