@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"what": "server", **sample.metrics()}), flush=True)
     finally:
         server.stop()
+        server.close()
     print(f"\n{a.preset} TP{a.tp}, {a.chunks} chunks of {ct} tokens ({chunk_bytes / 1e6:.1f} MB each), "
           f"device {device}; ceiling D2H {cal.d2h_peak_gbps:.1f} GB/s, H2D {cal.h2d_peak_gbps:.1f} GB/s ({cal.method})")
     print(f"{'format':10} {'engine':6} {'streams':9} {'policy':8} {'store GB/s':>10} {'ratio':>6} {'copy':>6} "

@@ -53,4 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported module's main, not this __main__ copy: its UserError is the class subcommands raise.
+    from hybridkv.cli import main as _main
+
+    sys.exit(_main())

@@ -66,14 +66,26 @@ def copy_tensor_into(t, out: memoryview) -> None:
     torch.frombuffer(out, dtype=torch.uint8).copy_(flat)
 
 
-class _TensorUnpickler(pickle.Unpickler):
-    """Unpickles torch tensors and nothing else that could execute code."""
+def _load_storage_weights_only(data: bytes):
+    """torch.storage._load_from_bytes without its weights_only=False: the nested torch.save is data only."""
+    return _torch().load(io.BytesIO(data), weights_only=True, map_location="cpu")
 
-    _ALLOWED_PREFIXES = ("torch", "collections.OrderedDict", "builtins.")
+
+class _TensorUnpickler(pickle.Unpickler):
+    """Unpickles exactly what pickle.dumps(tensor) produces and nothing that could run code.
+
+    A pickled tensor names three globals; every other name is refused (a frame from the network must
+    never pick a callable), and the nested storage is loaded with torch.load(weights_only=True).
+    """
 
     def find_class(self, module: str, name: str):
-        full = f"{module}.{name}"
-        if module.startswith("torch") or full == "collections.OrderedDict" or (
-                module == "builtins" and name in ("set", "frozenset", "slice", "complex")):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refusing to unpickle {full}")
+        torch = _torch()
+        allowed = {
+            ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
+            ("torch.storage", "_load_from_bytes"): _load_storage_weights_only,
+            ("collections", "OrderedDict"): __import__("collections").OrderedDict,
+        }
+        try:
+            return allowed[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}: only tensors are accepted") from None

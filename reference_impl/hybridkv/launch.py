@@ -42,11 +42,16 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.proc.returncode != 0:
+            Path(self.arena_path).unlink(missing_ok=True)  # a killed server cannot unlink its own arena
+        return self.proc.returncode
+
+    def close(self) -> None:
+        """Stop the server if it still runs (SIGKILL) and release the pipes to it."""
+        self.stop(signal.SIGKILL, timeout=10)
         for f in (self.proc.stdout, self.proc.stderr):
             if f is not None:
                 f.close()
-        Path(self.arena_path).unlink(missing_ok=True)  # a killed server cannot unlink its own arena
-        return self.proc.returncode
 
 
 def start_server(endpoint: str, *args: str, l1_gib: float, client_timeout: float = 30.0,

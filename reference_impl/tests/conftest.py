@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import tempfile
 from pathlib import Path
 
@@ -34,7 +33,7 @@ def server_factory(sock_dir):
 
     yield start
     for s in procs:
-        s.stop(signal.SIGKILL)
+        s.close()
 
 
 @pytest.fixture

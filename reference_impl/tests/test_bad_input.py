@@ -14,7 +14,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from conftest import Engine
+from serverkit import Engine
 from hybridkv import protocol as P
 from hybridkv.client import CacheClient, ServerError
 from hybridkv.presets import preset_layout
@@ -271,10 +271,6 @@ def _nested_legacy_pickle(cmd: str) -> bytes:
     return buf.getvalue()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG in codec._TensorUnpickler (outside this branch's files): it allows "
-                   "any global under torch*, so os.system is reachable as torch.serialization.os.system "
-                   "(dotted names at protocol 4) and torch.storage._load_from_bytes runs torch.load("
-                   "weights_only=False) on nested bytes")
 @pytest.mark.parametrize("route", ["dotted-name", "dotted-module", "load_from_bytes"])
 def test_malicious_pickle_through_torch_globals_is_refused(server, client, tmp_path, route):
     pytest.importorskip("torch")

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
-from conftest import Engine
+from serverkit import Engine
 from hybridkv import protocol as P
 from hybridkv import serve_cli
 from hybridkv.client import CacheClient
@@ -27,7 +27,7 @@ FAST = ("--client-timeout", "1", "--quarantine", "0.5")
 _CHILD = textwrap.dedent("""
     import json, sys, time
     sys.path.insert(0, {tests!r})
-    from conftest import Engine
+    from serverkit import Engine
     from hybridkv import protocol as P
     from hybridkv.client import CacheClient
     c = CacheClient({endpoint!r}, timeout_s=10)
@@ -360,9 +360,6 @@ def test_bad_cli_flags_are_one_line_errors(sock_dir, args, needles):
     assert not leaked, f"a failed start left {leaked} in /dev/shm"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG in cli.py (outside this branch's files): under `python -m "
-                   "hybridkv.cli`, cli runs as __main__ while serve_cli raises hybridkv.cli.UserError, a "
-                   "different class, so every user error escapes as a traceback with exit status 1")
 def test_bad_cli_flag_under_python_m_is_a_one_line_error(sock_dir):
     cmd = [sys.executable, "-m", "hybridkv.cli", "serve", "--endpoint", "tcp://0.0.0.0:5555"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)

@@ -42,7 +42,7 @@ def endpoint(tmp_path_factory):
     d = tempfile.mkdtemp(prefix="hkv-", dir="/tmp")
     s = spawn_server(d, l1_gib=0.5)
     yield s.endpoint
-    s.stop()
+    s.close()
     shutil.rmtree(d, ignore_errors=True)
 
 
