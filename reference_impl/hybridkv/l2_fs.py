@@ -49,6 +49,9 @@ _STAMP_STEP_NS = 1000
 _COUNTERS = ("puts", "gets", "hits", "misses", "corrupt_removed", "evictions", "bytes_written",
              "bytes_read", "tmp_removed")
 
+# Read errors that condemn the file itself (media or file-system damage), not this process's state.
+_BAD_FILE_ERRNOS = frozenset({errno.EIO, errno.ENODATA, errno.EUCLEAN, errno.EBADMSG})
+
 ObjectKey = tuple[bytes, int]
 
 
@@ -248,7 +251,15 @@ class FilesystemL2(L2Adapter):
             self._read_verified(path, key, group, out, stamp)
         except FileNotFoundError:
             reason = "file missing"
-        except (_BadObject, OSError) as e:
+        except OSError as e:
+            if e.errno not in _BAD_FILE_ERRNOS:
+                # Out of file descriptors or memory says nothing about the file: a miss, kept.
+                log.warning("L2: cannot read %s: %s", path, e)
+                with self._lock:
+                    self._counters["misses"] += 1
+                return False
+            reason = str(e)
+        except _BadObject as e:
             reason = str(e)
         else:
             with self._lock:

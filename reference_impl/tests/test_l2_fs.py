@@ -345,6 +345,24 @@ def test_disk_error_is_an_l2_error_and_leaves_nothing_behind(tmp_path):
     l2.close()
 
 
+def test_out_of_file_descriptors_is_a_miss_that_keeps_the_object(tmp_path):
+    l2 = FilesystemL2(tmp_path, MB)
+    l2.put(key_of(1), 0, NS_A, payload(1, 1000))
+    lowest_free = os.dup(0)
+    os.close(lowest_free)
+    old_limit = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, old_limit[1]))  # the next open: EMFILE
+    try:
+        missed = not l2.get_into(key_of(1), 0, memoryview(bytearray(1000)))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, old_limit)
+    assert missed and l2.contains(key_of(1), 0) and object_path(tmp_path, key_of(1), 0).exists()
+    assert read_back(l2, key_of(1), 0) == payload(1, 1000)
+    s = l2.stats()
+    assert (s["misses"], s["hits"], s["corrupt_removed"]) == (1, 1, 0)
+    l2.close()
+
+
 # ---- bad arguments and unusable directories ----
 
 def test_bad_arguments_name_the_value(tmp_path):
