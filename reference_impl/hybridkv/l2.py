@@ -93,7 +93,7 @@ class L2Adapter(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Release the store's resources; later calls raise `L2Error`. Idempotent."""
+        """Release the store's resources; later calls other than stats() raise `L2Error`. Idempotent."""
 
     def __enter__(self) -> L2Adapter:
         return self

@@ -49,6 +49,9 @@ _STAMP_STEP_NS = 1000
 _COUNTERS = ("puts", "gets", "hits", "misses", "corrupt_removed", "evictions", "bytes_written",
              "bytes_read", "tmp_removed")
 
+# Read errors that condemn the file itself (media or file-system damage), not this process's state.
+_BAD_FILE_ERRNOS = frozenset({errno.EIO, errno.ENODATA, errno.EUCLEAN, errno.EBADMSG})
+
 ObjectKey = tuple[bytes, int]
 
 
@@ -127,6 +130,9 @@ class FilesystemL2(L2Adapter):
         self.fsync = bool(fsync)
         # One lock for the index and counters, never held across a syscall on an object file.
         self._lock = threading.Lock()
+        # Signalled when a put lands or fails: puts waiting for room or for the same object retry.
+        self._room = threading.Condition(self._lock)
+        self._writing: set[ObjectKey] = set()  # objects whose put is between reserve and commit
         # Per-object locks (striped) order a rename against an unlink of the same path; held for
         # metadata syscalls only, never while payload bytes move.
         self._key_locks = tuple(threading.Lock() for _ in range(_KEY_LOCK_STRIPES))
@@ -162,55 +168,60 @@ class FilesystemL2(L2Adapter):
         okey = (key, group)
         path = self._path(key, group)
         victims: list[ObjectKey] = []
-        fits = True
-        with self._lock:
-            self._check_open()
-            entry = self._index.get(okey)
-            if entry is not None and entry.length == size:
-                # Keys hash the token prefix, so the same key means the same bytes: skip the write.
-                self._index.move_to_end(okey)
-                self._counters["puts"] += 1
-                stamp = self._next_stamp()
-                held = True
-            else:
-                held = False
-                victims = self._evict_until_fits(size)
-                in_flight = self._reserved
-                fits = self._bytes + self._reserved + size <= self.capacity_bytes
-                if fits:
-                    self._reserved += size
+        with self._room:
+            while True:
+                self._check_open()
+                entry = self._index.get(okey)
+                if entry is not None and entry.length == size:
+                    # Keys hash the token prefix, so the same key means the same bytes: skip the write.
+                    self._index.move_to_end(okey)
+                    self._counters["puts"] += 1
                     stamp = self._next_stamp()
+                    held = True
+                    break
+                held = False
+                if okey in self._writing:
+                    self._room.wait()  # one write per object: wait for it, then it is a no-op
+                    continue
+                victims += self._evict_until_fits(size)
+                if self._bytes + self._reserved + size <= self.capacity_bytes:
+                    self._reserved += size
+                    self._writing.add(okey)
+                    stamp = self._next_stamp()
+                    break
+                # Only puts in flight hold the room; once they land they can be evicted.
+                self._room.wait()
+        self._unlink_dropped(victims)
         if held:
             self._stamp_path(path, stamp)
             return
-        self._unlink_dropped(victims)
-        if not fits:
-            raise L2Error(f"no room for object {key.hex()}-{group} of {size} bytes: {in_flight} bytes "
-                          f"of other puts in flight fill the L2 capacity of {self.capacity_bytes}")
+        committed = False
         try:
-            tmp = self._write_temp(path, ObjectHeader(ns, key, group, size, zlib.crc32(view)).pack(),
-                                   view, stamp)
-        except OSError as e:
-            with self._lock:
-                self._reserved -= size
-            raise L2Error(f"cannot write L2 object {path}: {e}") from e
-        with self._key_lock(okey):
+            header = ObjectHeader(ns, key, group, size, zlib.crc32(view)).pack()
             try:
-                os.rename(tmp, path)
+                tmp = self._write_temp(path, header, view, stamp)
             except OSError as e:
-                with self._lock:
-                    self._reserved -= size
-                _unlink_quietly(tmp)
-                raise L2Error(f"cannot rename {tmp} to {path}: {e}") from e
-            with self._lock:
-                self._reserved -= size
-                old = self._index.pop(okey, None)
-                if old is not None:
-                    self._bytes -= old.length
-                self._index[okey] = _Entry(ns, size, next(self._gens))
-                self._bytes += size
-                self._counters["puts"] += 1
-                self._counters["bytes_written"] += size
+                raise L2Error(f"cannot write L2 object {path}: {e}") from e
+            with self._key_lock(okey):
+                try:
+                    os.rename(tmp, path)
+                except OSError as e:
+                    _unlink_quietly(tmp)
+                    raise L2Error(f"cannot rename {tmp} to {path}: {e}") from e
+                with self._room:
+                    old = self._index.pop(okey, None)
+                    if old is not None:
+                        self._bytes -= old.length
+                    self._index[okey] = _Entry(ns, size, next(self._gens))
+                    self._bytes += size
+                    self._counters["puts"] += 1
+                    self._counters["bytes_written"] += size
+                    self._release(okey, size)
+                    committed = True
+        finally:
+            if not committed:
+                with self._room:
+                    self._release(okey, size)
         if self.fsync:
             try:
                 self._fsync_dir(os.path.dirname(path))
@@ -240,7 +251,15 @@ class FilesystemL2(L2Adapter):
             self._read_verified(path, key, group, out, stamp)
         except FileNotFoundError:
             reason = "file missing"
-        except (_BadObject, OSError) as e:
+        except OSError as e:
+            if e.errno not in _BAD_FILE_ERRNOS:
+                # Out of file descriptors or memory says nothing about the file: a miss, kept.
+                log.warning("L2: cannot read %s: %s", path, e)
+                with self._lock:
+                    self._counters["misses"] += 1
+                return False
+            reason = str(e)
+        except _BadObject as e:
             reason = str(e)
         else:
             with self._lock:
@@ -316,6 +335,7 @@ class FilesystemL2(L2Adapter):
             if self._closed:
                 return
             self._closed = True
+            self._room.notify_all()  # waiting puts wake up and raise L2Error
         os.close(self._lock_fd)
 
     # ---- directory, index rebuild ----
@@ -387,7 +407,7 @@ class FilesystemL2(L2Adapter):
             self._bytes += entry.length
             self._last_stamp = max(self._last_stamp, mtime)
         # The capacity may have shrunk since the files were written.
-        for okey, _ in self._evict_until_fits(0):
+        for okey in self._evict_until_fits(0):
             _unlink_quietly(self._path(*okey))
         log.info("L2: indexed %d objects (%d bytes) in %s; removed %d bad and %d temp files",
                  len(self._index), self._bytes, self.directory, self._counters["corrupt_removed"],
@@ -425,6 +445,12 @@ class FilesystemL2(L2Adapter):
         """A strictly increasing wall-clock stamp (ns) for file mtimes; call under self._lock."""
         self._last_stamp = max(time.time_ns(), self._last_stamp + _STAMP_STEP_NS)
         return self._last_stamp
+
+    def _release(self, okey: ObjectKey, size: int) -> None:
+        """Under self._lock: end a put's reservation and wake the puts waiting on it."""
+        self._reserved -= size
+        self._writing.discard(okey)
+        self._room.notify_all()
 
     def _evict_until_fits(self, size: int) -> list[ObjectKey]:
         """Under self._lock: drop LRU objects from the index until `size` more bytes fit."""
