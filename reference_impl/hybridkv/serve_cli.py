@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ArenaError, OSError) as e:
         raise UserError(str(e)) from None
     except Exception as e:
-        if type(e).__name__ == "L2Error":
+        if type(e).__name__ == "L2Error":  # imported lazily with the L2 module
             raise UserError(str(e)) from None
         raise
     signal.signal(signal.SIGTERM, lambda *_: server.stop())

@@ -37,7 +37,7 @@ class CacheServer(RequestHandlers):
         self.arena = Arena(config.l1_bytes, config.l1_dir)
         self.l2 = None
         if config.has_l2:
-            from .l2 import FilesystemL2
+            from .l2_fs import FilesystemL2
 
             self.l2 = FilesystemL2(config.l2_dir, config.l2_bytes, fsync=config.l2_fsync)
         self.l1 = L1Cache(self.arena, config.eviction, self._start_evicting_spill if self.l2 else None)
