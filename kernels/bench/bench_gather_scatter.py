@@ -203,6 +203,8 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
+        # "cuda" alone names the current device; set_device needs an index
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         torch.cuda.set_device(device)
     impls = [i for i in args.impls.split(",") if i in available_impls(device)]
     modes = ["single", "per_group"] if device.type == "cuda" else ["single"]
