@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, write_fake_run
 from hybridkv.cli import main
+
+from conftest import REPO, write_fake_run
 
 
 def test_report_command(run_folder: Path, capsys):

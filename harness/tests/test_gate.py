@@ -4,7 +4,6 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from conftest import write_fake_run
 from hybridkv_bench.gate import (
     Baseline,
     BaselineCheck,
@@ -15,6 +14,8 @@ from hybridkv_bench.gate import (
     load_baseline,
 )
 from hybridkv_bench.results import load_run
+
+from conftest import write_fake_run
 
 
 def fails(result) -> set[tuple[str, str]]:

@@ -66,6 +66,7 @@ class ServerConfig:
     io_threads: int = 4
     spill_watermark: float = 0.1    # keep this fraction of L1 free or clean (in L2) so stores never wait
     flush_on_exit: bool = False     # spill every dirty L1 object to L2 on a clean shutdown
+    cuda_ipc: bool = False          # accept the CUDA-IPC baseline format (the server then uses a GPU)
 
     def __post_init__(self) -> None:
         if not self.endpoint:

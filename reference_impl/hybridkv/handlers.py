@@ -134,7 +134,47 @@ class RequestHandlers:
             self._free_slots(res, quarantine=reclaimed)
             self.counters["reservations_reclaimed" if reclaimed else "objects_aborted"] += (
                 1 if reclaimed else len(res.slots))
+        self._cuda_engines.pop(eng.id, None)
         del self._engines[eng.id]
+
+    def _share_cuda(self, ident: bytes, msg: P.ShareCuda, frames: list):
+        _no_frames(msg, frames)
+        eng = self._engine(msg.engine)
+        if not self.config.cuda_ipc:
+            raise RequestError(E.BAD_REQUEST, "this server is CPU-only and never maps GPU memory; start it with "
+                               "--cuda-ipc to measure the CUDA-IPC baseline")
+        layout = eng.layout
+        if [len(g) for g in msg.groups] != [g.num_layers for g in layout.groups]:
+            raise RequestError(E.LAYOUT, f"shared {[len(g) for g in msg.groups]} layers per group; the layout has "
+                               f"{[g.num_layers for g in layout.groups]}")
+        from .cuda_ipc import MappedEngine  # imports torch and initialises CUDA: the baseline's cost
+
+        try:
+            self._cuda_engines[eng.id] = MappedEngine(msg.groups, self.arena.buf,
+                                                      [g.page_bytes for g in layout.groups])
+        except (ValueError, RuntimeError) as e:
+            raise RequestError(E.BAD_REQUEST, f"cannot map the engine's CUDA pages: {e}") from None
+        return P.Done(count=sum(len(g) for g in msg.groups)), []
+
+    def _cuda_copy(self, eng: EngineInfo, direction: str, objects: list, blocks: list[list[int]]):
+        """Validate a cuda_ipc copy request and return the job's argument list."""
+        mapped = self._cuda_engines.get(eng.id)
+        if mapped is None:
+            raise RequestError(E.BAD_REQUEST, f"engine {eng.id} shared no CUDA pages (send share_cuda first)")
+        if len(blocks) != len(objects):
+            raise RequestError(E.BAD_REQUEST, f"{len(blocks)} block lists for {len(objects)} objects")
+        out = []
+        for i, ((c, g, e), ids) in enumerate(zip(objects, blocks, strict=True)):
+            grp = eng.layout.groups[g]
+            if len(ids) * grp.num_layers * grp.page_bytes != e.length:
+                raise RequestError(E.BAD_REQUEST, f"object {i} (chunk {c}, group {g}) is {e.length} B; "
+                                   f"{len(ids)} blocks of {grp.num_layers} layers do not fill it")
+            out.append((g, ids, e.offset, e.length))
+        return mapped, direction, out
+
+    def _cuda_job(self, arg) -> None:
+        mapped, direction, objects = arg
+        mapped.copy(direction, objects)
 
     # ---- lookup --------------------------------------------------------------------------------
 
@@ -242,6 +282,12 @@ class RequestHandlers:
         if msg.format == "shm":
             _no_frames(msg, frames)
             return self._finish_commit(res), []
+        if msg.format == "cuda_ipc":
+            _no_frames(msg, frames)
+            job = self._cuda_copy(eng, "gather", res.slots, msg.blocks)
+            res.committing = True
+            self._submit(self._cuda_job, job, lambda arg, out, exc: self._commit_done(ident, msg.id, res, exc))
+            return None
         if len(frames) != len(res.slots):
             raise RequestError(E.BAD_PAYLOAD, f"commit of reservation {res.id} needs {len(res.slots)} payload "
                                f"frames ({msg.format}), got {len(frames)}")
@@ -324,6 +370,13 @@ class RequestHandlers:
         if msg.format == "shm":
             raise RequestError(E.BAD_REQUEST, "shm engines read the arena at the lookup's offsets; retrieve "
                                "sends payload frames only for raw, pickle and torch_save")
+        if msg.format == "cuda_ipc":
+            job = self._cuda_copy(eng, "scatter", [(loc.chunk, loc.group, e) for loc, e in
+                                                   zip(lease.locs, lease.entries, strict=True)], msg.blocks)
+            self._submit(self._cuda_job, job,
+                         lambda arg, out, exc: self._send(ident, msg.id, P.Retrieved(objects=lease.locs))
+                         if exc is None else self._send_error(ident, msg.id, E.BAD_REQUEST, f"copy failed: {exc}"))
+            return None
         if msg.format == "raw":
             # zero-copy: frames point into the arena; the lease's pins keep the bytes still until release
             return P.Retrieved(objects=lease.locs), [self.arena.view(e.offset, e.length) for e in lease.entries]
@@ -510,7 +563,8 @@ class _PrepareOp:
                     return False
                 if r is None:
                     self.refused.append(P.Refusal(c, g, f"no space: L1 holds {srv.l1.alloc.size} B, "
-                                                  f"{srv.l1.alloc.free_bytes} B free, the rest pinned or being written"))
+                                                  f"{srv.l1.alloc.free_bytes} B free, the rest pinned "
+                                                  "or being written"))
                 else:
                     self.slots.append((c, g, r))
             self.todo.pop(0)

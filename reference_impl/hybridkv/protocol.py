@@ -16,7 +16,9 @@ from .layout import ModelLayout
 
 PROTOCOL_VERSION = 1
 
-WireFormat = Literal["shm", "raw", "pickle", "torch_save"]
+# cuda_ipc is the CUDA-IPC baseline: the server maps the engine's GPU pages and copies itself (it then
+# holds a CUDA context and VRAM); a server accepts it only when started with --cuda-ipc.
+WireFormat = Literal["shm", "raw", "pickle", "torch_save", "cuda_ipc"]
 RetrievePolicy = Literal["boundary", "all"]
 LEGACY_FORMATS = ("pickle", "torch_save")
 
@@ -67,10 +69,12 @@ class PrepareStore(Message, tag="prepare_store"):
 
 
 class CommitStore(Message, tag="commit_store"):
-    """Make a reservation's objects visible. For raw and legacy formats one payload frame per slot follows."""
+    """Make a reservation's objects visible. For raw and legacy formats one payload frame per slot follows;
+    for cuda_ipc, `blocks` names each slot's engine blocks and the server copies them itself."""
     engine: int
     reservation: int
     format: WireFormat = "shm"
+    blocks: list[list[int]] = []
 
 
 class AbortStore(Message, tag="abort_store"):
@@ -80,10 +84,33 @@ class AbortStore(Message, tag="abort_store"):
 
 
 class Retrieve(Message, tag="retrieve"):
-    """Send a lease's objects as payload frames (raw or legacy formats; shm engines read the arena)."""
+    """Send a lease's objects as payload frames (raw or legacy formats; shm engines read the arena), or,
+    for cuda_ipc, copy them into the engine blocks named by `blocks` and answer when done."""
     engine: int
     lease: int
     format: WireFormat = "raw"
+    blocks: list[list[int]] = []
+
+
+class CudaShare(msgspec.Struct, array_like=True, frozen=True):
+    """One engine page view exported with CUDA IPC (torch's _share_cuda_ fields, plus the view)."""
+    device: int
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    tensor_offset: int
+    size: list[int]
+    stride: list[int]
+
+
+class ShareCuda(Message, tag="share_cuda"):
+    """cuda_ipc baseline: the engine's page views, per group per layer, for the server to map."""
+    engine: int
+    groups: list[list[CudaShare]]
 
 
 class Release(Message, tag="release"):
@@ -111,7 +138,7 @@ class Health(Message, tag="health"):
     """Ask whether the server is up."""
 
 
-Request = (Register | Unregister | Heartbeat | Lookup | PrepareStore | CommitStore | AbortStore
+Request = (Register | Unregister | Heartbeat | Lookup | PrepareStore | CommitStore | AbortStore | ShareCuda
            | Retrieve | Release | EndSession | Stats | Clear | Health)
 
 

@@ -43,13 +43,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "of L1 is free or clean (default: %(default)s)")
     p.add_argument("--flush-on-exit", action="store_true",
                    help="with L2: write every L1 object to L2 on shutdown, so a restart finds it")
+    p.add_argument("--cuda-ipc", action="store_true",
+                   help="also serve the cuda_ipc baseline format: the server maps engines' GPU pages and "
+                        "copies itself, so it creates a CUDA context and holds VRAM (for comparison only)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                    help="log level (default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
-    # The server holds no VRAM: hide every GPU before anything could initialise CUDA.
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if not args.cuda_ipc:
+        # The server holds no VRAM: hide every GPU before anything could initialise CUDA.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import zmq
@@ -64,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
             endpoint=args.endpoint, l1_bytes=int(args.l1_gib * GIB), l1_dir=args.l1_dir, l2_dir=args.l2_dir,
             l2_bytes=int(args.l2_gib * GIB), l2_fsync=args.l2_fsync, chunk_tokens=args.chunk_tokens,
             eviction=args.eviction, client_timeout_s=args.client_timeout, quarantine_s=args.quarantine,
-            io_threads=args.io_threads, spill_watermark=args.spill_watermark, flush_on_exit=args.flush_on_exit)
+            io_threads=args.io_threads, spill_watermark=args.spill_watermark, flush_on_exit=args.flush_on_exit,
+            cuda_ipc=args.cuda_ipc)
         server = CacheServer(cfg)
         try:
             endpoint = server.bind()

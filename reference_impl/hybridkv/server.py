@@ -51,6 +51,7 @@ class CacheServer(RequestHandlers):
         self._engines: dict = {}
         self._reservations: dict = {}
         self._leases: dict = {}
+        self._cuda_engines: dict = {}  # engine id -> cuda_ipc.MappedEngine (baseline format only)
         self._parked: list = []
         self._quarantine: list[tuple[float, int, int]] = []  # (until, offset, length)
         self._spills_inflight = 0
@@ -65,7 +66,7 @@ class CacheServer(RequestHandlers):
             P.Lookup: self._lookup, P.PrepareStore: self._prepare, P.CommitStore: self._commit,
             P.AbortStore: self._abort, P.Retrieve: self._retrieve, P.Release: self._release,
             P.EndSession: self._end_session, P.Stats: self._stats, P.Clear: self._clear,
-            P.Health: self._health,
+            P.Health: self._health, P.ShareCuda: self._share_cuda,
         }
 
     # ---- loop ----------------------------------------------------------------------------------

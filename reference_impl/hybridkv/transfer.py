@@ -26,7 +26,7 @@ from .keys import chunk_keys
 from .layout import LayoutError, ModelLayout
 from .wire import ArenaMapping, StagingPool, decode_objects, encode_objects
 
-WIRE_FORMATS = ("shm", "raw", "pickle", "torch_save")
+WIRE_FORMATS = ("shm", "raw", "pickle", "torch_save", "cuda_ipc")
 COPY_ENGINES = ("kernel", "dma")
 STREAM_MODES = ("single", "per_group")
 POLICIES = ("boundary", "all")
@@ -37,9 +37,11 @@ class TransferConfig:
     """How an engine moves bytes; validated at construction."""
 
     wire_format: str = "shm"
-    copy_engine: str = "kernel"       # kernel: one Triton launch per plan (torch reference off CUDA); dma: copy_ per page run
+    # kernel: one Triton launch per plan (the torch reference off CUDA); dma: one copy_ per run of pages
+    copy_engine: str = "kernel"
     streams: str = "single"           # single: every group on one stream; per_group: a stream per group (the seed's)
-    retrieve_policy: str = "boundary"  # boundary: recurrent state only at the last hit chunk; all: every chunk (the seed's)
+    # boundary: recurrent state only at the last hit chunk; all: every chunk (the seed's)
+    retrieve_policy: str = "boundary"
     store_policy: str = "boundary"    # boundary: recurrent state only at the last stored chunk; all: every chunk
     chunk_tokens: int = 0             # 0: the layout's unified block size
     tp_rank: int = 0
@@ -138,6 +140,12 @@ class KVTransfer:
         if self.object_bytes != expect:
             raise LayoutError(f"server sizes objects {self.object_bytes}, this engine {expect}")
         self.client.keepalive(self.engine_id, reg.heartbeat_s)
+        if config.wire_format == "cuda_ipc":
+            if self.device.type != "cuda":
+                raise ValueError("wire format cuda_ipc needs the engine's pages on a CUDA device")
+            from .cuda_ipc import export_views
+
+            self.client.call(P.ShareCuda(engine=self.engine_id, groups=export_views(self.groups)))
         self.arena = ArenaMapping(reg.arena_path, reg.arena_bytes, self.device) if config.wire_format == "shm" else None
         self.staging = StagingPool(self.device)
         cuda = self.device.type == "cuda"
@@ -346,6 +354,17 @@ class KVTransfer:
         try:
             blocks = self._object_blocks(prep.slots, block_ids)
             staging = None
+            if fmt == "cuda_ipc":  # the server copies; its reply means the pages were read and committed
+                if ready is not None:
+                    ready.synchronize()
+                h.t_copy_start = time.perf_counter()
+                self.client.call(P.CommitStore(engine=self.engine_id, reservation=prep.reservation, format=fmt,
+                                               blocks=[ids.tolist() for _, ids in blocks]))
+                h.t_done = h.t_committed = time.perf_counter()
+                h.nbytes, h.objects = sum(s.length for s in prep.slots), len(prep.slots)
+                self._resolve_done(h)
+                h.committed.set_result(h)
+                return
             if fmt == "shm":
                 dsts = [self.arena.slot(s.offset, s.length) for s in prep.slots]
             else:
@@ -376,15 +395,20 @@ class KVTransfer:
         staging = None
         try:
             h.t_copy_start = time.perf_counter()
-            if fmt == "shm":
+            if fmt == "cuda_ipc":  # the server writes the engine's pages itself and answers when done
+                self.client.call(P.Retrieve(engine=self.engine_id, lease=hit.lease, format=fmt,
+                                            blocks=[ids.tolist() for _, ids in jobs]))
+                srcs = None
+            elif fmt == "shm":
                 srcs = [self.arena.slot(o.offset, o.length) for o in hit.objects]
             else:
                 rep, frames = self.client.call(P.Retrieve(engine=self.engine_id, lease=hit.lease, format=fmt))
                 if [(o.chunk, o.group) for o in rep.objects] != [(o.chunk, o.group) for o in hit.objects]:
                     raise RuntimeError(f"server returned objects {rep.objects} for lease {hit.lease}")
                 srcs, staging = decode_objects(fmt, frames, [o.length for o in hit.objects], self.device, self.staging)
-            self._copy("load", "scatter", [(o.group, (self.groups[o.group], ids, s))
-                                           for (o, ids), s in zip(jobs, srcs, strict=True)])
+            if srcs is not None:
+                self._copy("load", "scatter", [(o.group, (self.groups[o.group], ids, s))
+                                               for (o, ids), s in zip(jobs, srcs, strict=True)])
             h.t_done = h.t_committed = time.perf_counter()
             h.nbytes, h.objects = hit.nbytes, len(hit.objects)
         finally:

@@ -14,10 +14,10 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from serverkit import Engine
 from hybridkv import protocol as P
 from hybridkv.client import CacheClient, ServerError
 from hybridkv.presets import preset_layout
+from serverkit import Engine
 
 E = P.ErrorCode
 _seeds = itertools.count(1000)

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
-from serverkit import Engine
 from hybridkv import protocol as P
 from hybridkv import serve_cli
 from hybridkv.client import CacheClient
+from serverkit import Engine
 
 TESTS = Path(__file__).parent
 FAST = ("--client-timeout", "1", "--quarantine", "0.5")

@@ -192,3 +192,38 @@ def test_a_server_error_fails_the_handle(endpoint):
     with pytest.raises(ServerError, match="unknown_engine"):
         h.wait_committed(30)
     kv.close()
+
+
+@pytest.fixture(scope="module")
+def cuda_ipc_endpoint():
+    import shutil
+    import tempfile
+
+    from serverkit import spawn_server
+
+    d = tempfile.mkdtemp(prefix="hkv-", dir="/tmp")
+    s = spawn_server(d, "--cuda-ipc", l1_gib=0.5)
+    yield s.endpoint
+    s.close()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("policy", ["boundary", "all"])
+def test_round_trip_cuda_ipc_baseline(cuda_ipc_endpoint, policy):
+    cfg = TransferConfig(wire_format="cuda_ipc", retrieve_policy=policy, store_policy=policy, salt=f"ipc-{policy}")
+    round_trip(cuda_ipc_endpoint, preset_layout("tiny-hybrid"), cfg, chunks=3, seed=11)
+
+
+def test_a_cpu_only_server_refuses_the_cuda_ipc_format(endpoint):
+    from hybridkv import protocol as P
+    from hybridkv.client import CacheClient
+
+    layout = preset_layout("tiny-hybrid")
+    with CacheClient(endpoint, timeout_s=10) as c:
+        reg, _ = c.call(P.Register(layout=layout, chunk_tokens=0))
+        share = P.CudaShare(0, b"x" * 64, 1, 0, b"r", 0, b"e", False, 0, [4, 4], [4, 1])
+        with pytest.raises(ServerError, match="CPU-only"):
+            c.call(P.ShareCuda(engine=reg.engine, groups=[[share] * g.num_layers for g in layout.groups]))
+        c.call(P.Health())
