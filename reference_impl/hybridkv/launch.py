@@ -59,7 +59,9 @@ def start_server(endpoint: str, *args: str, l1_gib: float, client_timeout: float
     """Run `hybridkv serve` with these flags in a new process; returns once it printed its ready line."""
     cmd = [sys.executable, "-m", "hybridkv.cli", "serve", "--endpoint", endpoint, "--l1-gib", f"{l1_gib:.6f}",
            "--client-timeout", str(client_timeout), "--log-level", log_level, *args]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    # A CPU-only server sees no GPU from its first instruction (serve also hides them itself); only the
+    # cuda_ipc baseline needs one.
+    env = dict(os.environ) if "--cuda-ipc" in args else {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
     deadline = time.monotonic() + ready_timeout
     line = ""
