@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from hybridkv import protocol as P
 from hybridkv.client import CacheClient
 from hybridkv.codec import decode_tensor, encode_tensor
