@@ -146,7 +146,8 @@ class KVTransfer:
             from .cuda_ipc import export_views
 
             self.client.call(P.ShareCuda(engine=self.engine_id, groups=export_views(self.groups)))
-        self.arena = ArenaMapping(reg.arena_path, reg.arena_bytes, self.device) if config.wire_format == "shm" else None
+        self.arena = (ArenaMapping.open(reg.arena_path, reg.arena_bytes, self.device)
+                      if config.wire_format == "shm" else None)
         self.staging = StagingPool(self.device)
         cuda = self.device.type == "cuda"
         n_streams = len(self.groups) if config.streams == "per_group" else 1
@@ -279,7 +280,7 @@ class KVTransfer:
         if self._own_client:
             self.client.close()
         if self.arena is not None:
-            self.arena.close()
+            self.arena.release()
 
     def __enter__(self) -> KVTransfer:
         return self

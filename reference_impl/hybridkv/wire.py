@@ -14,7 +14,33 @@ from .codec import PayloadError, decode_tensor, encode_tensor
 
 class ArenaMapping:
     """The server's L1 arena mapped into this engine; registered as pinned memory on CUDA so the GPU
-    reads and writes slots directly (DMA or a kernel through UVA), with no copy by either process."""
+    reads and writes slots directly (DMA or a kernel through UVA), with no copy by either process.
+    Engines of one process share one mapping per arena (`open`): registering tens of GB takes seconds."""
+
+    _shared: dict[tuple[str, int, str], list] = {}  # (path, size, device) -> [mapping, users]
+    _lock = threading.Lock()
+
+    @classmethod
+    def open(cls, path: str, size: int, device: torch.device) -> ArenaMapping:
+        key = (path, size, str(device))
+        with cls._lock:
+            entry = cls._shared.get(key)
+            if entry is None:
+                entry = cls._shared[key] = [cls(path, size, device), 0]
+            entry[1] += 1
+            return entry[0]
+
+    def release(self) -> None:
+        """Drop one user of a shared mapping; the last one unmaps it."""
+        with self._lock:
+            for key, entry in list(self._shared.items()):
+                if entry[0] is self:
+                    entry[1] -= 1
+                    if entry[1] == 0:
+                        del self._shared[key]
+                        self.close()
+                    return
+        self.close()
 
     def __init__(self, path: str, size: int, device: torch.device):
         self._mm = map_arena(path, size)
