@@ -38,6 +38,7 @@ class Entry:
     in_l2: bool = False
     spilling: bool = False
     evict_after_spill: bool = False
+    spill_failed: bool = False  # its last L2 write failed: spill-ahead leaves it to eviction
 
     @property
     def oid(self) -> ObjectId:
@@ -112,6 +113,7 @@ class L1Cache:
         """An L2 write of `e` ended; frees it now if it was evicted while spilling."""
         e.spilling = False
         e.in_l2 = e.in_l2 or ok
+        e.spill_failed = not ok
         if e.evict_after_spill:
             e.evict_after_spill = False
             self.pending_free -= self.alloc.rounded(e.length)
@@ -151,8 +153,8 @@ class L1Cache:
         for e in self._order.values():
             if clean >= target or inflight + len(out) >= max_inflight:
                 break
-            if not e.evictable:
-                continue
+            if not e.evictable or e.spill_failed:
+                continue  # retrying a failed write here would spin on a full or broken L2
             if e.in_l2:
                 clean += self.alloc.rounded(e.length)
             else:
