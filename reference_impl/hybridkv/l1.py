@@ -127,22 +127,29 @@ class L1Cache:
         off = self.alloc.alloc(length)
         if off is not None:
             return off
-        # Same-size victims first: freeing one is guaranteed to fit, and keeps slots of one size together.
+        # Clean victims first (no copy needed, so no wait on L2, which may be busy with other engines'
+        # reads); among them same-size ones first: freeing one is guaranteed to fit.
+        dirty = self._start_spill is not None
         for exact in (True, False):
             for e in list(self._order.values()):
-                if not e.evictable or (exact and self.alloc.rounded(e.length) != need):
-                    continue
-                if self._start_spill is not None and not e.in_l2:
-                    if self.pending_free and self.alloc.free_bytes + self.pending_free >= need:
-                        return WAIT
-                    e.spilling = e.evict_after_spill = True
-                    self.pending_free += self.alloc.rounded(e.length)
-                    self._start_spill(e)
+                if not e.evictable or (exact and self.alloc.rounded(e.length) != need) or (dirty and not e.in_l2):
                     continue
                 self.evict(e)
                 off = self.alloc.alloc(length)
                 if off is not None:
                     return off
+        if not dirty:
+            return None
+        # Only dirty victims left: copy the oldest to L2, and the caller waits until that frees their slots.
+        for exact in (True, False):
+            for e in list(self._order.values()):
+                if not e.evictable or (exact and self.alloc.rounded(e.length) != need):
+                    continue
+                if self.pending_free and self.alloc.free_bytes + self.pending_free >= need:
+                    return WAIT
+                e.spilling = e.evict_after_spill = True
+                self.pending_free += self.alloc.rounded(e.length)
+                self._start_spill(e)
         return WAIT if self.pending_free > 0 else None
 
     def spill_ahead(self, low_watermark: float, max_inflight: int, inflight: int) -> list[Entry]:
