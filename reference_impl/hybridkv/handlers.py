@@ -484,9 +484,13 @@ class _LookupOp:
         self.missing: set[tuple[bytes, int]] = set()
 
     def _pin(self, e: Entry) -> None:
-        if e.oid not in self.pinned:
-            e.pins += 1
-            self.pinned[e.oid] = e
+        old = self.pinned.get(e.oid)
+        if old is e:
+            return
+        if old is not None:
+            old.pins -= 1  # dropped when its prefetch failed; the object is back in another slot
+        e.pins += 1
+        self.pinned[e.oid] = e
 
     def step(self) -> bool:
         srv, eng, keys, msg = self.srv, self.eng, self.keys, self.msg

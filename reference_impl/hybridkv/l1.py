@@ -38,6 +38,7 @@ class Entry:
     in_l2: bool = False
     spilling: bool = False
     evict_after_spill: bool = False
+    spill_failed: bool = False  # its last L2 write failed: spill-ahead leaves it to eviction
 
     @property
     def oid(self) -> ObjectId:
@@ -112,6 +113,7 @@ class L1Cache:
         """An L2 write of `e` ended; frees it now if it was evicted while spilling."""
         e.spilling = False
         e.in_l2 = e.in_l2 or ok
+        e.spill_failed = not ok
         if e.evict_after_spill:
             e.evict_after_spill = False
             self.pending_free -= self.alloc.rounded(e.length)
@@ -125,22 +127,29 @@ class L1Cache:
         off = self.alloc.alloc(length)
         if off is not None:
             return off
-        # Same-size victims first: freeing one is guaranteed to fit, and keeps slots of one size together.
+        # Clean victims first (no copy needed, so no wait on L2, which may be busy with other engines'
+        # reads); among them same-size ones first: freeing one is guaranteed to fit.
+        dirty = self._start_spill is not None
         for exact in (True, False):
             for e in list(self._order.values()):
-                if not e.evictable or (exact and self.alloc.rounded(e.length) != need):
-                    continue
-                if self._start_spill is not None and not e.in_l2:
-                    if self.pending_free and self.alloc.free_bytes + self.pending_free >= need:
-                        return WAIT
-                    e.spilling = e.evict_after_spill = True
-                    self.pending_free += self.alloc.rounded(e.length)
-                    self._start_spill(e)
+                if not e.evictable or (exact and self.alloc.rounded(e.length) != need) or (dirty and not e.in_l2):
                     continue
                 self.evict(e)
                 off = self.alloc.alloc(length)
                 if off is not None:
                     return off
+        if not dirty:
+            return None
+        # Only dirty victims left: copy the oldest to L2, and the caller waits until that frees their slots.
+        for exact in (True, False):
+            for e in list(self._order.values()):
+                if not e.evictable or (exact and self.alloc.rounded(e.length) != need):
+                    continue
+                if self.pending_free and self.alloc.free_bytes + self.pending_free >= need:
+                    return WAIT
+                e.spilling = e.evict_after_spill = True
+                self.pending_free += self.alloc.rounded(e.length)
+                self._start_spill(e)
         return WAIT if self.pending_free > 0 else None
 
     def spill_ahead(self, low_watermark: float, max_inflight: int, inflight: int) -> list[Entry]:
@@ -151,8 +160,8 @@ class L1Cache:
         for e in self._order.values():
             if clean >= target or inflight + len(out) >= max_inflight:
                 break
-            if not e.evictable:
-                continue
+            if not e.evictable or e.spill_failed:
+                continue  # retrying a failed write here would spin on a full or broken L2
             if e.in_l2:
                 clean += self.alloc.rounded(e.length)
             else:

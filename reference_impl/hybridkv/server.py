@@ -39,7 +39,11 @@ class CacheServer(RequestHandlers):
         if config.has_l2:
             from .l2_fs import FilesystemL2
 
-            self.l2 = FilesystemL2(config.l2_dir, config.l2_bytes, fsync=config.l2_fsync)
+            try:
+                self.l2 = FilesystemL2(config.l2_dir, config.l2_bytes, fsync=config.l2_fsync)
+            except BaseException:
+                self.arena.close()  # else a bad --l2-dir leaves the arena file in /dev/shm
+                raise
         self.l1 = L1Cache(self.arena, config.eviction, self._start_evicting_spill if self.l2 else None)
         self._ctx = context or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
