@@ -56,8 +56,8 @@ class BenchOptions:
     device: str | None = None        # overrides the scenario's device
     heartbeat_s: float = 30.0        # a long case prints that it is alive this often
     progress: TextIO = field(default_factory=lambda: sys.stderr)
-    # Test hook, run between lookup and retrieve with the hit and the server's arena file.
-    before_retrieve: Callable[[Hit, str], None] | None = None
+    # Test hook, run between lookup and retrieve with the hit and the case's server (None: --server).
+    before_retrieve: Callable[[Hit, ServerProcess | None], None] | None = None
 
 
 @dataclass(slots=True)
@@ -297,7 +297,6 @@ class Runner:
             server = None if self.opt.server else self._start_server(label)
             endpoint = self.opt.server or server.endpoint
             watch = _Watch(server, clients) if server else None
-            arena = server.arena_path if server else ""
             control = CacheClient(endpoint, timeout_s=CLIENT_TIMEOUT_S)
             clients.append(control)
             before, _ = control.call(P.Stats())
@@ -309,7 +308,7 @@ class Runner:
                 kv = KVTransfer(endpoint, self.layout, self._pools_for(e).pages, cfg, client=client)
                 engines.append(SimEngine(
                     kv, self._pools_for(e), self._prefill, timeout_s=CLIENT_TIMEOUT_S,
-                    before_retrieve=(lambda hit: hook(hit, arena)) if hook else None))
+                    before_retrieve=(lambda hit: hook(hit, server)) if hook else None))
             has_state = bool(self.layout.recurrent_groups)
             for repeat in range(-self.scenario.warmup, self.scenario.repeats):
                 self.status.set(label, f"repeat {repeat + 1} of {self.scenario.repeats}" if repeat >= 0
