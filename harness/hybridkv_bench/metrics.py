@@ -58,6 +58,7 @@ class RequestRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     lookup_s: float
     store_s: float
     load_s: float
+    store_done_s: float = 0.0  # store submitted -> the engine's blocks reusable (`done`); store_s runs to `committed`
     prefill_s: float
     ttft_s: float
     bytes_stored: int

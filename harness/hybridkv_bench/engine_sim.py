@@ -1,0 +1,229 @@
+"""The simulated engine: vLLM-shaped paged pools whose every byte is known, so every load is verified.
+
+An engine owns one page buffer per layer index shared by all groups (`hybridkv.pools.vllm_pools`, vLLM's
+hybrid layout) and a block allocator. It runs no model: what a prefill would write into a block is
+replaced by deterministic contents derived from (chunk key, group, layer, block within the chunk),
+which `PagePattern` expands into a full page with two integer ops per 8 bytes, on GPU or CPU. Because
+the content of any page can be recomputed from its key, every page a retrieve writes is compared with
+what the page that was stored held; a page that differs or was never written counts its chunk as
+corrupt. Destination blocks are zeroed before each retrieve (a pattern page is never all zero), so a
+load that silently skips a page cannot pass on stale bytes of an earlier request.
+
+One request (`SimEngine.run`): allocate blocks for the prompt in every group; zero the blocks a hit
+could fill; lookup (timed); retrieve the hit into the blocks (timed, submit to `done`); verify; write the
+pages of the uncached blocks, as a prefill would (untimed: prefill time is modeled, `prefill_s`); store
+every full chunk (timed, submit to `committed`; the time to `done`, when the engine could reuse the
+blocks, is kept beside it); end the session; free the blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from hybridkv.layout import ModelLayout
+from hybridkv.pools import BlockAllocator, vllm_pools
+from hybridkv.protocol import ObjectLoc
+from hybridkv.transfer import Hit, KVTransfer
+
+_M64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # odd: word index * GOLDEN is a bijection, so words of one page all differ
+_MIX = 0xBF58476D1CE4E5B9     # odd: multiplying by it is a bijection, so pages of different seeds differ in every word
+
+
+def _int64(x: int) -> int:
+    """An unsigned 64-bit value as the signed int64 torch stores (same bits)."""
+    x &= _M64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + _GOLDEN) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def page_seed(key: bytes, group: int, layer: int, block: int) -> int:
+    """The seed of one page: chunk key, group, layer within the group, block within the chunk."""
+    base = int.from_bytes(key[:8], "little")
+    return _int64(_splitmix64(base ^ _splitmix64((group << 40) | (layer << 20) | block)))
+
+
+class PagePattern:
+    """Page contents from a seed: int64 word w is (w * GOLDEN ^ seed) * MIX mod 2**64."""
+
+    def __init__(self, page_bytes: int, device: torch.device):
+        self.page_bytes = page_bytes
+        words = -(-page_bytes // 8)
+        self._index = torch.arange(words, dtype=torch.int64, device=device).mul_(_int64(_GOLDEN))
+
+    def pages(self, seeds: Sequence[int]) -> torch.Tensor:
+        """(len(seeds), page_bytes) uint8 pages, one per seed."""
+        s = torch.tensor(list(seeds), dtype=torch.int64, device=self._index.device)
+        x = torch.bitwise_xor(self._index.unsqueeze(0), s.unsqueeze(1)).mul_(_int64(_MIX))
+        return x.view(torch.uint8)[:, :self.page_bytes]
+
+
+class EnginePools:
+    """One engine's paged KV cache: page views per group per layer over shared buffers, and its allocator."""
+
+    def __init__(self, layout: ModelLayout, num_blocks: int, device: torch.device):
+        self.layout = layout
+        self.device = device
+        self.num_blocks = num_blocks
+        self.pages = vllm_pools(layout, num_blocks, device)
+        self.allocator = BlockAllocator(num_blocks)
+        self.pattern = PagePattern(layout.groups[0].page_bytes, device)
+
+    @staticmethod
+    def blocks_for(layout: ModelLayout, tokens: int) -> list[int]:
+        """Blocks a `tokens`-long prompt takes in each group."""
+        return [-(-tokens // g.block_tokens) for g in layout.groups]
+
+    @classmethod
+    def for_prompts(cls, layout: ModelLayout, max_tokens: int, device: torch.device) -> EnginePools:
+        """Pools large enough for one request of `max_tokens` at a time."""
+        return cls(layout, sum(cls.blocks_for(layout, max_tokens)), device)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestResult:
+    """What one request measured and verified. Times in seconds; prefill_s is modeled."""
+
+    hit_tokens: int
+    lookup_s: float
+    load_s: float
+    prefill_s: float
+    store_s: float
+    store_done_s: float
+    bytes_stored: int
+    bytes_loaded: int
+    verified_chunks: int
+    corrupt_chunks: int
+
+    @property
+    def ttft_s(self) -> float:
+        """lookup + load (measured) + prefill of the uncached tokens (modeled); a miss loads nothing."""
+        return self.lookup_s + self.load_s + self.prefill_s
+
+
+class HitMismatch(RuntimeError):
+    """The server's hit differs from what the stored prefixes allow (too short: lost data; too long: unsafe)."""
+
+
+class SimEngine:
+    """One engine rank: its pools, its KVTransfer, and the request life described in the module doc."""
+
+    def __init__(self, kv: KVTransfer, pools: EnginePools, prefill: Callable[[int, int], float],
+                 timeout_s: float = 600.0, before_retrieve: Callable[[Hit], None] | None = None):
+        self.kv = kv
+        self.pools = pools
+        self.layout = pools.layout
+        self.chunk_tokens = kv.chunk_tokens
+        self.prefill = prefill
+        self.timeout_s = timeout_s
+        self.before_retrieve = before_retrieve  # a test hook: runs between lookup and retrieve
+        self._cuda = pools.device.type == "cuda"
+
+    def _sync(self) -> None:
+        if self._cuda:
+            torch.cuda.synchronize(self.pools.device)
+
+    def _bpc(self, g: int) -> int:
+        return self.chunk_tokens // self.layout.groups[g].block_tokens
+
+    def _seed(self, keys: list[bytes], tail_key: bytes, g: int, layer: int, position: int) -> int:
+        c, j = divmod(position, self._bpc(g))
+        return page_seed(keys[c] if c < len(keys) else tail_key, g, layer, j)
+
+    def _zero(self, blocks: list[list[int]], n_chunks: int) -> None:
+        for g, ids in enumerate(blocks):
+            sel = ids[:n_chunks * self._bpc(g)]
+            if sel:
+                index = torch.as_tensor(sel, device=self.pools.device)
+                for t in self.pools.pages[g]:
+                    t.index_fill_(0, index, 0)
+
+    def _prefill_pages(self, blocks: list[list[int]], keys: list[bytes], tail_key: bytes, hit_chunks: int) -> None:
+        """Write what a prefill would leave in every block past the hit (the partial last chunk too)."""
+        for g, ids in enumerate(blocks):
+            start = hit_chunks * self._bpc(g)
+            positions = range(start, len(ids))
+            if not positions:
+                continue
+            index = torch.as_tensor(ids[start:], device=self.pools.device)
+            for layer, t in enumerate(self.pools.pages[g]):
+                pages = self.pools.pattern.pages([self._seed(keys, tail_key, g, layer, p) for p in positions])
+                t.index_copy_(0, index, pages)
+
+    def _required(self, n: int) -> set[tuple[int, int]]:
+        """(chunk, group) objects a resume at n chunks needs under this engine's retrieve policy."""
+        every = self.kv.config.retrieve_policy == "all"
+        return {(c, g) for c in range(n) for g, grp in enumerate(self.layout.groups)
+                if grp.kind == "attention" or every or c == n - 1}
+
+    def verify(self, hit: Hit, blocks: list[list[int]]) -> tuple[int, int]:
+        """(verified, corrupt) chunks of the hit: a chunk is corrupt if any page it needs is missing or differs."""
+        n = hit.hit_chunks
+        bad = {c for c, g in self._required(n) - {(o.chunk, o.group) for o in hit.objects}}
+        by_group: dict[int, list[ObjectLoc]] = {}
+        for o in hit.objects:
+            by_group.setdefault(o.group, []).append(o)
+        for g, objs in by_group.items():
+            bpc = self._bpc(g)
+            attention = self.layout.groups[g].kind == "attention"
+            positions, chunks = [], []
+            for o in objs:
+                within = range(o.chunk * bpc, (o.chunk + 1) * bpc) if attention else [(o.chunk + 1) * bpc - 1]
+                positions += within
+                chunks += [o.chunk] * len(within)
+            index = torch.as_tensor([blocks[g][p] for p in positions], device=self.pools.device)
+            for layer, t in enumerate(self.pools.pages[g]):
+                expected = self.pools.pattern.pages([self._seed(hit.keys, b"", g, layer, p) for p in positions])
+                wrong = (t.index_select(0, index) != expected).any(dim=1).nonzero().flatten().tolist()
+                bad.update(chunks[i] for i in wrong)
+        return n - len(bad), len(bad)
+
+    def run(self, request_id: str, tokens: np.ndarray) -> RequestResult:
+        """One request from allocation to free; see the module doc for what is timed."""
+        kv, layout = self.kv, self.layout
+        keys = kv.keys(tokens)
+        full = len(keys) * self.chunk_tokens
+        tail_key = hashlib.blake2b((keys[-1] if keys else kv.namespace) + np.asarray(tokens[full:], "<u4").tobytes(),
+                                   digest_size=16).digest()
+        counts = EnginePools.blocks_for(layout, len(tokens))
+        blocks = [self.pools.allocator.allocate(n) for n in counts]
+        try:
+            self._zero(blocks, len(keys))
+            self._sync()
+            t0 = time.perf_counter()
+            hit = kv.lookup(request_id, tokens)
+            lookup_s = time.perf_counter() - t0
+            if self.before_retrieve is not None:
+                self.before_retrieve(hit)
+            load_s, loaded, verified, corrupt = 0.0, 0, 0, 0
+            if hit.hit_chunks:
+                t0 = time.perf_counter()
+                h = kv.retrieve(hit, blocks).wait(self.timeout_s)
+                load_s, loaded = time.perf_counter() - t0, h.nbytes
+                verified, corrupt = self.verify(hit, blocks)
+            self._prefill_pages(blocks, keys, tail_key, hit.hit_chunks)
+            prefill_s = self.prefill(len(tokens) - hit.hit_tokens, hit.hit_tokens)
+            self._sync()  # the store starts after the "prefill" writes, not racing them
+            t0 = time.perf_counter()
+            sh = kv.store(request_id, tokens, blocks).wait_committed(self.timeout_s)
+            store_s = time.perf_counter() - t0
+            store_done_s = sh.t_done - t0 if sh.t_done else store_s
+            kv.end_session(request_id)
+        finally:
+            for ids in blocks:
+                self.pools.allocator.free(ids)
+        return RequestResult(hit_tokens=hit.hit_tokens, lookup_s=lookup_s, load_s=load_s, prefill_s=prefill_s,
+                             store_s=store_s if sh.nbytes else 0.0, store_done_s=store_done_s if sh.nbytes else 0.0,
+                             bytes_stored=sh.nbytes, bytes_loaded=loaded, verified_chunks=verified,
+                             corrupt_chunks=corrupt)

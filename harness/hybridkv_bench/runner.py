@@ -1,0 +1,432 @@
+"""The scenario runner behind `hybridkv bench`: every (matrix case, workload) against a fresh cache server.
+
+For each case: start a server process (its own L1 arena, an L2 directory under the run's temp area when
+the scenario has an L2), connect one `SimEngine` per engine of the workload, run the warm-up and measured
+repeats (each starts from an empty namespace: the engines `Clear` theirs), check every hit against
+`ExpectedHits`, sample the server (VRAM by NVML, CUDA libraries mapped, RSS, CPU time, counters), stop it.
+A case that raises, or whose server dies (a watchdog closes the engines' sockets at once instead of
+waiting for timeouts), is recorded as failed with its error and the run goes on. The copy ceiling is
+calibrated once per run. The run folder is written as cases finish; Ctrl-C or SIGTERM stops servers,
+removes temp files and leaves run.json marked incomplete.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+import msgspec
+import torch
+from hybridkv import protocol as P
+from hybridkv.client import CacheClient, ServerTimeout
+from hybridkv.launch import ServerProcess, start_server
+from hybridkv.transfer import WIRE_FORMATS, Hit, KVTransfer, TransferConfig
+
+from .context import collect_context
+from .engine_sim import EnginePools, HitMismatch, SimEngine
+from .metrics import RequestRow, case_metrics
+from .prefill import prefill_seconds
+from .probes import sample_server
+from .results import CaseResult, RunWriter
+from .scenario import Case, Scenario, ScenarioFile, expand_matrix
+from .workloads import ExpectedHits, Plan, Request, build_plan
+
+CLIENT_TIMEOUT_S = 300.0  # one call may carry a legacy-format payload of GBs through a serializer
+
+
+class BenchError(Exception):
+    """A run that cannot start as asked (bad device, endpoint, case filter, run folder)."""
+
+
+@dataclass(slots=True)
+class BenchOptions:
+    out: Path | None = None          # default: results/runs/<scenario>-<UTC time>
+    server: str | None = None        # an already running server: server probes are not measured
+    cases: str | None = None         # glob over case names or workload/case
+    device: str | None = None        # overrides the scenario's device
+    heartbeat_s: float = 30.0        # a long case prints that it is alive this often
+    progress: TextIO = field(default_factory=lambda: sys.stderr)
+    # Test hook, run between lookup and retrieve with the hit and the case's server (None: --server).
+    before_retrieve: Callable[[Hit, ServerProcess | None], None] | None = None
+
+
+@dataclass(slots=True)
+class RunOutcome:
+    folder: Path
+    cases: int
+    failed: list[str]
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "cpu":
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if device == "cuda":
+        raise BenchError("device 'cuda' asked for, but torch sees no CUDA device")
+    return torch.device("cpu")
+
+
+def check_endpoint(endpoint: str, timeout_s: float = 5.0) -> None:
+    """Raise BenchError unless a hybridkv server answers a health request at `endpoint`."""
+    if not endpoint.startswith(("ipc://", "tcp://")):
+        raise BenchError(f"--server {endpoint!r}: expected ipc://PATH or tcp://HOST:PORT")
+    client = CacheClient(endpoint, timeout_s=timeout_s)
+    try:
+        client.call(P.Health(), timeout=timeout_s + 1)
+    except (ServerTimeout, TimeoutError):
+        raise BenchError(f"--server {endpoint}: no hybridkv server answered within {timeout_s:g} s") from None
+    finally:
+        client.close()
+
+
+class _Watch:
+    """Closes the case's client sockets the moment its server exits, so engines fail now, not at a timeout."""
+
+    def __init__(self, server: ServerProcess, clients: list[CacheClient]):
+        self.server, self.clients = server, clients
+        self.stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hkv-bench-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self.stopping.wait(0.05):
+            if not self.server.alive():
+                for c in list(self.clients):
+                    c.close()
+                return
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self._thread.join()
+
+
+class _Status:
+    """What the runner is doing, for the heartbeat line."""
+
+    def __init__(self) -> None:
+        self.label, self.detail, self.since = "", "", time.monotonic()
+
+    def set(self, label: str, detail: str = "") -> None:
+        if label != self.label:
+            self.since = time.monotonic()
+        self.label, self.detail = label, detail
+
+
+def _case_selected(pattern: str | None, workload: str, case: Case) -> bool:
+    return pattern is None or any(fnmatch.fnmatchcase(n, pattern) for n in (case.name, f"{workload}/{case.name}"))
+
+
+def _fmt(v, unit: str = "", digits: int = 3) -> str:
+    return "n/a" if v is None else f"{v:.{digits}g}{unit}"
+
+
+def headline(result: CaseResult, wall_s: float) -> str:
+    """One progress line per case: TTFT cold/warm, rates against the ceiling, verification, server cost."""
+    if result.status == "failed":
+        return f"FAILED ({wall_s:.1f} s): {result.error}"
+    m = result.metrics
+    vram = "not measured" if m["server_vram_mib"] is None else f"{m['server_vram_mib']:g} MiB"
+    cuda = {None: "not measured", True: "yes", False: "no"}[m["server_cuda_mapped"]]
+    return (f"ok ({wall_s:.1f} s)  TTFT cold {_fmt(m['ttft_cold_s'], ' s')} warm {_fmt(m['ttft_warm_s'], ' s')} "
+            f"(x{_fmt(m['ttft_speedup'])})  store {_fmt(m['store_gbps'], ' GB/s')} "
+            f"({_fmt(m['store_ceiling_ratio'], '', 2)} of peak)  load {_fmt(m['load_gbps'], ' GB/s')} "
+            f"({_fmt(m['load_ceiling_ratio'], '', 2)} of peak)  hit {m['hit_tokens']} tok  "
+            f"verified {m['verified_chunks']} corrupt {m['corrupt_chunks']}  server VRAM {vram}, CUDA libs {cuda}")
+
+
+class Runner:
+    """One run of one scenario; `run()` does it all. See the module doc."""
+
+    def __init__(self, sf: ScenarioFile, options: BenchOptions):
+        self.sf, self.opt = sf, options
+        scenario = sf.scenario
+        if options.device:
+            scenario = msgspec.structs.replace(scenario, device=options.device)
+            self.sf = sf = ScenarioFile(sf.path, sf.sha256, scenario, sf.scale)
+        self.scenario: Scenario = scenario
+        self.layout = scenario.model.layout()
+        self.cfg = scenario.model.config()
+        self.chunk = scenario.model.resolved_chunk_tokens(self.layout)
+        self.device = resolve_device(scenario.device)
+        self.cases = expand_matrix(scenario)
+        self.plans = {w.label: build_plan(w, self.chunk, scenario.seed, scenario.model.tp) for w in scenario.workloads}
+        self.selected = [(w, c) for w in scenario.workloads for c in self.cases
+                         if _case_selected(options.cases, w.label, c)]
+        if not self.selected:
+            raise BenchError(f"--cases {options.cases!r} matches no case of {scenario.name} "
+                             f"(cases: {', '.join(c.name for c in self.cases)})")
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        self.folder = Path(options.out or Path("results", "runs", f"{scenario.name}-{stamp}"))
+        self.status = _Status()
+        self._pools: dict[int, EnginePools] = {}
+        self._tmp: list[Path] = []
+        self._servers: list[ServerProcess] = []
+        self._nonce = f"{os.getpid()}-{time.time_ns()}"
+
+    # ---- resources ----------------------------------------------------------------------------------
+
+    def _pools_for(self, engine: int) -> EnginePools:
+        """Pools live for the whole run (allocating GBs per case would be measured by nobody)."""
+        if engine not in self._pools:
+            tokens = max(p.max_tokens(engine) for p in self.plans.values())
+            self._pools[engine] = EnginePools.for_prompts(self.layout, tokens, self.device)
+        return self._pools[engine]
+
+    def _mkdtemp(self, prefix: str, parent: Path | None = None) -> Path:
+        d = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+        self._tmp.append(d)
+        return d
+
+    def _start_server(self, label: str) -> ServerProcess:
+        srv = self.scenario.server
+        sock = self._mkdtemp("hkv-bench-")  # /tmp: ipc:// paths must stay short; mkdtemp makes it 0700
+        flags = []
+        if srv.l2_gib > 0:
+            parent = Path(srv.l2_dir) if srv.l2_dir else self.folder / ".tmp"
+            parent.mkdir(parents=True, exist_ok=True)
+            flags += ["--l2-dir", str(self._mkdtemp("l2-", parent)), "--l2-gib", f"{srv.l2_gib:.6f}"]
+        logs = self.folder / "server-logs"
+        logs.mkdir(exist_ok=True)
+        with open(logs / f"{label.replace('/', '--')}.log", "w") as log:
+            server = start_server(f"ipc://{sock}/server.sock", *flags, l1_gib=srv.l1_gib,
+                                  client_timeout=srv.client_timeout_s, stderr=log)
+        self._servers.append(server)
+        return server
+
+    def _stop_server(self, server: ServerProcess) -> None:
+        server.stop()
+        server.close()
+        self._servers.remove(server)
+
+    def cleanup(self) -> None:
+        """Stop every server this run started and remove its temp dirs (sockets, L2 files)."""
+        for s in list(self._servers):
+            self._stop_server(s)
+        for d in self._tmp:
+            shutil.rmtree(d, ignore_errors=True)
+        self._tmp.clear()
+        shutil.rmtree(self.folder / ".tmp", ignore_errors=True)
+
+    # ---- one case -----------------------------------------------------------------------------------
+
+    def _repeat(self, engines: list[SimEngine], oracles: dict[int, ExpectedHits], plan: Plan, label: str,
+                case: Case, repeat: int) -> list[RequestRow]:
+        rows: list[RequestRow] = []
+        lock = threading.Lock()
+        index = {id(r): i for i, r in enumerate(plan.requests)}
+
+        def one(req: Request) -> None:
+            eng = engines[req.engine]
+            oracle = oracles[plan.ranks[req.engine]]
+            expect = oracle.lookup(req.tokens)
+            res = eng.run(f"r{repeat}-{req.name}", req.tokens)
+            if res.hit_tokens != expect * self.chunk:
+                raise HitMismatch(f"{req.name}: the server's hit is {res.hit_tokens} tokens, the stored prefixes "
+                                  f"allow exactly {expect * self.chunk} ({expect} chunks of {self.chunk})")
+            oracle.stored(req.tokens)
+            row = RequestRow(case=case.name, workload=label, repeat=repeat, request=index[id(req)], phase=req.phase,
+                             prompt_tokens=len(req.tokens), hit_tokens=res.hit_tokens, lookup_s=res.lookup_s,
+                             store_s=res.store_s, store_done_s=res.store_done_s, load_s=res.load_s,
+                             prefill_s=res.prefill_s, ttft_s=res.ttft_s, bytes_stored=res.bytes_stored,
+                             bytes_loaded=res.bytes_loaded, verified_chunks=res.verified_chunks,
+                             corrupt_chunks=res.corrupt_chunks)
+            with lock:
+                rows.append(row)
+
+        if len(engines) == 1:
+            for r in plan.requests:
+                one(r)
+            return rows
+        # Engines at once, one thread each; a barrier between phases. An engine that fails breaks the
+        # barrier so that the others stop instead of waiting for it.
+        barrier = threading.Barrier(len(engines))
+        errors: list[BaseException] = []
+
+        def engine_thread(e: int) -> None:
+            try:
+                for phase in plan.phases:
+                    for r in phase:
+                        if r.engine == e:
+                            one(r)
+                    barrier.wait()
+            except threading.BrokenBarrierError:
+                pass
+            except BaseException as exc:  # reported by the main thread
+                errors.append(exc)
+                barrier.abort()
+
+        threads = [threading.Thread(target=engine_thread, args=(e,), name=f"hkv-engine-{e}") for e in
+                   range(len(engines))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive():
+                t.join(0.2)  # short joins keep the main thread responsive to Ctrl-C
+        if errors:
+            raise errors[0]
+        rows.sort(key=lambda r: r.request)
+        return rows
+
+    def _run_case(self, workload, case: Case) -> tuple[CaseResult, list[RequestRow]]:
+        label = f"{workload.label}/{case.name}"
+        plan = self.plans[workload.label]
+        axes = case.axes
+        failed = lambda msg: (CaseResult(name=case.name, workload=workload.label, axes=axes,  # noqa: E731
+                                         status="failed", error=msg), [])
+        if axes["wire_format"] not in WIRE_FORMATS:
+            return failed(f"wire_format {axes['wire_format']!r} is not implemented by hybridkv.transfer "
+                          f"(it supports {', '.join(WIRE_FORMATS)})")
+        salt = f"{label}@{self._nonce}" if self.opt.server else label  # a shared server may hold older runs
+        clients: list[CacheClient] = []
+        engines: list[SimEngine] = []
+        rows: list[RequestRow] = []
+        hook = self.opt.before_retrieve
+        server = watch = None
+        try:
+            server = None if self.opt.server else self._start_server(label)
+            endpoint = self.opt.server or server.endpoint
+            watch = _Watch(server, clients) if server else None
+            control = CacheClient(endpoint, timeout_s=CLIENT_TIMEOUT_S)
+            clients.append(control)
+            before, _ = control.call(P.Stats())
+            for e, rank in enumerate(plan.ranks):
+                client = CacheClient(endpoint, timeout_s=CLIENT_TIMEOUT_S)
+                clients.append(client)
+                cfg = TransferConfig(**axes, chunk_tokens=self.chunk, tp_rank=rank, salt=salt,
+                                     timeout_s=CLIENT_TIMEOUT_S, name=f"{label}#{e}")
+                kv = KVTransfer(endpoint, self.layout, self._pools_for(e).pages, cfg, client=client)
+                engines.append(SimEngine(
+                    kv, self._pools_for(e), self._prefill, timeout_s=CLIENT_TIMEOUT_S,
+                    before_retrieve=(lambda hit: hook(hit, server)) if hook else None))
+            has_state = bool(self.layout.recurrent_groups)
+            for repeat in range(-self.scenario.warmup, self.scenario.repeats):
+                self.status.set(label, f"repeat {repeat + 1} of {self.scenario.repeats}" if repeat >= 0
+                                else f"warm-up {repeat + self.scenario.warmup + 1} of {self.scenario.warmup}")
+                for eng in {eng.kv.namespace: eng for eng in engines}.values():
+                    control.call(P.Clear(engine=eng.kv.engine_id))
+                oracles = {rank: ExpectedHits(self.chunk, has_state, axes["store_policy"], axes["retrieve_policy"])
+                           for rank in set(plan.ranks)}
+                rows += self._repeat(engines, oracles, plan, workload.label, case, repeat)
+            after, _ = control.call(P.Stats())
+            # Counters and gauges as the server reports them after the case; on a shared server, with the
+            # values from before it too (counters of other clients may have moved meanwhile).
+            details = {"server_counters": after.counters}
+            if server is None:
+                details["server_counters_before"] = before.counters
+            if server is not None:
+                sample = sample_server(server.pid, os.getpid())
+                server_metrics = sample.metrics()
+                details["server_cuda_libraries"] = sample.cuda_libraries
+            else:
+                server_metrics = {}
+                details["server"] = f"external ({endpoint}): VRAM, CUDA libraries, RSS and CPU not measured"
+            metrics = case_metrics(rows, self.calibration, server_metrics)
+            store_done = sorted(r.store_done_s for r in rows if r.repeat >= 0 and r.bytes_stored)
+            details["store_done_s_p50"] = store_done[len(store_done) // 2] if store_done else None
+            return CaseResult(name=case.name, workload=workload.label, axes=axes, status="ok", metrics=metrics,
+                              details=details), rows
+        except Exception as e:
+            if server is not None and not server.alive():
+                return failed(f"server exited with status {server.proc.returncode}{self._log_tail(label)}")
+            return failed(f"{type(e).__name__}: {e}")
+        finally:
+            if watch:
+                watch.stop()
+            for eng in engines:
+                eng.kv.close()
+            for c in clients:
+                c.close()
+            if server is not None:
+                self._stop_server(server)
+
+    def _log_tail(self, label: str) -> str:
+        log = self.folder / "server-logs" / f"{label.replace('/', '--')}.log"
+        try:
+            lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
+        except OSError:
+            return ""
+        return f" (last log line: {lines[-1].strip()})" if lines else ""
+
+    def _prefill(self, new: int, cached: int) -> float:
+        return prefill_seconds(self.scenario.prefill, self.cfg, self.scenario.model.tp, new, cached)
+
+    # ---- the run ------------------------------------------------------------------------------------
+
+    def _heartbeat(self, stop: threading.Event) -> None:
+        while not stop.wait(self.opt.heartbeat_s):
+            s = self.status
+            print(f"  ... {s.label}: {s.detail}, {time.monotonic() - s.since:.0f} s in", file=self.opt.progress,
+                  flush=True)
+
+    def run(self) -> RunOutcome:
+        from .probes import calibrate
+
+        out = self.opt.progress
+        if self.opt.server:
+            check_endpoint(self.opt.server)
+        record = self.sf.record()
+        context = collect_context()
+        context["cases_glob"] = self.opt.cases
+        try:
+            writer = RunWriter(self.folder, record, context)
+        except Exception as e:
+            raise BenchError(str(e)) from None
+        stop = threading.Event()
+        beat = threading.Thread(target=self._heartbeat, args=(stop,), name="hkv-bench-heartbeat", daemon=True)
+        failed: list[str] = []
+        try:
+            beat.start()
+            self.status.set("calibration", f"copy ceiling on {self.device.type}")
+            cal = calibrate(self.device.type)
+            self.calibration = msgspec.to_builtins(cal)
+            writer.set_calibration(self.calibration)
+            print(f"hybridkv bench {self.scenario.name}: {len(self.selected)} cases on {self.device}, "
+                  f"ceiling D2H {cal.d2h_peak_gbps:.2f} / H2D {cal.h2d_peak_gbps:.2f} GB/s ({cal.method}); "
+                  f"run folder {self.folder}", file=out, flush=True)
+            for i, (workload, case) in enumerate(self.selected, 1):
+                t0 = time.perf_counter()
+                self.status.set(f"{workload.label}/{case.name}", "starting")
+                result, rows = self._run_case(workload, case)
+                writer.add_requests(rows)
+                writer.add_case(result)
+                if result.status == "failed":
+                    failed.append(result.key)
+                print(f"[{i}/{len(self.selected)}] {result.key}: {headline(result, time.perf_counter() - t0)}",
+                      file=out, flush=True)
+            writer.finish()
+        except BaseException:
+            writer.close()  # run.json stays complete=false
+            raise
+        finally:
+            stop.set()
+            self.cleanup()
+        return RunOutcome(folder=self.folder, cases=len(self.selected), failed=failed)
+
+
+def run_bench(sf: ScenarioFile, options: BenchOptions | None = None) -> RunOutcome:
+    """Run a scenario; SIGTERM is turned into KeyboardInterrupt so that it cleans up as Ctrl-C does."""
+    runner = Runner(sf, options or BenchOptions())
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    if main:
+        signal.signal(signal.SIGTERM, on_term)
+    try:
+        return runner.run()
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
