@@ -188,10 +188,11 @@ class Runner:
         self._tmp.append(d)
         return d
 
-    def _start_server(self, label: str) -> ServerProcess:
+    def _start_server(self, label: str, wire_format: str) -> ServerProcess:
         srv = self.scenario.server
         sock = self._mkdtemp("hkv-bench-")  # /tmp: ipc:// paths must stay short; mkdtemp makes it 0700
-        flags = []
+        # only the CUDA-IPC baseline's server may see a GPU: it maps the engine's pages and copies itself
+        flags = ["--cuda-ipc"] if wire_format == "cuda_ipc" else []
         if srv.l2_gib > 0:
             parent = Path(srv.l2_dir) if srv.l2_dir else self.folder / ".tmp"
             parent.mkdir(parents=True, exist_ok=True)
@@ -294,7 +295,7 @@ class Runner:
         hook = self.opt.before_retrieve
         server = watch = None
         try:
-            server = None if self.opt.server else self._start_server(label)
+            server = None if self.opt.server else self._start_server(label, axes["wire_format"])
             endpoint = self.opt.server or server.endpoint
             watch = _Watch(server, clients) if server else None
             control = CacheClient(endpoint, timeout_s=CLIENT_TIMEOUT_S)

@@ -65,15 +65,29 @@ def start_server(endpoint: str, *args: str, l1_gib: float, client_timeout: float
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
     deadline = time.monotonic() + ready_timeout
     line = ""
-    while time.monotonic() < deadline and proc.poll() is None:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
-        if ready:
-            line = proc.stdout.readline()
-            break
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            ready, _, _ = select.select([proc.stdout], [], [], 0.2)
+            if ready:
+                line = proc.stdout.readline()
+                break
+    except BaseException:  # Ctrl-C while starting: no server may outlive its starter
+        proc.kill()
+        proc.wait()
+        _remove_arenas_of(proc.pid, args)
+        raise
     if "ready" not in line:
         proc.kill()
+        _remove_arenas_of(proc.pid, args)
         err = proc.stderr.read() if proc.stderr not in (None, subprocess.DEVNULL) else ""
         proc.wait()
         raise ServerStartError(f"cache server did not start ({' '.join(cmd[3:])}): {line.strip()} {err.strip()}")
     arena = line.split("arena=")[1].split()[0]
     return ServerProcess(proc, endpoint, arena)
+
+
+def _remove_arenas_of(pid: int, args: tuple[str, ...]) -> None:
+    """A server killed before it was ready may have left its arena file: remove it by its pid."""
+    l1_dir = args[args.index("--l1-dir") + 1] if "--l1-dir" in args else "/dev/shm"
+    for f in Path(l1_dir).glob(f"hybridkv-{pid}-*.arena"):
+        f.unlink(missing_ok=True)
