@@ -27,7 +27,11 @@ from .layout import LayoutError, ModelLayout
 from .wire import ArenaMapping, StagingPool, decode_objects, encode_objects
 
 WIRE_FORMATS = ("shm", "raw", "pickle", "torch_save", "cuda_ipc")
-COPY_ENGINES = ("kernel", "dma")
+COPY_ENGINES = ("auto", "kernel", "dma")
+# auto's rule, from the H200 runs of 2026-11-29 (kernels/README.md, results/h200/2026-11-29/): on 3.2 MB
+# pages per-page DMA reaches 0.93-0.95 of the PCIe ceiling and the Triton kernel 0.88-0.92; on 64 KiB
+# pages DMA is launch-bound (0.07-0.13) and the kernel holds 0.89-0.93.
+DMA_MIN_PAGE_BYTES = 1 << 20
 STREAM_MODES = ("single", "per_group")
 POLICIES = ("boundary", "all")
 
@@ -37,8 +41,9 @@ class TransferConfig:
     """How an engine moves bytes; validated at construction."""
 
     wire_format: str = "shm"
-    # kernel: one Triton launch per plan (the torch reference off CUDA); dma: one copy_ per run of pages
-    copy_engine: str = "kernel"
+    # kernel: one Triton launch per plan (the torch reference off CUDA); dma: one copy_ per run of pages;
+    # auto: dma for pages of at least DMA_MIN_PAGE_BYTES, kernel for smaller ones (measured, see above)
+    copy_engine: str = "auto"
     streams: str = "single"           # single: every group on one stream; per_group: a stream per group (the seed's)
     # boundary: recurrent state only at the last hit chunk; all: every chunk (the seed's)
     retrieve_policy: str = "boundary"
@@ -188,9 +193,11 @@ class KVTransfer:
             raise LayoutError("every group's pages must be on one device")
         return out
 
-    @staticmethod
-    def _pick_impl(config: TransferConfig, device: torch.device) -> str:
-        if config.copy_engine == "dma":
+    def _pick_impl(self, config: TransferConfig, device: torch.device) -> str:
+        engine = config.copy_engine
+        if engine == "auto":
+            engine = "dma" if min(g.page_bytes for g in self.groups) >= DMA_MIN_PAGE_BYTES else "kernel"
+        if engine == "dma":
             return "dma"
         if config.kernel_impl == "auto":
             return "triton" if device.type == "cuda" and "triton" in available_impls(device) else "torch"

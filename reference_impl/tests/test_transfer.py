@@ -227,3 +227,12 @@ def test_a_cpu_only_server_refuses_the_cuda_ipc_format(endpoint):
         with pytest.raises(ServerError, match="CPU-only"):
             c.call(P.ShareCuda(engine=reg.engine, groups=[[share] * g.num_layers for g in layout.groups]))
         c.call(P.Health())
+
+
+def test_auto_copy_engine_picks_dma_for_large_pages_and_the_kernel_for_small(endpoint):
+    for preset, want in (("qwen3.6-27b-4layers", "dma"), ("tiny-hybrid", "kernel")):
+        layout = preset_layout(preset)
+        pools = vllm_pools(layout, 4, DEVICE)
+        with KVTransfer(endpoint, layout, pools, TransferConfig(salt=f"auto-{preset}")) as kv:
+            kernel = "triton" if DEVICE == "cuda" else "torch"
+            assert kv.impl == ("dma" if want == "dma" else kernel), (preset, kv.impl)
