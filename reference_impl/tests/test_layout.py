@@ -1,0 +1,97 @@
+"""Layouts and presets: vLLM's hybrid alignment rule reproduces the figures in ANCHORS.md."""
+
+from __future__ import annotations
+
+import pytest
+from hybridkv.layout import GroupLayout, LayoutError, ModelLayout
+from hybridkv.presets import (
+    QWEN3_NEXT_80B,
+    QWEN36_27B,
+    model_config,
+    preset_layout,
+    preset_names,
+    vllm_group_size,
+)
+
+
+def test_qwen36_27b_tp1_matches_the_anchors():
+    cfg = QWEN36_27B
+    assert cfg.attn_page_per_token(1) == 4096  # per token per layer
+    conv, ssm = cfg.recurrent_state_bytes(1)
+    assert (conv, ssm, conv + ssm) == (61_440, 3_145_728, 3_207_168)
+    lay = preset_layout("qwen3.6-27b")
+    assert [g.kind for g in lay.groups] == ["attention", "recurrent", "recurrent", "recurrent"]
+    assert all(g.num_layers == 16 for g in lay.groups)
+    assert {g.block_tokens for g in lay.groups} == {784}
+    assert {g.page_bytes for g in lay.groups} == {3_211_264}
+    assert lay.default_chunk_tokens() == 784
+    assert lay.chunk_bytes(784) == 64 * 3_211_264 == 205_520_896  # ~205.5 MB per chunk
+    # 56k prompt: attention of 71 chunks + the states at the last one (ANCHORS: 3.65 + 0.154 GB)
+    attn = 71 * lay.object_bytes(0, 784)
+    states = sum(lay.object_bytes(g, 784) for g in (1, 2, 3))
+    assert round(attn / 1e9, 2) == 3.65 and round(states / 1e9, 3) == 0.154
+    assert round(71 * lay.chunk_bytes(784) / 1e9, 1) == 14.6
+
+
+def test_qwen35_has_qwen36_shapes_and_a_different_fingerprint():
+    a, b = preset_layout("qwen3.5-27b"), preset_layout("qwen3.6-27b")
+    assert [(g.kind, g.page_bytes, g.block_tokens) for g in a.groups] == [
+        (g.kind, g.page_bytes, g.block_tokens) for g in b.groups]
+    assert a.fingerprint() != b.fingerprint()  # the model id is part of the namespace
+
+
+@pytest.mark.parametrize("tp,block,page", [(1, 784, 3_211_264), (2, 784, 1_605_632), (4, 784, 802_816),
+                                           (8, 400, 409_600)])
+def test_qwen36_tensor_parallel_ranks(tp, block, page):
+    lay = preset_layout("qwen3.6-27b", tp)
+    assert lay.tp_size == tp and {g.block_tokens for g in lay.groups} == {block}
+    assert {g.page_bytes for g in lay.groups} == {page}
+    # the padded recurrent page holds the rank's real state
+    conv, ssm = QWEN36_27B.recurrent_state_bytes(tp)
+    assert page >= conv + ssm and page - (conv + ssm) < 16 * QWEN36_27B.attn_page_per_token(tp)
+
+
+@pytest.mark.parametrize("tp,block", [(1, 544), (2, 544), (4, 272), (8, 144)])
+def test_qwen3_next_blocks(tp, block):
+    lay = preset_layout("qwen3-next-80b-a3b", tp)
+    assert len(lay.groups) == 4 and all(g.num_layers == 12 for g in lay.groups)
+    assert {g.block_tokens for g in lay.groups} == {block}
+    assert QWEN3_NEXT_80B.ssm_dtype == "bfloat16"
+
+
+def test_group_size_rule():
+    assert vllm_group_size([16, 48]) == 16   # ratio 3: the smaller count
+    assert vllm_group_size([10, 12]) == 12   # within 25%: the larger
+    assert vllm_group_size([12]) == 12
+
+
+def test_presets_fail_clearly():
+    with pytest.raises(LayoutError, match="unknown model preset 'qwen9'"):
+        preset_layout("qwen9")
+    with pytest.raises(LayoutError, match="power of two"):
+        preset_layout("qwen3.6-27b", 3)
+    with pytest.raises(LayoutError, match="do not split"):
+        preset_layout("tiny-hybrid", 8)
+    assert "tiny-hybrid" in preset_names() and model_config("tiny-hybrid").num_layers == 8
+
+
+def test_layouts_validate_themselves():
+    g = GroupLayout(kind="attention", layer_names=("l0",), page_bytes=4096, block_tokens=16)
+    with pytest.raises(LayoutError, match="page_bytes must be positive"):
+        GroupLayout(kind="attention", layer_names=("l0",), page_bytes=0, block_tokens=16)
+    with pytest.raises(LayoutError, match="duplicate"):
+        GroupLayout(kind="attention", layer_names=("l0", "l0"), page_bytes=64, block_tokens=16)
+    with pytest.raises(LayoutError, match="unknown dtype"):
+        GroupLayout(kind="attention", layer_names=("l0",), page_bytes=64, block_tokens=16, dtype="float7")
+    with pytest.raises(LayoutError, match="more than one group"):
+        ModelLayout(model="m", groups=(g, g))
+    rec = GroupLayout(kind="recurrent", layer_names=("r0",), page_bytes=4096, block_tokens=16)
+    with pytest.raises(LayoutError, match="at least one attention group"):
+        ModelLayout(model="m", groups=(rec,))
+    lay = ModelLayout(model="m", groups=(g, GroupLayout(kind="recurrent", layer_names=("r0",), page_bytes=4096,
+                                                         block_tokens=32)))
+    assert lay.default_chunk_tokens() == 32
+    with pytest.raises(LayoutError, match="not a multiple of group 1's block size 32"):
+        lay.check_chunk_tokens(48)
+    # a chunk of 2 blocks: attention holds both blocks' pages, the recurrent group one state page
+    assert lay.object_bytes(0, 32) == 2 * 4096 and lay.object_bytes(1, 32) == 4096
