@@ -20,7 +20,7 @@ from hybridkv.launch import start_server
 from hybridkv_bench.gate import gate
 from hybridkv_bench.results import load_run
 from hybridkv_bench.runner import BenchOptions, run_bench
-from hybridkv_bench.scenario import load_scenario
+from hybridkv_bench.scenario import SERVER_IMPORTS_TORCH, load_scenario
 
 from conftest import REPO, SCENARIOS
 
@@ -62,7 +62,9 @@ def test_shipped_scenario_runs_verified(name: str, tmp_path: Path, capsys):
     for c in run.cases:
         m, rows = c.metrics, run.rows_of(c)
         assert m["corrupt_chunks"] == 0 and m["verified_chunks"] > 0, c.key
-        assert m["server_cuda_mapped"] is False and m["server_rss_mib"] > 0, c.key
+        assert m["server_rss_mib"] > 0, c.key
+        if c.axes["wire_format"] not in SERVER_IMPORTS_TORCH:  # a legacy format loads torch (CUDA build: its libs)
+            assert m["server_cuda_mapped"] is False, c.key
         # every loaded chunk was verified: bytes_loaded > 0 exactly where a hit was
         assert all((r.hit_tokens > 0) == (r.bytes_loaded > 0) for r in rows)
         assert sum(r.verified_chunks for r in rows) == sum(r.hit_tokens for r in rows) // chunk
@@ -192,6 +194,13 @@ def test_user_errors_are_one_line_exit_2(tmp_path: Path, capsys):
     assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
 
 
+def _is_server(p: psutil.Process) -> bool:
+    try:
+        return "serve" in p.cmdline()
+    except psutil.Error:  # exited while we looked
+        return False
+
+
 def _arenas() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob("hybridkv-*.arena")}
 
@@ -207,8 +216,11 @@ def test_interrupt_stops_servers_and_leaves_an_incomplete_run(tmp_path: Path):
         lines.append(line)
         if line.startswith("[1/"):
             break
-    time.sleep(0.3)
-    servers = {c.pid for c in psutil.Process(proc.pid).children()}
+    servers: set[int] = set()
+    deadline = time.monotonic() + 30  # the next case's server may take a while to start (CUDA machines)
+    while not servers and time.monotonic() < deadline:
+        time.sleep(0.1)
+        servers = {c.pid for c in psutil.Process(proc.pid).children() if _is_server(c)}
     assert servers, "a case's server should be running"
     proc.send_signal(signal.SIGINT)
     rest = proc.stderr.read()
