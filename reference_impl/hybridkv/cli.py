@@ -29,7 +29,8 @@ def _load(name: str):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="hybridkv", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="hybridkv", description="KV-cache offload for hybrid LLMs: a CPU-only "
+                                     "cache server, and the harness that measures it.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_, add_help=False)

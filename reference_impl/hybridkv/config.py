@@ -78,6 +78,8 @@ class ServerConfig:
             raise ConfigError(f"L2 size must be >= 0, got {self.l2_bytes} B")
         if self.l2_bytes and not self.l2_dir:
             raise ConfigError("an L2 size needs an L2 directory (--l2-dir)")
+        if self.l2_dir and not self.l2_bytes:
+            raise ConfigError(f"L2 directory {self.l2_dir} given without a size: set --l2-gib")
         if self.chunk_tokens < 0:
             raise ConfigError(f"chunk tokens must be >= 0, got {self.chunk_tokens}")
         if self.eviction not in EVICTION_POLICIES:

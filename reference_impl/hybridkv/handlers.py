@@ -501,6 +501,12 @@ class _LookupOp:
             n = srv._hit(eng, keys, msg.policy, self.missing)
             needed = srv._needed(eng, keys, n, msg.policy, msg.skip_chunks)
             waiting = restart = False
+            # Pin what is already in L1 before any prefetch allocates: a prefetch for this lookup must
+            # never evict an object this same lookup needs further down its list.
+            for c, g in needed:
+                e = srv.l1.get((keys[c], g))
+                if e is not None and e.state is not State.RESERVED:
+                    self._pin(e)
             for c, g in needed:
                 oid = (keys[c], g)
                 e = srv.l1.get(oid)

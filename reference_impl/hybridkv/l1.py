@@ -53,11 +53,13 @@ class L1Cache:
     """Objects in the arena. `start_spill(entry)` is called for dirty victims when an L2 exists."""
 
     def __init__(self, arena: Arena, policy: str = "lru",
-                 start_spill: Callable[[Entry], None] | None = None):
+                 start_spill: Callable[[Entry], None] | None = None,
+                 l2_has: Callable[[Entry], bool] | None = None):
         self.arena = arena
         self.alloc = ExtentAllocator(arena.size)
         self.policy = policy
         self._start_spill = start_spill
+        self._l2_has = l2_has
         self._entries: dict[ObjectId, Entry] = {}
         self._order: OrderedDict[ObjectId, Entry] = OrderedDict()  # READY objects, oldest first
         self.evictions = 0
@@ -120,6 +122,12 @@ class L1Cache:
             if e.evictable and self._entries.get(e.oid) is e:
                 self.evict(e)
 
+    def clean(self, e: Entry) -> bool:
+        """True when L2 still holds e's bytes (L2 may have evicted or dropped its copy since the spill)."""
+        if e.in_l2 and self._l2_has is not None and not self._l2_has(e):
+            e.in_l2 = False
+        return e.in_l2
+
     def _allocate(self, length: int) -> int | str | None:
         need = self.alloc.rounded(max(length, 1))
         if need > self.alloc.size:
@@ -132,7 +140,7 @@ class L1Cache:
         dirty = self._start_spill is not None
         for exact in (True, False):
             for e in list(self._order.values()):
-                if not e.evictable or (exact and self.alloc.rounded(e.length) != need) or (dirty and not e.in_l2):
+                if not e.evictable or (exact and self.alloc.rounded(e.length) != need) or (dirty and not self.clean(e)):
                     continue
                 self.evict(e)
                 off = self.alloc.alloc(length)
@@ -150,6 +158,14 @@ class L1Cache:
                 e.spilling = e.evict_after_spill = True
                 self.pending_free += self.alloc.rounded(e.length)
                 self._start_spill(e)
+        # Spill-ahead writes in flight free nothing by themselves: have them free their slots when done,
+        # so a store waits for them instead of being refused while L1 is merely busy writing to L2.
+        for e in self._order.values():
+            if e.spilling and not e.evict_after_spill and e.pins == 0 and e.state is State.READY:
+                if self.pending_free and self.alloc.free_bytes + self.pending_free >= need:
+                    break
+                e.evict_after_spill = True
+                self.pending_free += self.alloc.rounded(e.length)
         return WAIT if self.pending_free > 0 else None
 
     def spill_ahead(self, low_watermark: float, max_inflight: int, inflight: int) -> list[Entry]:

@@ -44,7 +44,8 @@ class CacheServer(RequestHandlers):
             except BaseException:
                 self.arena.close()  # else a bad --l2-dir leaves the arena file in /dev/shm
                 raise
-        self.l1 = L1Cache(self.arena, config.eviction, self._start_evicting_spill if self.l2 else None)
+        self.l1 = L1Cache(self.arena, config.eviction, self._start_evicting_spill if self.l2 else None,
+                          (lambda e: self.l2.length(e.key, e.group) == e.length) if self.l2 else None)
         self._ctx = context or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="hkv-io")
@@ -125,7 +126,7 @@ class CacheServer(RequestHandlers):
     def _shutdown(self) -> None:
         if self.config.flush_on_exit and self.l2 is not None:
             for e in self.l1.entries():
-                if e.state is State.READY and not e.in_l2 and not e.spilling:
+                if e.state is State.READY and not e.spilling and not self.l1.clean(e):
                     e.spilling = True
                     self._submit(self._spill_job, e, self._spill_done)
         self._io.shutdown(wait=True)  # in-flight L2 writes complete: L2 stays consistent
