@@ -101,6 +101,8 @@ class RequestResult:
     prefill_s: float
     store_s: float
     store_done_s: float
+    store_copy_s: float
+    load_copy_s: float
     bytes_stored: int
     bytes_loaded: int
     verified_chunks: int
@@ -206,11 +208,11 @@ class SimEngine:
             lookup_s = time.perf_counter() - t0
             if self.before_retrieve is not None:
                 self.before_retrieve(hit)
-            load_s, loaded, verified, corrupt = 0.0, 0, 0, 0
+            load_s, load_copy_s, loaded, verified, corrupt = 0.0, 0.0, 0, 0, 0
             if hit.hit_chunks:
                 t0 = time.perf_counter()
                 h = kv.retrieve(hit, blocks).wait(self.timeout_s)
-                load_s, loaded = time.perf_counter() - t0, h.nbytes
+                load_s, load_copy_s, loaded = time.perf_counter() - t0, h.copy_s, h.nbytes
                 verified, corrupt = self.verify(hit, blocks)
             self._prefill_pages(blocks, keys, tail_key, hit.hit_chunks)
             prefill_s = self.prefill(len(tokens) - hit.hit_tokens, hit.hit_tokens)
@@ -225,5 +227,6 @@ class SimEngine:
                 self.pools.allocator.free(ids)
         return RequestResult(hit_tokens=hit.hit_tokens, lookup_s=lookup_s, load_s=load_s, prefill_s=prefill_s,
                              store_s=store_s if sh.nbytes else 0.0, store_done_s=store_done_s if sh.nbytes else 0.0,
+                             store_copy_s=sh.copy_s if sh.nbytes else 0.0, load_copy_s=load_copy_s,
                              bytes_stored=sh.nbytes, bytes_loaded=loaded, verified_chunks=verified,
                              corrupt_chunks=corrupt)

@@ -12,6 +12,9 @@ hidden by calling it warm-up).
 - lookup_s: p50 over all rows. store_s / load_s: p50 over rows that stored / loaded any bytes.
 - store_gbps / load_gbps: total bytes over total seconds of those rows (bytes-weighted, not a mean
   of per-request rates).
+- store_copy_gbps / load_copy_gbps: the same bytes over the copy alone (first page copy enqueued to
+  the last one finished), without round trips and hand-offs: the gap to store_gbps / load_gbps is
+  the transfer's fixed cost, the gap to the ceiling the copy's.
 - prefill_s: p50 of the modeled prefill of cold rows: the compute a hit saves.
 - bytes_stored, bytes_loaded, hit_tokens: sums over measured rows (all repeats).
 - verified_chunks, corrupt_chunks: sums over every row, warm-up included.
@@ -32,7 +35,8 @@ Number = float | int | bool | None
 
 TTFT_METRICS = tuple(f"ttft_{p}_s{s}" for p in ("cold", "warm") for s in ("", "_p90", "_p99"))
 REQUEST_METRICS = (
-    *TTFT_METRICS, "lookup_s", "store_s", "load_s", "store_gbps", "load_gbps", "prefill_s",
+    *TTFT_METRICS, "lookup_s", "store_s", "load_s", "store_gbps", "load_gbps", "store_copy_gbps",
+    "load_copy_gbps", "prefill_s",
     "bytes_stored", "bytes_loaded", "hit_tokens", "verified_chunks", "corrupt_chunks",
 )
 CALIBRATION_METRICS = ("d2h_peak_gbps", "h2d_peak_gbps")
@@ -41,7 +45,8 @@ RATIO_METRICS = ("store_ceiling_ratio", "load_ceiling_ratio", "ttft_speedup")
 METRICS = (*REQUEST_METRICS, *CALIBRATION_METRICS, *SERVER_METRICS, *RATIO_METRICS)
 
 # How each metric improves; the gate's --write-baseline and the report read this.
-HIGHER_IS_BETTER = frozenset({"store_gbps", "load_gbps", "hit_tokens", "verified_chunks",
+HIGHER_IS_BETTER = frozenset({"store_gbps", "load_gbps", "store_copy_gbps", "load_copy_gbps",
+                              "hit_tokens", "verified_chunks",
                               "store_ceiling_ratio", "load_ceiling_ratio", "ttft_speedup"})
 
 
@@ -59,6 +64,8 @@ class RequestRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     store_s: float
     load_s: float
     store_done_s: float = 0.0  # store submitted -> the engine's blocks reusable (`done`); store_s runs to `committed`
+    store_copy_s: float = 0.0  # the store's page copies alone (no round trips); 0 when not recorded
+    load_copy_s: float = 0.0   # the retrieve's page copies alone (for raw/legacy: decode and copy)
     prefill_s: float
     ttft_s: float
     bytes_stored: int
@@ -102,6 +109,8 @@ def case_metrics(rows: Iterable[RequestRow], calibration: Mapping | None = None,
     m["load_s"] = _p([r.load_s for r in measured if r.bytes_loaded > 0], 50)
     m["store_gbps"] = _rate(measured, "bytes_stored", "store_s")
     m["load_gbps"] = _rate(measured, "bytes_loaded", "load_s")
+    m["store_copy_gbps"] = _rate(measured, "bytes_stored", "store_copy_s")
+    m["load_copy_gbps"] = _rate(measured, "bytes_loaded", "load_copy_s")
     m["prefill_s"] = _p([r.prefill_s for r in measured if r.phase == "cold"], 50)
     for f in ("bytes_stored", "bytes_loaded", "hit_tokens"):
         m[f] = sum(getattr(r, f) for r in measured)

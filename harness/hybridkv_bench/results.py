@@ -196,21 +196,25 @@ class Run:
         return self
 
 
+# Columns added after runs were published; an older requests.csv without them still loads (defaults).
+OPTIONAL_COLUMNS = frozenset({"store_copy_s", "load_copy_s"})
+
+
 def _read_requests(path: Path, folder: Path) -> list[RequestRow]:
     with open(path, newline="") as f:
         reader = csv.reader(f)
         header = next(reader, None)
-        if header is None or tuple(header) != REQUEST_COLUMNS:
+        known = tuple(header or ()) == tuple(c for c in REQUEST_COLUMNS if c in set(header or ()))
+        if header is None or not known or set(REQUEST_COLUMNS) - set(header) - OPTIONAL_COLUMNS:
             raise NotARunFolder(folder, f"{REQUESTS_CSV} header is {header}, "
                                         f"expected {list(REQUEST_COLUMNS)}")
         rows = []
         for lineno, values in enumerate(reader, start=2):
-            if len(values) != len(REQUEST_COLUMNS):
+            if len(values) != len(header):
                 raise NotARunFolder(folder, f"{REQUESTS_CSV} line {lineno} has {len(values)} fields, "
-                                            f"expected {len(REQUEST_COLUMNS)}")
+                                            f"expected {len(header)}")
             try:
-                rows.append(msgspec.convert(dict(zip(REQUEST_COLUMNS, values, strict=True)), RequestRow,
-                                            strict=False))
+                rows.append(msgspec.convert(dict(zip(header, values, strict=True)), RequestRow, strict=False))
             except msgspec.ValidationError as e:
                 raise NotARunFolder(folder, f"{REQUESTS_CSV} line {lineno}: {e}") from None
     return rows

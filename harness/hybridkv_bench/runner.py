@@ -239,6 +239,7 @@ class Runner:
             row = RequestRow(case=case.name, workload=label, repeat=repeat, request=index[id(req)], phase=req.phase,
                              prompt_tokens=len(req.tokens), hit_tokens=res.hit_tokens, lookup_s=res.lookup_s,
                              store_s=res.store_s, store_done_s=res.store_done_s, load_s=res.load_s,
+                             store_copy_s=res.store_copy_s, load_copy_s=res.load_copy_s,
                              prefill_s=res.prefill_s, ttft_s=res.ttft_s, bytes_stored=res.bytes_stored,
                              bytes_loaded=res.bytes_loaded, verified_chunks=res.verified_chunks,
                              corrupt_chunks=res.corrupt_chunks)
