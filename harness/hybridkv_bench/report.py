@@ -116,7 +116,8 @@ def _results_tables(df: pd.DataFrame) -> str:
     out = []
     cols = [("ttft_cold_s", "cold TTFT s"), ("ttft_warm_s", "warm TTFT s"), ("ttft_warm_s_p99", "warm p99 s"),
             ("ttft_speedup", "speed-up"), ("store_gbps", "store GB/s"), ("store_ceiling_ratio", "store/peak"),
-            ("load_gbps", "load GB/s"), ("load_ceiling_ratio", "load/peak"), ("hit_tokens", "hit tokens"),
+            ("store_copy_gbps", "store copy GB/s"), ("load_gbps", "load GB/s"), ("load_ceiling_ratio", "load/peak"),
+            ("load_copy_gbps", "load copy GB/s"), ("hit_tokens", "hit tokens"),
             ("bytes_stored", "GB stored"), ("bytes_loaded", "GB loaded"), ("verified_chunks", "verified"),
             ("corrupt_chunks", "corrupt"), ("server_vram_mib", "server VRAM MiB"),
             ("server_cuda_mapped", "server CUDA libs"), ("server_rss_mib", "server RSS MiB")]
