@@ -119,7 +119,7 @@ def decode_objects(fmt: str, frames: list, lengths: list[int], device: torch.dev
         srcs = list(torch.split(staging, lengths))
         for s, v in zip(srcs, views, strict=True):
             s.copy_(v)
-        return srcs, None if staging is None else staging
+        return srcs, staging
     srcs = []
     for i, (f, n) in enumerate(zip(frames, lengths, strict=True)):
         t = decode_tensor(fmt, f).contiguous().view(-1).view(torch.uint8)
