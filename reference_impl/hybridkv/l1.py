@@ -136,13 +136,17 @@ class L1Cache:
         if off is not None:
             return off
         # Clean victims first (no copy needed, so no wait on L2, which may be busy with other engines'
-        # reads); among them same-size ones first: freeing one is guaranteed to fit.
+        # reads); among them same-size ones first: freeing one is guaranteed to fit. Each victim is found
+        # from the old end of the LRU order, so a store that needs k slots looks at about k entries.
         dirty = self._start_spill is not None
         for exact in (True, False):
-            for e in list(self._order.values()):
-                if not e.evictable or (exact and self.alloc.rounded(e.length) != need) or (dirty and not self.clean(e)):
-                    continue
-                self.evict(e)
+            while True:
+                victim = next((e for e in self._order.values()
+                               if e.evictable and (not exact or self.alloc.rounded(e.length) == need)
+                               and (not dirty or self.clean(e))), None)
+                if victim is None:
+                    break
+                self.evict(victim)
                 off = self.alloc.alloc(length)
                 if off is not None:
                     return off
@@ -150,7 +154,7 @@ class L1Cache:
             return None
         # Only dirty victims left: copy the oldest to L2, and the caller waits until that frees their slots.
         for exact in (True, False):
-            for e in list(self._order.values()):
+            for e in self._order.values():
                 if not e.evictable or (exact and self.alloc.rounded(e.length) != need):
                     continue
                 if self.pending_free and self.alloc.free_bytes + self.pending_free >= need:
