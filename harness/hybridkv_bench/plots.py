@@ -29,6 +29,14 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: Path) -> Path:
+    """Write a figure as PNG and release it (pyplot keeps every open figure alive)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _ordered(values, axis: str) -> list:
     known = AXIS_ORDER.get(axis, [])
     present = list(dict.fromkeys(values))
@@ -83,10 +91,7 @@ def plot_ttft(df: pd.DataFrame, path: Path) -> Path | None:
                             "warm": _samples(sub, ["wire_format"], keys, "ttft_warm_s")}, "TTFT p50 (s)")
         ax.set_title(f"{wl}: TTFT per wire format (bar: median over cases, whisker: min-max)")
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_throughput(df: pd.DataFrame, path: Path, d2h_peak: float | None,
@@ -108,10 +113,7 @@ def plot_throughput(df: pd.DataFrame, path: Path, d2h_peak: float | None,
             ax.axhline(peak, color="crimson", linestyle="--", label=f"calibrated peak {peak:.1f} GB/s")
         ax.set_title(f"{what}: payload rate per wire format / copy engine / streams")
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_server(df: pd.DataFrame, path: Path) -> Path | None:
@@ -133,10 +135,7 @@ def plot_server(df: pd.DataFrame, path: Path) -> Path | None:
     axes[0].set_title("server VRAM (NVML, by process id; 0 expected)")
     _bars(axes[1], formats, {"RSS": _samples(ok, ["wire_format"], keys, "server_rss_mib")}, "MiB")
     axes[1].set_title("server resident memory")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_policies(df: pd.DataFrame, path: Path) -> Path | None:
@@ -155,7 +154,4 @@ def plot_policies(df: pd.DataFrame, path: Path) -> Path | None:
         samples = [[v / scale for v in s] for s in _samples(ok, [axis], [(v,) for v in values], metric)]
         _bars(ax, values, {metric: samples}, ylabel)
         ax.set_title(f"{metric} per {axis}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)

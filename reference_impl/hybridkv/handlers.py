@@ -132,8 +132,10 @@ class RequestHandlers:
                 res.dead = True  # the copy finishes on its thread, then its slots are freed
                 continue
             self._free_slots(res, quarantine=reclaimed)
-            self.counters["reservations_reclaimed" if reclaimed else "objects_aborted"] += (
-                1 if reclaimed else len(res.slots))
+            if reclaimed:
+                self.counters["reservations_reclaimed"] += 1
+            else:
+                self.counters["objects_aborted"] += len(res.slots)
         self._cuda_engines.pop(eng.id, None)
         del self._engines[eng.id]
 

@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from .arena import ArenaError
     from .cli import UserError
     from .config import ConfigError, ServerConfig
+    from .l2 import L2Error
     from .server import CacheServer
 
     try:
@@ -76,12 +77,8 @@ def run(args: argparse.Namespace) -> int:
         except zmq.ZMQError as e:
             server.arena.close()  # else the arena file of this failed start stays in /dev/shm
             raise UserError(f"cannot listen on --endpoint {cfg.endpoint}: {e}") from None
-    except (ConfigError, ArenaError, OSError) as e:
+    except (ConfigError, ArenaError, L2Error, OSError) as e:
         raise UserError(str(e)) from None
-    except Exception as e:
-        if type(e).__name__ == "L2Error":  # imported lazily with the L2 module
-            raise UserError(str(e)) from None
-        raise
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     l2 = f"{cfg.l2_dir} ({args.l2_gib:g} GiB)" if cfg.has_l2 else "none"

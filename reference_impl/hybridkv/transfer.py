@@ -387,6 +387,8 @@ class KVTransfer:
             frames = [] if fmt == "shm" else encode_objects(fmt, dsts, [self.layout.groups[s.group].dtype
                                                                        for s in prep.slots])
             self.client.call(P.CommitStore(engine=self.engine_id, reservation=prep.reservation, format=fmt), frames)
+            # Only after the reply: frames were sent zero-copy from the staging buffer. On a failure it is not
+            # pooled again (the socket may still hold it); the garbage collector frees it with the frames.
             if staging is not None:
                 self.staging.put(staging)
         except BaseException:
