@@ -82,11 +82,10 @@ def test_plan_build_71_chunks_qwen36(benchmark):
 
 def test_gather_scatter_cpu_tiny_hybrid(benchmark):
     layout = preset_layout("tiny-hybrid")
-    from hybridkv.pools import vllm_pools
+    from hybridkv.pools import fill_random, vllm_pools
 
     pools = vllm_pools(layout, 64, "cpu")
-    for t in {id(t): t for g in pools for t in g}.values():
-        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8))
+    fill_random(pools, 0)
     groups = [PagedLayers.from_views(p) for p in pools]
     objs = [torch.empty(g.object_bytes(8), dtype=torch.uint8) for g in groups]
     ids = [np.arange(8) + 8 * i for i in range(4)]

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from hybridkv import protocol as P
 from hybridkv.launch import start_server
-from hybridkv.pools import BlockAllocator, vllm_pools
+from hybridkv.pools import BlockAllocator, fill_random, vllm_pools
 from hybridkv.presets import preset_layout
 from hybridkv.transfer import KVTransfer, TransferConfig
 
@@ -92,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     bpc = [ct // g.block_tokens for g in layout.groups]
     num_blocks = 2 * a.chunks * max(bpc) * len(layout.groups) + 8
     pools = vllm_pools(layout, num_blocks, device)
-    for t in {id(t): t for g in pools for t in g}.values():
-        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device=t.device))
+    fill_random(pools, 1)
     alloc = BlockAllocator(num_blocks)
     src = [alloc.allocate(a.chunks * b) for b in bpc]
     dst = [alloc.allocate(a.chunks * b) for b in bpc]

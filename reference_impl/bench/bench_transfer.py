@@ -22,16 +22,10 @@ import time
 import numpy as np
 import torch
 from hybridkv.launch import start_server
-from hybridkv.pools import BlockAllocator, vllm_pools
+from hybridkv.pools import BlockAllocator, fill_random, vllm_pools
 from hybridkv.presets import preset_layout
 from hybridkv.transfer import KVTransfer, TransferConfig
 from hybridkv_bench.probes import calibrate, sample_server
-
-
-def fill_random(pools, seed: int) -> None:
-    g = torch.Generator(device=pools[0][0].device).manual_seed(seed)
-    for t in {id(t): t for grp in pools for t in grp}.values():
-        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device=t.device, generator=g))
 
 
 def verify(layout, pools, src, dst, chunk_tokens: int, policy: str) -> int:

@@ -25,6 +25,14 @@ def vllm_pools(layout: ModelLayout, num_blocks: int, device: torch.device | str 
     return [[raw[i] for i in range(g.num_layers)] for g in layout.groups]
 
 
+def fill_random(pools: list[list[torch.Tensor]], seed: int) -> None:
+    """Random bytes (never zeros) in every buffer of `pools`, from a seeded generator on their device."""
+    buffers = {id(t): t for group in pools for t in group}.values()
+    gen = torch.Generator(device=pools[0][0].device).manual_seed(seed)
+    for t in buffers:
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device=t.device, generator=gen))
+
+
 class BlockAllocator:
     """Free block ids shared by all groups (their pages share buffers), handed out lowest first."""
 

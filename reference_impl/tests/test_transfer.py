@@ -11,7 +11,7 @@ import pytest
 import torch
 from hybridkv.client import ServerError, ServerTimeout
 from hybridkv.layout import LayoutError
-from hybridkv.pools import BlockAllocator, vllm_pools
+from hybridkv.pools import BlockAllocator, fill_random, vllm_pools
 from hybridkv.presets import preset_layout
 from hybridkv.transfer import KVTransfer, TransferConfig
 
@@ -20,10 +20,6 @@ NUM_BLOCKS = 48
 SENTINEL = 0xA5
 
 
-def fill_random(pools, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for t in {id(t): t for grp in pools for t in grp}.values():
-        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g))
 
 
 def poison(pools, blocks) -> None:
