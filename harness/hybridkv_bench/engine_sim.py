@@ -1,6 +1,6 @@
 """The simulated engine: vLLM-shaped paged pools whose every byte is known, so every load is verified.
 
-An engine owns one page buffer per layer index shared by all groups (`hybridkv.pools.vllm_pools`, vLLM's
+An engine owns one page buffer per layer index shared by all groups (`hybridkv_bench.pools.vllm_pools`, vLLM's
 hybrid layout) and a block allocator. It runs no model: what a prefill would write into a block is
 replaced by deterministic contents derived from (chunk key, group, layer, block within the chunk),
 which `PagePattern` expands into a full page with two integer ops per 8 bytes, on GPU or CPU. Because
@@ -25,10 +25,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from hybridkv.engine.transfer import Hit, KVTransfer
 from hybridkv.layout import ModelLayout
-from hybridkv.pools import BlockAllocator, vllm_pools
+from hybridkv.policy import chunk_objects, object_blocks
 from hybridkv.protocol import ObjectLoc
-from hybridkv.transfer import Hit, KVTransfer
+
+from hybridkv_bench.pools import BlockAllocator, vllm_pools
 
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # odd: word index * GOLDEN is a bijection, so words of one page all differ
@@ -165,9 +167,7 @@ class SimEngine:
 
     def _required(self, n: int) -> set[tuple[int, int]]:
         """(chunk, group) objects a resume at n chunks needs under this engine's retrieve policy."""
-        every = self.kv.config.retrieve_policy == "all"
-        return {(c, g) for c in range(n) for g, grp in enumerate(self.layout.groups)
-                if grp.kind == "attention" or every or c == n - 1}
+        return set(chunk_objects(self.layout, self.kv.config.retrieve_policy, 0, n))
 
     def verify(self, hit: Hit, blocks: list[list[int]]) -> tuple[int, int]:
         """(verified, corrupt) chunks of the hit: a chunk is corrupt if any page it needs is missing or differs."""
@@ -178,10 +178,10 @@ class SimEngine:
             by_group.setdefault(o.group, []).append(o)
         for g, objs in by_group.items():
             bpc = self._bpc(g)
-            attention = self.layout.groups[g].kind == "attention"
+            every = list(range(len(blocks[g])))
             positions, chunks = [], []
             for o in objs:
-                within = range(o.chunk * bpc, (o.chunk + 1) * bpc) if attention else [(o.chunk + 1) * bpc - 1]
+                within = object_blocks(self.layout, bpc * self.layout.groups[g].block_tokens, g, o.chunk, every)
                 positions += within
                 chunks += [o.chunk] * len(within)
             index = torch.as_tensor([blocks[g][p] for p in positions], device=self.pools.device)

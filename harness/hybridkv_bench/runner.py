@@ -28,9 +28,9 @@ from typing import TextIO
 import msgspec
 import torch
 from hybridkv import protocol as P
-from hybridkv.client import CacheClient, ServerTimeout
-from hybridkv.launch import ServerProcess, start_server
-from hybridkv.transfer import WIRE_FORMATS, Hit, KVTransfer, TransferConfig
+from hybridkv.engine.client import CacheClient, ServerTimeout
+from hybridkv.engine.transfer import WIRE_FORMATS, Hit, KVTransfer, TransferConfig
+from hybridkv.server.launch import ServerProcess, start_server
 
 from .context import collect_context
 from .engine_sim import EnginePools, HitMismatch, SimEngine
@@ -287,7 +287,7 @@ class Runner:
         failed = lambda msg: (CaseResult(name=case.name, workload=workload.label, axes=axes,  # noqa: E731
                                          status="failed", error=msg), [])
         if axes["wire_format"] not in WIRE_FORMATS:
-            return failed(f"wire_format {axes['wire_format']!r} is not implemented by hybridkv.transfer "
+            return failed(f"wire_format {axes['wire_format']!r} is not implemented by hybridkv.engine.transfer "
                           f"(it supports {', '.join(WIRE_FORMATS)})")
         salt = f"{label}@{self._nonce}" if self.opt.server else label  # a shared server may hold older runs
         clients: list[CacheClient] = []

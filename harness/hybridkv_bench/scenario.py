@@ -21,6 +21,7 @@ from typing import Literal
 
 import msgspec
 from hybridkv.layout import LayoutError, ModelLayout
+from hybridkv.policy import Policy
 from hybridkv.presets import HybridModelConfig, hybrid_layout, model_config
 
 GIB = 1 << 30
@@ -28,7 +29,6 @@ GIB = 1 << 30
 WireFormat = Literal["shm", "raw", "pickle", "torch_save", "cuda_ipc"]
 CopyEngine = Literal["kernel", "dma"]
 Streams = Literal["single", "per_group"]
-Policy = Literal["boundary", "all"]
 Device = Literal["auto", "cpu", "cuda"]
 
 # Matrix axes in case-name order: `shm-kernel-single-boundary-all`.

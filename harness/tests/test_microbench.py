@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 from hybridkv import protocol as P
-from hybridkv.client import CacheClient
-from hybridkv.codec import decode_tensor, encode_tensor
+from hybridkv.baselines.codec import decode_tensor, encode_tensor
+from hybridkv.engine.client import CacheClient
 from hybridkv.keys import chunk_keys, namespace
 from hybridkv.presets import preset_layout
 from hybridkv_kernels import PagedLayers, build_plan, run_plan
@@ -47,7 +47,7 @@ def lookup_server():
     import shutil
     import tempfile
 
-    from hybridkv.launch import start_server
+    from hybridkv.server.launch import start_server
 
     d = tempfile.mkdtemp(prefix="hkv-", dir="/tmp")
     s = start_server(f"ipc://{d}/s.sock", l1_gib=0.05)
@@ -82,7 +82,7 @@ def test_plan_build_71_chunks_qwen36(benchmark):
 
 def test_gather_scatter_cpu_tiny_hybrid(benchmark):
     layout = preset_layout("tiny-hybrid")
-    from hybridkv.pools import fill_random, vllm_pools
+    from hybridkv_bench.pools import fill_random, vllm_pools
 
     pools = vllm_pools(layout, 64, "cpu")
     fill_random(pools, 0)

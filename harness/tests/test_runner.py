@@ -16,7 +16,7 @@ import msgspec
 import psutil
 import pytest
 from hybridkv.cli import main
-from hybridkv.launch import start_server
+from hybridkv.server.launch import start_server
 from hybridkv_bench.gate import gate
 from hybridkv_bench.results import load_run
 from hybridkv_bench.runner import BenchOptions, run_bench

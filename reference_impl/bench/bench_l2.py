@@ -23,10 +23,10 @@ import time
 import numpy as np
 import torch
 from hybridkv import protocol as P
-from hybridkv.launch import start_server
-from hybridkv.pools import BlockAllocator, fill_random, vllm_pools
+from hybridkv.engine.transfer import KVTransfer, TransferConfig
 from hybridkv.presets import preset_layout
-from hybridkv.transfer import KVTransfer, TransferConfig
+from hybridkv.server.launch import start_server
+from hybridkv_bench.pools import BlockAllocator, fill_random, vllm_pools
 
 GIB = 1 << 30
 

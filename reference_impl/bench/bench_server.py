@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 from hybridkv import protocol as P
-from hybridkv.client import CacheClient
+from hybridkv.engine.client import CacheClient
 from hybridkv.keys import chunk_keys
 from hybridkv.presets import preset_layout
 

@@ -21,10 +21,10 @@ import time
 
 import numpy as np
 import torch
-from hybridkv.launch import start_server
-from hybridkv.pools import BlockAllocator, fill_random, vllm_pools
+from hybridkv.engine.transfer import KVTransfer, TransferConfig
 from hybridkv.presets import preset_layout
-from hybridkv.transfer import KVTransfer, TransferConfig
+from hybridkv.server.launch import start_server
+from hybridkv_bench.pools import BlockAllocator, fill_random, vllm_pools
 from hybridkv_bench.probes import calibrate, sample_server
 
 

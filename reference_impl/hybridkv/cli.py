@@ -1,4 +1,6 @@
-"""The `hybridkv` command. Subcommands live in their own modules, imported only when chosen, so that
+"""The `hybridkv` command. `serve` is built in; other packages add subcommands through the
+`hybridkv.commands` entry-point group (the harness registers bench, report, gate, calibrate, list),
+so this package never imports them. Subcommand modules are imported only when chosen, so that
 `hybridkv --help` and `hybridkv serve` never import torch."""
 
 from __future__ import annotations
@@ -6,41 +8,48 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from importlib.metadata import entry_points
 
 # name -> (module, one-line help). Each module defines add_arguments(parser) and run(args) -> int.
-SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("hybridkv.serve_cli", "run the CPU-only cache server"),
-    "bench": ("hybridkv_bench.cli_bench", "run a scenario and write a run folder"),
-    "report": ("hybridkv_bench.cli_report", "write plots and a Markdown report for a run folder"),
-    "gate": ("hybridkv_bench.cli_gate", "compare a run with a baseline; non-zero exit on regression"),
-    "calibrate": ("hybridkv_bench.cli_calibrate", "measure this machine's copy ceilings"),
-    "list": ("hybridkv_bench.cli_list", "list scenarios and model presets"),
+BUILTIN: dict[str, tuple[str, str]] = {
+    "serve": ("hybridkv.server.cli", "run the CPU-only cache server"),
 }
+ENTRY_POINT_GROUP = "hybridkv.commands"
 
 
 class UserError(Exception):
     """A mistake in what the user asked for: printed as one line, exit status 2, no traceback."""
 
 
-def _load(name: str):
-    module_name, _ = SUBCOMMANDS[name]
-    return importlib.import_module(module_name)
+def subcommands() -> dict[str, tuple[str, str]]:
+    """Built-in subcommands plus those registered by installed packages (each entry point names a
+    light module attribute: a dict name -> (module, help), imported without torch)."""
+    table = dict(BUILTIN)
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            extra = ep.load()
+        except ImportError:
+            continue  # a registered package that is not importable here offers no commands
+        for name, spec in extra.items():
+            table.setdefault(name, spec)
+    return table
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    table = subcommands()
     parser = argparse.ArgumentParser(prog="hybridkv", description="KV-cache offload for hybrid LLMs: a CPU-only "
                                      "cache server, and the harness that measures it.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (_, help_) in SUBCOMMANDS.items():
+    for name, (_, help_) in table.items():
         sub.add_parser(name, help=help_, add_help=False)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
-        args = parser.parse_args(argv)  # prints help or a usage error
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in table:
+        parser.parse_args(argv)  # prints help or a usage error
         parser.print_help()
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     name = argv[0]
-    module = _load(name)
-    sp = argparse.ArgumentParser(prog=f"hybridkv {name}", description=SUBCOMMANDS[name][1])
+    module = importlib.import_module(table[name][0])
+    sp = argparse.ArgumentParser(prog=f"hybridkv {name}", description=table[name][1])
     module.add_arguments(sp)
     args = sp.parse_args(argv[1:])
     try:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-from .layout import LayoutError, ModelLayout
+from hybridkv.layout import LayoutError, ModelLayout
 
 KEY_BYTES = 16
 

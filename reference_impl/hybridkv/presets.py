@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from math import ceil
 
-from .layout import DTYPE_BYTES, GroupLayout, LayoutError, ModelLayout
+from hybridkv.layout import DTYPE_BYTES, GroupLayout, LayoutError, ModelLayout
 
 
 @dataclass(frozen=True, slots=True)

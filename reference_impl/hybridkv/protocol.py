@@ -12,7 +12,7 @@ from typing import Literal
 
 import msgspec
 
-from .layout import ModelLayout
+from hybridkv.layout import ModelLayout
 
 PROTOCOL_VERSION = 1
 

@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from hybridkv.client import CacheClient
+from hybridkv.engine.client import CacheClient
 from serverkit import spawn_server
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 
 from hybridkv import protocol as P
-from hybridkv.client import CacheClient
+from hybridkv.engine.client import CacheClient
 from hybridkv.presets import preset_layout
 from serverkit import Engine
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 from hybridkv import protocol as P
 from hybridkv.arena import map_arena
-from hybridkv.client import CacheClient
-from hybridkv.launch import ServerProcess, start_server
+from hybridkv.engine.client import CacheClient
 from hybridkv.presets import preset_layout
+from hybridkv.server.launch import ServerProcess, start_server
 
 
 def spawn_server(sock_dir: str, *args: str, name: str = "s", l1_gib: float = 0.05,

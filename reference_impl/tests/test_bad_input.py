@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import zmq
 from hybridkv import protocol as P
-from hybridkv.client import CacheClient, ServerError
+from hybridkv.engine.client import CacheClient, ServerError
 from hybridkv.presets import preset_layout
 from serverkit import Engine
 

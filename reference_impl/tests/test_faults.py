@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import zmq
 from hybridkv import protocol as P
-from hybridkv import serve_cli
-from hybridkv.client import CacheClient
+from hybridkv.engine.client import CacheClient
+from hybridkv.server import cli as serve_cli
 from serverkit import Engine
 
 TESTS = Path(__file__).parent
@@ -29,7 +29,7 @@ _CHILD = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from serverkit import Engine
     from hybridkv import protocol as P
-    from hybridkv.client import CacheClient
+    from hybridkv.engine.client import CacheClient
     c = CacheClient({endpoint!r}, timeout_s=10)
     eng = Engine(c)
     c.keepalive(eng.id, 0.2)  # alive until killed: only the kill may get it reclaimed
@@ -265,7 +265,7 @@ def test_server_never_initialises_cuda(server_factory, monkeypatch, launcher_env
     # Legacy formats (pickle, torch_save) are excepted: they import torch in the server by design.
     # Showing that here proves the maps check can see a library being loaded.
     torch = pytest.importorskip("torch")
-    from hybridkv.codec import encode_tensor
+    from hybridkv.baselines.codec import encode_tensor
 
     keys = eng.keys(1, seed=9)
     prep, _ = eng.client.call(P.PrepareStore(engine=eng.id, request="p", keys=keys, objects=[(0, 0)]))
@@ -323,7 +323,7 @@ def test_serve_startup_does_not_import_torch(sock_dir):
     code = textwrap.dedent(f"""
         import os, signal, sys, threading
         from hybridkv.cli import main
-        from hybridkv.client import CacheClient
+        from hybridkv.engine.client import CacheClient
         from hybridkv import protocol as P
         ep = "ipc://{sock_dir}/t.sock"
         def poke():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from hybridkv.arena import SLOT_ALIGN, Arena
-from hybridkv.l1 import WAIT, L1Cache, State
+from hybridkv.server.l1 import WAIT, L1Cache, State
 
 NS = b"n" * 16
 

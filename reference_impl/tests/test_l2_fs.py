@@ -19,8 +19,8 @@ from pathlib import Path
 import hybridkv
 import numpy as np
 import pytest
-from hybridkv.l2 import L2Error
-from hybridkv.l2_fs import HEADER_BYTES, MAGIC, TMP_PREFIX, FilesystemL2, ObjectKey
+from hybridkv.server.l2 import L2Error
+from hybridkv.server.l2_fs import HEADER_BYTES, MAGIC, TMP_PREFIX, FilesystemL2, ObjectKey
 
 NS_A = b"namespace-a-0001"
 NS_B = b"namespace-b-0002"

@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hybridkv import protocol as P
-from hybridkv.client import CacheClient
-from hybridkv.l2_fs import HEADER_BYTES, ObjectHeader
+from hybridkv.engine.client import CacheClient
 from hybridkv.presets import preset_layout
+from hybridkv.server.l2_fs import HEADER_BYTES, ObjectHeader
 from serverkit import Engine
 
 TESTS = Path(__file__).parent

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hybridkv import protocol as P
-from hybridkv.client import CacheClient, ServerError
+from hybridkv.engine.client import CacheClient, ServerError
 from hybridkv.presets import preset_layout
 from serverkit import Engine
 
@@ -47,7 +47,7 @@ def test_raw_store_copies_frames_into_the_arena(client):
 @pytest.mark.parametrize("fmt", ["pickle", "torch_save"])
 def test_legacy_formats_round_trip(client, fmt):
     torch = pytest.importorskip("torch")
-    from hybridkv.codec import decode_tensor, encode_tensor
+    from hybridkv.baselines.codec import decode_tensor, encode_tensor
 
     eng = Engine(client)
     keys = eng.keys(2)

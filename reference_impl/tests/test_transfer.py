@@ -9,11 +9,11 @@ import os
 import numpy as np
 import pytest
 import torch
-from hybridkv.client import ServerError, ServerTimeout
+from hybridkv.engine.client import ServerError, ServerTimeout
+from hybridkv.engine.transfer import KVTransfer, TransferConfig
 from hybridkv.layout import LayoutError
-from hybridkv.pools import BlockAllocator, fill_random, vllm_pools
 from hybridkv.presets import preset_layout
-from hybridkv.transfer import KVTransfer, TransferConfig
+from hybridkv_bench.pools import BlockAllocator, fill_random, vllm_pools
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NUM_BLOCKS = 48
@@ -214,7 +214,7 @@ def test_round_trip_cuda_ipc_baseline(cuda_ipc_endpoint, policy):
 
 def test_a_cpu_only_server_refuses_the_cuda_ipc_format(endpoint):
     from hybridkv import protocol as P
-    from hybridkv.client import CacheClient
+    from hybridkv.engine.client import CacheClient
 
     layout = preset_layout("tiny-hybrid")
     with CacheClient(endpoint, timeout_s=10) as c:

@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
-from .layout import ModelLayout
+from hybridkv.layout import ModelLayout
 
 
 def vllm_pools(layout: ModelLayout, num_blocks: int, device: torch.device | str = "cpu") -> list[list[torch.Tensor]]:

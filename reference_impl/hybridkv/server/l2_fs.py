@@ -28,7 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from .l2 import L2Adapter, L2Error, byte_view, check_key, check_ns
+from hybridkv.server.l2 import L2Adapter, L2Error, byte_view, check_key, check_ns
 
 log = logging.getLogger(__name__)
 

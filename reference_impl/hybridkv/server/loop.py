@@ -19,11 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 import msgspec
 import zmq
 
-from . import protocol as P
-from .arena import Arena
-from .config import ServerConfig, default_ipc_dir, ensure_private_dir
-from .handlers import RequestError, RequestHandlers
-from .l1 import L1Cache, State
+from hybridkv import protocol as P
+from hybridkv.arena import Arena
+from hybridkv.server.config import ServerConfig, default_ipc_dir, ensure_private_dir
+from hybridkv.server.handlers import RequestError, RequestHandlers
+from hybridkv.server.l1 import L1Cache, State
 
 log = logging.getLogger("hybridkv.server")
 
@@ -37,7 +37,7 @@ class CacheServer(RequestHandlers):
         self.arena = Arena(config.l1_bytes, config.l1_dir)
         self.l2 = None
         if config.has_l2:
-            from .l2_fs import FilesystemL2
+            from hybridkv.server.l2_fs import FilesystemL2
 
             try:
                 self.l2 = FilesystemL2(config.l2_dir, config.l2_bytes, fsync=config.l2_fsync)

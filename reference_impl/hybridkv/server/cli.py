@@ -12,7 +12,7 @@ GIB = 1 << 30
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .config import default_endpoint
+    from hybridkv.server.config import default_endpoint
 
     p.add_argument("--endpoint", default=default_endpoint(),
                    help="where to listen: ipc://PATH (default, in a 0700 directory) or tcp://127.0.0.1:PORT "
@@ -58,11 +58,11 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import zmq
 
-    from .arena import ArenaError
-    from .cli import UserError
-    from .config import ConfigError, ServerConfig
-    from .l2 import L2Error
-    from .server import CacheServer
+    from hybridkv.arena import ArenaError
+    from hybridkv.cli import UserError
+    from hybridkv.server.config import ConfigError, ServerConfig
+    from hybridkv.server.l2 import L2Error
+    from hybridkv.server.loop import CacheServer
 
     try:
         cfg = ServerConfig(

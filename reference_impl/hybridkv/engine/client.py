@@ -17,7 +17,7 @@ from concurrent.futures import Future
 import msgspec
 import zmq
 
-from . import protocol as P
+from hybridkv import protocol as P
 
 
 class ServerError(RuntimeError):

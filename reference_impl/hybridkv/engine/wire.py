@@ -8,8 +8,8 @@ import warnings
 
 import torch
 
-from .arena import map_arena
-from .codec import PayloadError, decode_tensor, encode_tensor
+from hybridkv.arena import map_arena
+from hybridkv.baselines.codec import PayloadError, decode_tensor, encode_tensor
 
 
 class ArenaMapping:

@@ -20,11 +20,12 @@ import numpy as np
 import torch
 from hybridkv_kernels import PagedLayers, available_impls, build_plan, run_plan
 
-from . import protocol as P
-from .client import CacheClient
-from .keys import chunk_keys
-from .layout import LayoutError, ModelLayout
-from .wire import ArenaMapping, StagingPool, decode_objects, encode_objects
+from hybridkv import protocol as P
+from hybridkv.engine.client import CacheClient
+from hybridkv.engine.wire import ArenaMapping, StagingPool, decode_objects, encode_objects
+from hybridkv.keys import chunk_keys
+from hybridkv.layout import LayoutError, ModelLayout
+from hybridkv.policy import POLICIES, chunk_objects, object_blocks
 
 WIRE_FORMATS = ("shm", "raw", "pickle", "torch_save", "cuda_ipc")
 COPY_ENGINES = ("auto", "kernel", "dma")
@@ -33,7 +34,6 @@ COPY_ENGINES = ("auto", "kernel", "dma")
 # pages DMA is launch-bound (0.07-0.13) and the kernel holds 0.89-0.93.
 DMA_MIN_PAGE_BYTES = 1 << 20
 STREAM_MODES = ("single", "per_group")
-POLICIES = ("boundary", "all")
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +148,7 @@ class KVTransfer:
         if config.wire_format == "cuda_ipc":
             if self.device.type != "cuda":
                 raise ValueError("wire format cuda_ipc needs the engine's pages on a CUDA device")
-            from .cuda_ipc import export_views
+            from hybridkv.baselines.cuda_ipc import export_views
 
             self.client.call(P.ShareCuda(engine=self.engine_id, groups=export_views(self.groups)))
         self.arena = (ArenaMapping.open(reg.arena_path, reg.arena_bytes, self.device)
@@ -243,11 +243,7 @@ class KVTransfer:
         """
         keys = self.keys(token_ids)
         n = len(keys)
-        objects = []
-        for c in range(start_chunk, n):
-            for g, grp in enumerate(self.layout.groups):
-                if grp.kind == "attention" or self.config.store_policy == "all" or c == n - 1:
-                    objects.append((c, g))
+        objects = chunk_objects(self.layout, self.config.store_policy, start_chunk, n)
         h = TransferHandle("store", request_id)
         locs = [P.ObjectLoc(c, g, 0, self.object_bytes[g]) for c, g in objects]
         self._object_blocks(locs, block_ids)  # validate block lists now, in the caller's thread
@@ -317,17 +313,8 @@ class KVTransfer:
         """For each object, its group's block ids: a chunk's blocks (attention) or its last block (state)."""
         if len(block_ids) != len(self.groups):
             raise ValueError(f"block ids for {len(block_ids)} groups given; the layout has {len(self.groups)}")
-        out = []
-        for o in objects:
-            grp = self.layout.groups[o.group]
-            bpc = self.chunk_tokens // grp.block_tokens
-            ids = block_ids[o.group]
-            if len(ids) < (o.chunk + 1) * bpc:
-                raise ValueError(f"group {o.group} has {len(ids)} block ids; chunk {o.chunk} needs "
-                                 f"{(o.chunk + 1) * bpc} ({bpc} per chunk of {self.chunk_tokens} tokens)")
-            sel = ids[o.chunk * bpc:(o.chunk + 1) * bpc] if grp.kind == "attention" else [ids[(o.chunk + 1) * bpc - 1]]
-            out.append((o, np.asarray(sel, dtype=np.int64)))
-        return out
+        return [(o, np.asarray(object_blocks(self.layout, self.chunk_tokens, o.group, o.chunk, block_ids[o.group]),
+                               dtype=np.int64)) for o in objects]
 
     def _copy(self, kind: str, direction: str, transfers: list[tuple[int, object]], ready=None) -> None:
         """Run the page copies (grouped per stream mode) and wait for them on this worker thread."""

@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import __version__
-from . import protocol as P
-from .codec import bytes_to_tensor, copy_tensor_into, decode_tensor, encode_tensor
-from .keys import KEY_BYTES, namespace
-from .l1 import WAIT, Entry, State
-from .layout import LayoutError, ModelLayout
+from hybridkv import __version__
+from hybridkv import protocol as P
+from hybridkv.baselines.codec import bytes_to_tensor, copy_tensor_into, decode_tensor, encode_tensor
+from hybridkv.keys import KEY_BYTES, namespace
+from hybridkv.layout import LayoutError, ModelLayout
+from hybridkv.policy import resume_objects
+from hybridkv.server.l1 import WAIT, Entry, State
 
 E = P.ErrorCode
 MAX_KEYS = 1 << 20
@@ -149,7 +150,7 @@ class RequestHandlers:
         if [len(g) for g in msg.groups] != [g.num_layers for g in layout.groups]:
             raise RequestError(E.LAYOUT, f"shared {[len(g) for g in msg.groups]} layers per group; the layout has "
                                f"{[g.num_layers for g in layout.groups]}")
-        from .cuda_ipc import MappedEngine  # imports torch and initialises CUDA: the baseline's cost
+        from hybridkv.baselines.cuda_ipc import MappedEngine  # imports torch and initialises CUDA: the baseline's cost
 
         try:
             self._cuda_engines[eng.id] = MappedEngine(msg.groups, self.arena.buf,
@@ -203,14 +204,7 @@ class RequestHandlers:
 
     def _needed(self, eng: EngineInfo, keys: list[bytes], n: int, policy: str, skip: int) -> list[tuple[int, int]]:
         """(chunk, group) objects an engine must load to resume at n chunks, in retrieve order."""
-        out = []
-        for c in range(min(skip, n), n):
-            for g, grp in enumerate(eng.layout.groups):
-                if grp.kind == "attention" or policy == "all" or c == n - 1:
-                    out.append((c, g))
-        if n and skip >= n:
-            out.extend((n - 1, g) for g in eng.layout.recurrent_groups)
-        return out
+        return resume_objects(eng.layout, policy, n, skip)
 
     def _lookup(self, ident: bytes, msg: P.Lookup, frames: list):
         _no_frames(msg, frames)

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from .arena import Arena, ExtentAllocator
+from hybridkv.arena import Arena, ExtentAllocator
 
 ObjectId = tuple[bytes, int]  # (chunk key, group)
 

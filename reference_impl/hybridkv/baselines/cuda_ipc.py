@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from hybridkv_kernels import PagedLayers, build_plan, run_plan
 
-from . import protocol as P
+from hybridkv import protocol as P
 
 
 def export_views(groups: list[PagedLayers]) -> list[list[P.CudaShare]]:
