@@ -19,30 +19,18 @@ from typing import Any
 import torch
 from hybridkv.presets import HybridModelConfig
 
-from .hf_spec import TransformersSpec
-
-STATE_DTYPE = "float32"  # transformers' gated-delta-rule state, torch path and fla alike
+from .hf_spec import TransformersSpec, transformers_problem
 
 
 class HFModelError(ValueError):
     """A model config the transformers engine cannot build or whose cache would not match its layout."""
 
 
-def check_dtypes(spec: TransformersSpec, cfg: HybridModelConfig) -> None:
-    """The layout's dtypes must be the cache's own, or pages would not hold the cache bit for bit."""
-    want = {"kv_dtype": spec.dtype, "conv_dtype": spec.dtype, "ssm_dtype": STATE_DTYPE}
-    bad = {k: getattr(cfg, k) for k, v in want.items() if getattr(cfg, k) != v}
-    if bad:
-        raise HFModelError(f"{cfg.name}: the transformers engine keeps {want} (weights {spec.dtype}); the model "
-                           f"preset says {bad}: set them in [model.overrides]")
-    if cfg.num_attention_heads <= 0 or cfg.hidden_size <= 0:
-        raise HFModelError(f"{cfg.name}: num_attention_heads and hidden_size must be set to build a model, got "
-                           f"{cfg.num_attention_heads}, {cfg.hidden_size}")
-
-
 def hf_config(spec: TransformersSpec, cfg: HybridModelConfig) -> Any:
     """The transformers config of `cfg`'s shapes for `spec.arch` (layer types as the preset's layer_kinds)."""
-    check_dtypes(spec, cfg)
+    problem = transformers_problem(spec, cfg, ())
+    if problem:
+        raise HFModelError(problem)
     common = dict(
         vocab_size=spec.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,

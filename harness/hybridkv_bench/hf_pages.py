@@ -21,7 +21,8 @@ import torch
 from hybridkv.layout import DTYPE_BYTES, ModelLayout
 from hybridkv.policy import object_blocks
 
-from .hf_model import STATE_DTYPE, HFModel
+from .hf_model import HFModel
+from .hf_spec import STATE_DTYPE
 
 
 class PageShapeError(ValueError):
@@ -57,14 +58,12 @@ class PageCodec:
             if wrong:
                 raise PageShapeError(f"group {g} ({grp.kind}) holds layers {wrong} the model makes {kinds[wrong[0]]}")
         self.kv_heads, self.head_dim = cfg.num_kv_heads, cfg.head_dim
-        conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + \
-            cfg.linear_num_value_heads * cfg.linear_value_head_dim
-        es = hf.dtype.itemsize
-        self.state = StateShape(conv_dim=conv_dim, conv_cols=cfg.linear_conv_kernel_dim - 1,
-                                v_heads=cfg.linear_num_value_heads, k_dim=cfg.linear_key_head_dim,
-                                v_dim=cfg.linear_value_head_dim, conv_bytes=conv_dim * (cfg.linear_conv_kernel_dim - 1) * es,
-                                ssm_bytes=cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
-                                * DTYPE_BYTES[STATE_DTYPE])
+        k_dim, v_dim, v_heads = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_num_value_heads
+        conv_dim = 2 * cfg.linear_num_key_heads * k_dim + v_heads * v_dim
+        cols, es = cfg.linear_conv_kernel_dim - 1, hf.dtype.itemsize
+        self.state = StateShape(conv_dim=conv_dim, conv_cols=cols, v_heads=v_heads, k_dim=k_dim, v_dim=v_dim,
+                                conv_bytes=conv_dim * cols * es,
+                                ssm_bytes=v_heads * k_dim * v_dim * DTYPE_BYTES[STATE_DTYPE])
         for grp in layout.groups:
             need = (2 * grp.block_tokens * self.kv_heads * self.head_dim * es if grp.kind == "attention"
                     else self.state.conv_bytes + self.state.ssm_bytes)

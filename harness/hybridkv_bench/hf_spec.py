@@ -8,13 +8,16 @@ cache layout does not decide (vocabulary, MLP widths, experts, weight dtype, see
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
+from hybridkv.presets import HybridModelConfig
 
 Arch = Literal["qwen3_5", "qwen3_next"]
 WeightDtype = Literal["float32", "bfloat16"]
 Attention = Literal["sdpa", "eager"]
+STATE_DTYPE = "float32"  # transformers' gated-delta-rule state, torch path and fla alike
 # Workload kinds whose every warm request keeps at least one uncached token after the hit, so the
 # oracle always has continuation logits to compare (see engine_hf's module doc).
 HF_WORKLOADS = ("long_doc_qa", "multi_turn")
@@ -47,3 +50,20 @@ class TransformersSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         if not 0 < self.full_prefill_tolerance < 1:
             raise ValueError(f"transformers.full_prefill_tolerance must lie in (0, 1), got "
                              f"{self.full_prefill_tolerance}")
+
+
+def transformers_problem(spec: TransformersSpec, cfg: HybridModelConfig, workload_kinds: Sequence[str]) -> str | None:
+    """Why a scenario cannot run on the transformers engine, or None. The layout's dtypes must be the cache's
+    own (K/V and conv state in the weights' dtype, SSM state fp32), or the pages would not hold it bit for bit."""
+    want = {"kv_dtype": spec.dtype, "conv_dtype": spec.dtype, "ssm_dtype": STATE_DTYPE}
+    bad = {k: getattr(cfg, k) for k, v in want.items() if getattr(cfg, k) != v}
+    if bad:
+        return (f"the transformers engine keeps {want} (weights {spec.dtype}); model {cfg.name} says {bad}: "
+                "set them in [model.overrides]")
+    if cfg.num_attention_heads <= 0 or cfg.hidden_size <= 0:
+        return (f"model {cfg.name}: num_attention_heads and hidden_size must be set to build a model, got "
+                f"{cfg.num_attention_heads}, {cfg.hidden_size}")
+    other = sorted(set(workload_kinds) - set(HF_WORKLOADS))
+    if other:
+        return f"the transformers engine runs workloads {HF_WORKLOADS}, not {other}"
+    return None
