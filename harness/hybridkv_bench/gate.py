@@ -16,7 +16,8 @@ Baseline file (TOML, kept under results/baselines/<scenario>.toml):
 
 Every check must match at least one case of the run; one that matches none fails (the run lost a
 case the baseline expects). Invariants hold whatever the baseline says: the run is complete, no case
-failed, no chunk came back corrupt, a real model's logits oracle passed wherever it ran, the server held no VRAM and mapped no CUDA library. The last two
+failed, no chunk came back corrupt, a real model's logits oracle passed wherever it ran, the server
+held no VRAM and mapped no CUDA library. The last two
 are relaxed only where the wire format needs it (scenario.SERVER_HOLDS_CUDA_CONTEXT,
 scenario.SERVER_IMPORTS_TORCH): such cases show the figure as `info`.
 """

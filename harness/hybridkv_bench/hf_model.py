@@ -31,7 +31,7 @@ def hf_config(spec: TransformersSpec, cfg: HybridModelConfig) -> Any:
     problem = transformers_problem(spec, cfg, ())
     if problem:
         raise HFModelError(problem)
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=spec.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
         linear_conv_kernel_dim=cfg.linear_conv_kernel_dim, linear_key_head_dim=cfg.linear_key_head_dim,
@@ -114,6 +114,8 @@ def build_model(spec: TransformersSpec, cfg: HybridModelConfig, device: torch.de
 
     config = hf_config(spec, cfg)
     dtype = getattr(torch, spec.dtype)
+    if device.type == "cpu" and spec.cpu_threads:
+        torch.set_num_threads(spec.cpu_threads)  # process-wide: the bench process runs one model
     torch.manual_seed(spec.seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=spec.attn_implementation)

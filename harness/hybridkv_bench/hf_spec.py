@@ -35,6 +35,9 @@ class TransformersSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     moe_intermediate_size: int = 64
     seed: int = 0
     attn_implementation: Attention = "sdpa"
+    # CPU only: torch threads for the process (0 leaves torch's default). On a shared machine one thread is
+    # 10-50x faster than two spinning OpenMP threads fighting other processes (measured on the CI host).
+    cpu_threads: int = 0
     # fp32 bound on |continuation logits - full-prefill logits|; bf16 runs report the difference only
     full_prefill_tolerance: float = 1e-5
 
@@ -45,6 +48,8 @@ class TransformersSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(f"transformers.num_experts_per_tok {self.num_experts_per_tok} exceeds "
                              f"num_experts {self.num_experts}")
+        if self.cpu_threads < 0:
+            raise ValueError(f"transformers.cpu_threads must be >= 0, got {self.cpu_threads}")
         if self.seed < 0:
             raise ValueError(f"transformers.seed must be >= 0, got {self.seed}")
         if not 0 < self.full_prefill_tolerance < 1:

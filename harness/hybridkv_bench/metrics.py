@@ -146,12 +146,12 @@ def case_metrics(rows: Iterable[RequestRow], calibration: Mapping | None = None,
     m["store_ceiling_ratio"] = _ratio(m["store_gbps"], m["d2h_peak_gbps"])  # type: ignore[arg-type]
     m["load_ceiling_ratio"] = _ratio(m["load_gbps"], m["h2d_peak_gbps"])  # type: ignore[arg-type]
     m["ttft_speedup"] = _ratio(m["ttft_cold_s"], m["ttft_warm_s"])  # type: ignore[arg-type]
-    m.update(_model_metrics(measured, rows, m["ttft_cold_s"]))  # type: ignore[arg-type]
+    m.update(_model_metrics(measured, rows, m["ttft_cold_s"]))
     assert tuple(m) == METRICS, "metric order drifted from METRICS"
     return m
 
 
-def _model_metrics(measured: list[RequestRow], rows: list[RequestRow], cold_modeled: float | None) -> dict[str, Number]:
+def _model_metrics(measured: list[RequestRow], rows: list[RequestRow], cold_modeled: Number) -> dict[str, Number]:
     """The real-model metrics (see the module doc); None where no row carries them."""
     m: dict[str, Number] = {}
     for phase in ("cold", "warm"):
@@ -160,7 +160,7 @@ def _model_metrics(measured: list[RequestRow], rows: list[RequestRow], cold_mode
     cold = [v for v in (m["ttft_cold_measured_s"], cold_modeled) if v is not None]
     if m["ttft_cold_measured_s"] is None:
         cold = []  # a simulated run has no measured TTFT to put a ratio on
-    m["ttft_speedup_measured"] = _ratio(min(cold) if cold else None, m["ttft_warm_measured_s"])  # type: ignore[arg-type]
+    m["ttft_speedup_measured"] = _ratio(min(cold) if cold else None, m["ttft_warm_measured_s"])
     # Warm-up rows count too: a wrong continuation is never hidden by calling it warm-up.
     judged = [r for r in rows if r.oracle_pass is not None]
     diffs = [r.logits_max_abs_diff for r in judged if r.logits_max_abs_diff is not None]

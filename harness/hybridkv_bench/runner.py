@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import msgspec
 import torch
@@ -40,6 +40,9 @@ from .probes import sample_server
 from .results import CaseResult, RunWriter
 from .scenario import Case, Scenario, ScenarioFile, expand_matrix
 from .workloads import ExpectedHits, Plan, Request, build_plan
+
+if TYPE_CHECKING:
+    from .hf_model import HFModel
 
 CLIENT_TIMEOUT_S = 300.0  # one call may carry a legacy-format payload of GBs through a serializer
 
@@ -150,7 +153,7 @@ def model_headline(m: dict) -> str:
     """A real model's measured TTFTs and oracle verdict, or nothing for the simulated engine."""
     if m.get("oracle_pass") is None and m.get("ttft_cold_measured_s") is None:
         return ""
-    verdict = {None: "not run", True: "PASS", False: "FAIL"}[m.get("oracle_pass")]
+    verdict = "not run" if m.get("oracle_pass") is None else ("PASS" if m["oracle_pass"] is True else "FAIL")
     return (f"  measured TTFT cold {_fmt(m['ttft_cold_measured_s'], ' s')} warm {_fmt(m['ttft_warm_measured_s'], ' s')}"
             f" (x{_fmt(m['ttft_speedup_measured'])})  oracle {verdict} (bitwise {m['logits_bitwise_equal']}, "
             f"max|diff| vs full prefill {_fmt(m['logits_max_abs_diff'])})")
@@ -181,7 +184,7 @@ class Runner:
         self.folder = Path(options.out or Path("results", "runs", f"{scenario.name}-{stamp}"))
         self.status = _Status()
         self._pools: dict[int, EnginePools] = {}
-        self._hf = None  # the transformers engine's model, built at its first case
+        self._hf: HFModel | None = None  # the transformers engine's model, built at its first case
         if scenario.engine not in ("sim", "transformers"):
             raise BenchError(f"engine {scenario.engine!r} is not run by this runner (it runs sim, transformers)")
         self._tmp: list[Path] = []
