@@ -79,10 +79,6 @@ class RequestRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     load_copy_s: float = 0.0   # the retrieve's page copies alone (for raw/legacy: decode and copy)
     prefill_s: float
     ttft_s: float
-    bytes_stored: int
-    bytes_loaded: int
-    verified_chunks: int
-    corrupt_chunks: int
     # A real model's request (None for the simulated engine): see MODEL_COLUMNS
     prefill_measured_s: float | None = None  # the model's forwards (cold: whole prompt; warm: continuation)
     ttft_measured_s: float | None = None     # cold: prefill_measured_s; warm: lookup + load + prefill_measured_s
@@ -90,6 +86,10 @@ class RequestRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     logits_max_abs_diff: float | None = None
     logits_bitwise_equal: bool | None = None
     oracle_pass: bool | None = None
+    bytes_stored: int
+    bytes_loaded: int
+    verified_chunks: int
+    corrupt_chunks: int
 
 
 # Columns a real-model engine's result carries beyond the simulated engine's (the runner copies them).
