@@ -40,7 +40,9 @@ from .hf_model import HFModel
 from .hf_pages import PageCodec
 from .oracle import Control, OracleVerdict, judge
 
-SNAPSHOTS = 4  # in-memory caches kept for the oracle (one per boundary a later request may resume at)
+# In-memory caches kept for the oracle, one per stored state (a later request may resume at any of them):
+# under `all` that is a deep copy per chunk, so on a GPU the reference costs memory and time, not the TTFT.
+SNAPSHOTS = 4
 
 
 class OracleError(RuntimeError):
