@@ -13,7 +13,7 @@ nox.options.reuse_existing_virtualenvs = True
 SMOKE = "scenarios/smoke.toml"
 SMOKE_BASELINE = "results/baselines/smoke-cpu.toml"
 CPU_TORCH = ["torch==2.13.0"]  # the CPU wheel on this project's CPU machines; see README
-EXTRAS = ".[test,triton]"
+EXTRAS = ".[test,triton,hf]"  # hf: the transformers engine's tests and scenario
 
 
 def _install(session: nox.Session) -> None:

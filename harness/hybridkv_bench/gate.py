@@ -16,7 +16,8 @@ Baseline file (TOML, kept under results/baselines/<scenario>.toml):
 
 Every check must match at least one case of the run; one that matches none fails (the run lost a
 case the baseline expects). Invariants hold whatever the baseline says: the run is complete, no case
-failed, no chunk came back corrupt, the server held no VRAM and mapped no CUDA library. The last two
+failed, no chunk came back corrupt, a real model's logits oracle passed wherever it ran, the server
+held no VRAM and mapped no CUDA library. The last two
 are relaxed only where the wire format needs it (scenario.SERVER_HOLDS_CUDA_CONTEXT,
 scenario.SERVER_IMPORTS_TORCH): such cases show the figure as `info`.
 """
@@ -144,6 +145,9 @@ def invariant_checks(run: Run) -> list[GateCheck]:
             out.append(row("case ran", f"failed: {c.error}", "ok", "FAIL"))
             continue
         wire = c.axes.get("wire_format", "?")
+        oracle = c.metrics.get("oracle_pass")
+        if oracle is not None:  # a real model's warm requests: a wrong continuation fails the case
+            out.append(row("oracle_pass", _num(oracle), "true", "pass" if oracle is True else "FAIL"))
         corrupt = c.metrics.get("corrupt_chunks")
         out.append(row("corrupt_chunks", _num(corrupt), "0",
                        "pass" if corrupt == 0 else "FAIL"))

@@ -20,6 +20,14 @@ hidden by calling it warm-up).
 - verified_chunks, corrupt_chunks: sums over every row, warm-up included.
 - store_ceiling_ratio = store_gbps / d2h_peak_gbps; load_ceiling_ratio = load_gbps / h2d_peak_gbps;
   ttft_speedup = ttft_cold_s / ttft_warm_s.
+With a real model (the `transformers` engine; None for the simulated one):
+- ttft_cold_measured_s / ttft_warm_measured_s: p50 of ttft_measured_s over cold / warm rows (cold: the
+  prefill measured; warm: lookup + load + the continuation's prefill, all measured).
+- ttft_speedup_measured: min(ttft_cold_measured_s, ttft_cold_s) / ttft_warm_measured_s: the smaller cold
+  figure, so the headline never flatters.
+- logits_max_abs_diff: the largest |restored - full prefill| logit difference over warm rows;
+  logits_bitwise_equal / oracle_pass: every warm row's restored continuation equalled the in-memory split /
+  passed the oracle (a False fails the case in the gate).
 A metric that cannot be computed (no warm rows, no NVML) is None, written as null: never 0.
 """
 
@@ -42,12 +50,15 @@ REQUEST_METRICS = (
 CALIBRATION_METRICS = ("d2h_peak_gbps", "h2d_peak_gbps")
 SERVER_METRICS = ("server_vram_mib", "server_cuda_mapped", "server_rss_mib", "server_cpu_s")
 RATIO_METRICS = ("store_ceiling_ratio", "load_ceiling_ratio", "ttft_speedup")
-METRICS = (*REQUEST_METRICS, *CALIBRATION_METRICS, *SERVER_METRICS, *RATIO_METRICS)
+MODEL_METRICS = ("ttft_cold_measured_s", "ttft_warm_measured_s", "ttft_speedup_measured", "logits_max_abs_diff",
+                 "logits_bitwise_equal", "oracle_pass")
+METRICS = (*REQUEST_METRICS, *CALIBRATION_METRICS, *SERVER_METRICS, *RATIO_METRICS, *MODEL_METRICS)
 
 # How each metric improves; the gate's --write-baseline and the report read this.
 HIGHER_IS_BETTER = frozenset({"store_gbps", "load_gbps", "store_copy_gbps", "load_copy_gbps",
                               "hit_tokens", "verified_chunks",
-                              "store_ceiling_ratio", "load_ceiling_ratio", "ttft_speedup"})
+                              "store_ceiling_ratio", "load_ceiling_ratio", "ttft_speedup",
+                              "ttft_speedup_measured"})
 
 
 class RequestRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -68,12 +79,22 @@ class RequestRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     load_copy_s: float = 0.0   # the retrieve's page copies alone (for raw/legacy: decode and copy)
     prefill_s: float
     ttft_s: float
+    # A real model's request (None for the simulated engine): see MODEL_COLUMNS
+    prefill_measured_s: float | None = None  # the model's forwards (cold: whole prompt; warm: continuation)
+    ttft_measured_s: float | None = None     # cold: prefill_measured_s; warm: lookup + load + prefill_measured_s
+    adapter_s: float | None = None           # copies between transformers' cache and the pages (in no TTFT)
+    logits_max_abs_diff: float | None = None
+    logits_bitwise_equal: bool | None = None
+    oracle_pass: bool | None = None
     bytes_stored: int
     bytes_loaded: int
     verified_chunks: int
     corrupt_chunks: int
 
 
+# Columns a real-model engine's result carries beyond the simulated engine's (the runner copies them).
+MODEL_COLUMNS = ("prefill_measured_s", "ttft_measured_s", "adapter_s", "logits_max_abs_diff",
+                 "logits_bitwise_equal", "oracle_pass")
 REQUEST_COLUMNS: tuple[str, ...] = RequestRow.__struct_fields__
 
 
@@ -125,5 +146,25 @@ def case_metrics(rows: Iterable[RequestRow], calibration: Mapping | None = None,
     m["store_ceiling_ratio"] = _ratio(m["store_gbps"], m["d2h_peak_gbps"])  # type: ignore[arg-type]
     m["load_ceiling_ratio"] = _ratio(m["load_gbps"], m["h2d_peak_gbps"])  # type: ignore[arg-type]
     m["ttft_speedup"] = _ratio(m["ttft_cold_s"], m["ttft_warm_s"])  # type: ignore[arg-type]
+    m.update(_model_metrics(measured, rows, m["ttft_cold_s"]))
     assert tuple(m) == METRICS, "metric order drifted from METRICS"
+    return m
+
+
+def _model_metrics(measured: list[RequestRow], rows: list[RequestRow], cold_modeled: Number) -> dict[str, Number]:
+    """The real-model metrics (see the module doc); None where no row carries them."""
+    m: dict[str, Number] = {}
+    for phase in ("cold", "warm"):
+        m[f"ttft_{phase}_measured_s"] = _p([r.ttft_measured_s for r in measured
+                                            if r.phase == phase and r.ttft_measured_s is not None], 50)
+    cold = [v for v in (m["ttft_cold_measured_s"], cold_modeled) if v is not None]
+    if m["ttft_cold_measured_s"] is None:
+        cold = []  # a simulated run has no measured TTFT to put a ratio on
+    m["ttft_speedup_measured"] = _ratio(min(cold) if cold else None, m["ttft_warm_measured_s"])
+    # Warm-up rows count too: a wrong continuation is never hidden by calling it warm-up.
+    judged = [r for r in rows if r.oracle_pass is not None]
+    diffs = [r.logits_max_abs_diff for r in judged if r.logits_max_abs_diff is not None]
+    m["logits_max_abs_diff"] = max(diffs) if diffs else None
+    m["logits_bitwise_equal"] = all(r.logits_bitwise_equal for r in judged) if judged else None
+    m["oracle_pass"] = all(r.oracle_pass for r in judged) if judged else None
     return m

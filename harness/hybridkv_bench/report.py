@@ -173,6 +173,9 @@ def render_markdown(run: Run, df: pd.DataFrame, findings: list[str], figures: li
               "- other = TTFT minus the three (measured: anything the runner spent before the first token, "
               "such as a store it had to wait for)", "",
               _composition(run, df), ""]
+    from .report_model import model_section  # it imports this module's table helper
+
+    lines += model_section(run, df)
     lines += ["## Results", "", _results_tables(df), ""]
     corrupt = df[df.corrupt_chunks.fillna(0) > 0]
     if not corrupt.empty:

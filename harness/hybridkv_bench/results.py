@@ -20,7 +20,7 @@ from typing import Any, Literal
 import msgspec
 
 from .context import utc_now
-from .metrics import REQUEST_COLUMNS, Number, RequestRow
+from .metrics import MODEL_COLUMNS, REQUEST_COLUMNS, Number, RequestRow
 
 SCHEMA = "hybridkv-run/1"
 RUN_JSON = "run.json"
@@ -197,7 +197,8 @@ class Run:
 
 
 # Columns added after runs were published; an older requests.csv without them still loads (defaults).
-OPTIONAL_COLUMNS = frozenset({"store_copy_s", "load_copy_s"})
+# The real-model columns are empty (None) in rows of the simulated engine.
+OPTIONAL_COLUMNS = frozenset({"store_copy_s", "load_copy_s", *MODEL_COLUMNS})
 
 
 def _read_requests(path: Path, folder: Path) -> list[RequestRow]:
@@ -214,7 +215,8 @@ def _read_requests(path: Path, folder: Path) -> list[RequestRow]:
                 raise NotARunFolder(folder, f"{REQUESTS_CSV} line {lineno} has {len(values)} fields, "
                                             f"expected {len(header)}")
             try:
-                rows.append(msgspec.convert(dict(zip(header, values, strict=True)), RequestRow, strict=False))
+                fields = {k: v for k, v in zip(header, values, strict=True) if v != "" or k not in OPTIONAL_COLUMNS}
+                rows.append(msgspec.convert(fields, RequestRow, strict=False))
             except msgspec.ValidationError as e:
                 raise NotARunFolder(folder, f"{REQUESTS_CSV} line {lineno}: {e}") from None
     return rows

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import msgspec
 import torch
@@ -34,12 +34,15 @@ from hybridkv.server.launch import ServerProcess, start_server
 
 from .context import collect_context
 from .engine_sim import EnginePools, HitMismatch, SimEngine
-from .metrics import RequestRow, case_metrics
+from .metrics import MODEL_COLUMNS, RequestRow, case_metrics
 from .prefill import prefill_seconds
 from .probes import sample_server
 from .results import CaseResult, RunWriter
 from .scenario import Case, Scenario, ScenarioFile, expand_matrix
 from .workloads import ExpectedHits, Plan, Request, build_plan
+
+if TYPE_CHECKING:
+    from .hf_model import HFModel
 
 CLIENT_TIMEOUT_S = 300.0  # one call may carry a legacy-format payload of GBs through a serializer
 
@@ -142,7 +145,18 @@ def headline(result: CaseResult, wall_s: float) -> str:
             f"(x{_fmt(m['ttft_speedup'])})  store {_fmt(m['store_gbps'], ' GB/s')} "
             f"({_fmt(m['store_ceiling_ratio'], '', 2)} of peak)  load {_fmt(m['load_gbps'], ' GB/s')} "
             f"({_fmt(m['load_ceiling_ratio'], '', 2)} of peak)  hit {m['hit_tokens']} tok  "
-            f"verified {m['verified_chunks']} corrupt {m['corrupt_chunks']}  server VRAM {vram}, CUDA libs {cuda}")
+            f"verified {m['verified_chunks']} corrupt {m['corrupt_chunks']}  server VRAM {vram}, CUDA libs {cuda}"
+            + model_headline(m))
+
+
+def model_headline(m: dict) -> str:
+    """A real model's measured TTFTs and oracle verdict, or nothing for the simulated engine."""
+    if m.get("oracle_pass") is None and m.get("ttft_cold_measured_s") is None:
+        return ""
+    verdict = "not run" if m.get("oracle_pass") is None else ("PASS" if m["oracle_pass"] is True else "FAIL")
+    return (f"  measured TTFT cold {_fmt(m['ttft_cold_measured_s'], ' s')} warm {_fmt(m['ttft_warm_measured_s'], ' s')}"
+            f" (x{_fmt(m['ttft_speedup_measured'])})  oracle {verdict} (bitwise {m['logits_bitwise_equal']}, "
+            f"max|diff| vs full prefill {_fmt(m['logits_max_abs_diff'])})")
 
 
 class Runner:
@@ -170,6 +184,9 @@ class Runner:
         self.folder = Path(options.out or Path("results", "runs", f"{scenario.name}-{stamp}"))
         self.status = _Status()
         self._pools: dict[int, EnginePools] = {}
+        self._hf: HFModel | None = None  # the transformers engine's model, built at its first case
+        if scenario.engine not in ("sim", "transformers"):
+            raise BenchError(f"engine {scenario.engine!r} is not run by this runner (it runs sim, transformers)")
         self._tmp: list[Path] = []
         self._servers: list[ServerProcess] = []
         self._nonce = f"{os.getpid()}-{time.time_ns()}"
@@ -221,7 +238,7 @@ class Runner:
 
     # ---- one case -----------------------------------------------------------------------------------
 
-    def _repeat(self, engines: list[SimEngine], oracles: dict[int, ExpectedHits], plan: Plan, label: str,
+    def _repeat(self, engines: list, oracles: dict[int, ExpectedHits], plan: Plan, label: str,
                 case: Case, repeat: int) -> list[RequestRow]:
         rows: list[RequestRow] = []
         lock = threading.Lock()
@@ -242,7 +259,8 @@ class Runner:
                              store_copy_s=res.store_copy_s, load_copy_s=res.load_copy_s,
                              prefill_s=res.prefill_s, ttft_s=res.ttft_s, bytes_stored=res.bytes_stored,
                              bytes_loaded=res.bytes_loaded, verified_chunks=res.verified_chunks,
-                             corrupt_chunks=res.corrupt_chunks)
+                             corrupt_chunks=res.corrupt_chunks,
+                             **{f: getattr(res, f) for f in MODEL_COLUMNS if hasattr(res, f)})
             with lock:
                 rows.append(row)
 
@@ -291,7 +309,7 @@ class Runner:
                           f"(it supports {', '.join(WIRE_FORMATS)})")
         salt = f"{label}@{self._nonce}" if self.opt.server else label  # a shared server may hold older runs
         clients: list[CacheClient] = []
-        engines: list[SimEngine] = []
+        engines: list = []  # SimEngine or HFEngine: the same run(request_id, tokens)
         rows: list[RequestRow] = []
         hook = self.opt.before_retrieve
         server = watch = None
@@ -308,9 +326,7 @@ class Runner:
                 cfg = TransferConfig(**axes, chunk_tokens=self.chunk, tp_rank=rank, salt=salt,
                                      timeout_s=CLIENT_TIMEOUT_S, name=f"{label}#{e}")
                 kv = KVTransfer(endpoint, self.layout, self._pools_for(e).pages, cfg, client=client)
-                engines.append(SimEngine(
-                    kv, self._pools_for(e), self._prefill, timeout_s=CLIENT_TIMEOUT_S,
-                    before_retrieve=(lambda hit: hook(hit, server)) if hook else None))
+                engines.append(self._engine(kv, e, (lambda hit: hook(hit, server)) if hook else None))
             has_state = bool(self.layout.recurrent_groups)
             for repeat in range(-self.scenario.warmup, self.scenario.repeats):
                 self.status.set(label, f"repeat {repeat + 1} of {self.scenario.repeats}" if repeat >= 0
@@ -351,6 +367,19 @@ class Runner:
                 c.close()
             if server is not None:
                 self._stop_server(server)
+
+    def _engine(self, kv: KVTransfer, e: int, before_retrieve: Callable[[Hit], None] | None):
+        """The scenario's engine kind on engine e's pools; a transformers model is built once per run."""
+        if self.scenario.engine == "transformers":
+            from .engine_hf import HFEngine  # transformers is an optional extra: imported only when asked for
+            from .hf_model import build_model
+
+            if self._hf is None:
+                self._hf = build_model(self.scenario.transformers, self.cfg, self.device)
+            return HFEngine(kv, self._hf, self._pools_for(e), self._prefill, timeout_s=CLIENT_TIMEOUT_S,
+                            before_retrieve=before_retrieve)
+        return SimEngine(kv, self._pools_for(e), self._prefill, timeout_s=CLIENT_TIMEOUT_S,
+                         before_retrieve=before_retrieve)
 
     def _log_tail(self, label: str) -> str:
         log = self.folder / "server-logs" / f"{label.replace('/', '--')}.log"

@@ -24,12 +24,15 @@ from hybridkv.layout import LayoutError, ModelLayout
 from hybridkv.policy import Policy
 from hybridkv.presets import HybridModelConfig, hybrid_layout, model_config
 
+from .hf_spec import TransformersSpec, transformers_problem
+
 GIB = 1 << 30
 
 WireFormat = Literal["shm", "raw", "pickle", "torch_save", "cuda_ipc"]
 CopyEngine = Literal["kernel", "dma"]
 Streams = Literal["single", "per_group"]
 Device = Literal["auto", "cpu", "cuda"]
+EngineKind = Literal["sim", "transformers", "vllm"]  # sim: pages derived from keys; transformers: hf_spec.py
 
 # Matrix axes in case-name order: `shm-kernel-single-boundary-all`.
 AXES = ("wire_format", "copy_engine", "streams", "retrieve_policy", "store_policy")
@@ -281,6 +284,8 @@ class Scenario(_Strict):
     warmup: int = 0
     device: Device = "auto"
     matrix: Matrix = Matrix()
+    engine: EngineKind = "sim"
+    transformers: TransformersSpec = TransformersSpec()  # read when engine = "transformers"
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):
@@ -400,6 +405,9 @@ def validate(scenario: Scenario, source: str = "<scenario>") -> None:
     if roofline and (cfg.active_params <= 0 or cfg.num_attention_heads <= 0):
         raise fail(f"prefill: the roofline needs active_params and num_attention_heads of {layout.model}; "
                    "set them in [model.overrides] or use kind = \"tokens_per_s\"")
+    if scenario.engine == "transformers" and (
+            problem := transformers_problem(scenario.transformers, cfg, [w.kind for w in scenario.workloads])):
+        raise fail(problem)
     # Cases are expanded here so that a dead exclude entry is reported at load time.
     try:
         expand_matrix(scenario)

@@ -15,6 +15,7 @@ from pathlib import Path
 import msgspec
 import psutil
 import pytest
+import torch
 from hybridkv.cli import main
 from hybridkv.server.launch import start_server
 from hybridkv_bench.gate import gate
@@ -36,6 +37,8 @@ SHIPPED = {
     "tp4_engines": (0.05, "raw-kernel-single-boundary-boundary"),
     "h200_zero_copy": (0.05, "shm-dma-per_group-boundary-all"),
     "h200_seed_formats": (0.05, "torch_save-dma-per_group-all-all"),
+    "hf_oracle": (1.0, "long_doc_qa/pickle-*"),  # test_hf_engine runs its shm case
+    "h200_hf_oracle": (0.05, "*"),  # a 27B-parameter model: skipped without CUDA
 }
 
 
@@ -50,6 +53,8 @@ def test_every_shipped_scenario_has_a_quick_setting():
 @pytest.mark.parametrize("name", sorted(SHIPPED))
 def test_shipped_scenario_runs_verified(name: str, tmp_path: Path, capsys):
     factor, cases = SHIPPED[name]
+    if load_scenario(SCENARIOS / f"{name}.toml").scenario.device == "cuda" and not torch.cuda.is_available():
+        pytest.skip(f"{name} needs a CUDA device")
     assert bench(name, tmp_path / "run", "--quick", str(factor), "--cases", cases) == 0
     err = capsys.readouterr().err
     run = load_run(tmp_path / "run").require_complete()

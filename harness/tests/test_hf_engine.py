@@ -1,0 +1,192 @@
+"""The transformers engine on CPU: tiny Qwen3.5 and Qwen3-Next caches through a real cache server and back,
+the logits oracle passing on shm and pickle, and every control that breaks a restore failing it."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+from hybridkv.engine.transfer import KVTransfer, TransferConfig  # noqa: E402
+from hybridkv.presets import TINY_HYBRID, hybrid_layout  # noqa: E402
+from hybridkv.server.launch import start_server  # noqa: E402
+from hybridkv_bench.engine_hf import HFEngine  # noqa: E402
+from hybridkv_bench.engine_sim import EnginePools  # noqa: E402
+from hybridkv_bench.hf_model import HFModelError, build_model  # noqa: E402
+from hybridkv_bench.hf_spec import TransformersSpec  # noqa: E402
+from hybridkv_bench.oracle import CONTROLS, judge  # noqa: E402
+from hybridkv_bench.scenario import ScenarioError, decode_scenario  # noqa: E402
+
+from conftest import SCENARIOS  # noqa: E402
+
+CFG = dataclasses.replace(TINY_HYBRID, kv_dtype="float32", conv_dtype="float32")
+LAYOUT = hybrid_layout(CFG)
+CHUNK = LAYOUT.default_chunk_tokens()  # 48
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models on a shared CPU: one torch thread (two spinning ones are 10x slower under load)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
+def model(request):
+    return build_model(TransformersSpec(arch=request.param), CFG, torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hf")
+    # a private arena folder: another machine user's server start cannot take this arena for a dead one's
+    srv = start_server(f"ipc://{d}/s.sock", "--l1-dir", str(d), l1_gib=0.05)
+    yield srv
+    srv.stop()
+    srv.close()
+
+
+def _engine(server, model, fmt: str, policy: str, salt: str, **kw) -> HFEngine:
+    pools = EnginePools.for_prompts(LAYOUT, 5 * CHUNK, torch.device("cpu"))
+    kv = KVTransfer(server.endpoint, LAYOUT, pools.pages, TransferConfig(
+        wire_format=fmt, retrieve_policy=policy, store_policy=policy, salt=salt))
+    return HFEngine(kv, model, pools, lambda new, cached: 0.0, **kw)
+
+
+def _doc(seed: int, n: int = 3 * CHUNK) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 151_936, n)
+
+
+def _tail(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed + 1000).integers(0, 151_936, n)
+
+
+@pytest.mark.parametrize("fmt,policy", [("shm", "boundary"), ("pickle", "all")])
+def test_warm_continuation_passes_the_oracle(server, model, fmt, policy):
+    eng = _engine(server, model, fmt, policy, f"pass-{fmt}-{policy}-{model.spec.arch}")
+    try:
+        doc = _doc(1)
+        cold = eng.run("cold", np.concatenate([doc, _tail(1, 7)]))
+        assert cold.hit_tokens == 0 and cold.oracle_pass is None and cold.bytes_stored > 0
+        assert cold.prefill_measured_s > 0 and cold.ttft_measured_s == cold.prefill_measured_s
+        warm = eng.run("warm", np.concatenate([doc, _tail(2, 9)]))
+        assert warm.hit_tokens == 3 * CHUNK and warm.bytes_loaded > 0
+        v = eng.last_verdict
+        assert v is not None and v.bitwise_equal and v.split_max_abs_diff == 0.0
+        assert v.full_max_abs_diff <= 1e-5 and v.argmax_equal
+        assert warm.oracle_pass is True and warm.logits_bitwise_equal is True
+        assert warm.verified_chunks == 3 and warm.corrupt_chunks == 0
+        assert warm.ttft_measured_s == pytest.approx(warm.lookup_s + warm.load_s + warm.prefill_measured_s)
+    finally:
+        eng.kv.close()
+
+
+@pytest.mark.parametrize("control", sorted(CONTROLS))
+def test_every_control_fails_the_oracle(server, model, control):
+    # `all` stores and loads every chunk's state, so the wrong-boundary control has an earlier one to use
+    eng = _engine(server, model, "shm", "all", f"control-{control}-{model.spec.arch}", control=CONTROLS[control])
+    try:
+        doc = _doc(2)
+        eng.control = None
+        eng.run("cold", np.concatenate([doc, _tail(3, 5)]))
+        eng.control = CONTROLS[control]
+        warm = eng.run("warm", np.concatenate([doc, _tail(4, 11)]))
+        assert warm.hit_tokens == 3 * CHUNK
+        assert warm.oracle_pass is False and warm.logits_bitwise_equal is False
+        assert warm.corrupt_chunks == 3 and warm.verified_chunks == 0
+    finally:
+        eng.kv.close()
+
+
+def test_full_prompt_hit_without_the_last_token_reserved_fails(server, model):
+    eng = _engine(server, model, "shm", "boundary", f"full-{model.spec.arch}", reserve_last_token=False)
+    try:
+        doc = _doc(3, 2 * CHUNK)  # chunk-aligned: the whole prompt is cached after the first request
+        eng.run("cold", doc)
+        again = eng.run("again", doc)
+        assert again.hit_tokens == len(doc)
+        v = eng.last_verdict
+        # the restored cache is the in-memory one (bitwise), but feeding the last token twice answers wrong
+        assert v is not None and v.bitwise_equal and not v.passed
+        assert v.full_max_abs_diff > 1e-3
+    finally:
+        eng.kv.close()
+
+
+def test_the_reserved_last_token_keeps_a_full_prompt_resumable(server, model):
+    eng = _engine(server, model, "shm", "all", f"reserve-{model.spec.arch}")
+    try:
+        doc = _doc(4, 2 * CHUNK)
+        eng.run("cold", doc)
+        again = eng.run("again", doc)
+        assert again.hit_tokens == CHUNK  # capped below the prompt: the last chunk is recomputed
+        assert again.oracle_pass is True
+    finally:
+        eng.kv.close()
+
+
+def test_judge_rejects_mismatched_shapes_and_reports_bf16_without_judging():
+    a = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="logits shapes differ"):
+        judge(a, torch.zeros(3, 8), a, 1e-5)
+    b = a.clone()
+    b[0, 0] = 0.5
+    v = judge(a, a.clone(), b, None)
+    assert v.passed and v.full_max_abs_diff == 0.5 and v.tolerance is None
+    assert not judge(a, a.clone(), b, 1e-5).passed
+
+
+def test_model_and_layout_dtypes_must_agree():
+    with pytest.raises(HFModelError, match="kv_dtype"):
+        build_model(TransformersSpec(), TINY_HYBRID, torch.device("cpu"))  # bf16 K/V preset, fp32 weights
+    text = (SCENARIOS / "hf_oracle.toml").read_text()
+    with pytest.raises(ScenarioError, match="conv_dtype"):
+        decode_scenario(text.replace('conv_dtype = "float32"', 'conv_dtype = "bfloat16"'))
+    with pytest.raises(ScenarioError, match="runs workloads"):
+        decode_scenario(text.replace('kind = "multi_turn"', 'kind = "fan_out"\nsystem_tokens = 96\nuser_tokens = 8\n'
+                                     'requests = 2\n[[workloads]]\nkind = "multi_turn"'))
+    with pytest.raises(ScenarioError, match="engine"):
+        decode_scenario(text.replace('engine = "transformers"', 'engine = "tensorrt"'))
+
+
+def test_hf_oracle_scenario_runs_through_the_runner(tmp_path: Path, capsys):
+    from hybridkv.cli import main
+    from hybridkv_bench.gate import gate
+    from hybridkv_bench.report import write_report
+    from hybridkv_bench.results import load_run
+
+    out = tmp_path / "run"
+    assert main(["bench", str(SCENARIOS / "hf_oracle.toml"), "--out", str(out), "--no-report",
+                 "--cases", "long_doc_qa/shm-*"]) == 0
+    assert "oracle PASS" in capsys.readouterr().err
+    run = load_run(out).require_complete()
+    (case,) = run.cases
+    m = case.metrics
+    assert m["oracle_pass"] is True and m["logits_bitwise_equal"] is True and m["logits_max_abs_diff"] <= 1e-5
+    assert m["ttft_cold_measured_s"] > 0 and m["ttft_warm_measured_s"] > 0
+    cold = min(m["ttft_cold_measured_s"], m["ttft_cold_s"])
+    assert m["ttft_speedup_measured"] == pytest.approx(cold / m["ttft_warm_measured_s"])
+    assert all(r.ttft_measured_s is not None for r in run.requests)
+    assert not gate(run, None).failed
+    write_report(out)
+    report = (out / "report.md").read_text()
+    assert "## Real model: measured beside modeled" in report and "| PASS |" in report
+    # a failed oracle fails the gate
+    bad = msgspec_replace_metrics(run, oracle_pass=False)
+    assert any(c.check == "oracle_pass" for c in gate(bad, None).failed)
+
+
+def msgspec_replace_metrics(run, **metrics):
+    """The run with its cases' metrics changed (what a failed oracle would have recorded)."""
+    import msgspec
+
+    cases = [msgspec.structs.replace(c, metrics={**c.metrics, **metrics}) for c in run.record.cases]
+    record = msgspec.structs.replace(run.record, cases=cases)
+    return dataclasses.replace(run, record=record)
