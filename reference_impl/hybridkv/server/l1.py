@@ -3,18 +3,23 @@
 An object is RESERVED while an engine writes it, LOADING while it is read back from L2, and READY once
 visible. Only READY, unpinned objects that are not being spilled may be evicted. With an L2, a dirty
 object (no copy in L2) is spilled before its slot is freed; the caller then waits for the spill.
+
+Every evictable object sits in exactly one queue (clean, dirty, or stuck after a failed L2 write), kept
+in LRU order, so finding a victim or the next object to spill is O(1): nothing scans the table per
+allocation. Pinned, spilling and unready objects sit in no queue.
 """
 
 from __future__ import annotations
 
 import enum
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from hybridkv.arena import Arena, ExtentAllocator
 
-ObjectId = tuple[bytes, int]  # (chunk key, group)
+ObjectKey = tuple[bytes, int]  # (chunk key, group): one object
 
 
 class State(enum.Enum):
@@ -23,7 +28,19 @@ class State(enum.Enum):
     READY = "ready"
 
 
-WAIT = "wait"  # an allocation that will succeed once in-flight spills finish
+class Queue(enum.Enum):
+    """Which eviction queue an entry sits in (NONE: pinned, spilling or not READY)."""
+    NONE = 0
+    CLEAN = 1     # evictable at once: L2 holds a copy, or there is no L2
+    DIRTY = 2     # must be written to L2 before its slot is freed
+    STUCK = 3     # its last L2 write failed: kept in L1 (never silently dropped), retried later
+    AHEAD = 4     # a spill-ahead write is in flight
+
+
+class NoSlot(enum.Enum):
+    """Why reserve() returned no entry."""
+    WAIT = "wait"    # in-flight spills will free enough room: try again when they finish
+    FULL = "full"    # nothing evictable: the rest is pinned, being written, or kept after L2 failures
 
 
 @dataclass(slots=True, eq=False)
@@ -38,10 +55,12 @@ class Entry:
     in_l2: bool = False
     spilling: bool = False
     evict_after_spill: bool = False
-    spill_failed: bool = False  # its last L2 write failed: spill-ahead leaves it to eviction
+    failed_at: float = 0.0  # monotonic time of its last failed L2 write
+    queue: Queue = Queue.NONE
+    gone: bool = False      # dropped from the table (a failed prefetch, an abort)
 
     @property
-    def oid(self) -> ObjectId:
+    def oid(self) -> ObjectKey:
         return (self.key, self.group)
 
     @property
@@ -50,50 +69,105 @@ class Entry:
 
 
 class L1Cache:
-    """Objects in the arena. `start_spill(entry)` is called for dirty victims when an L2 exists."""
+    """Objects in the arena. `start_spill(entries)` writes dirty victims to L2 when an L2 exists."""
 
     def __init__(self, arena: Arena, policy: str = "lru",
-                 start_spill: Callable[[Entry], None] | None = None,
+                 start_spill: Callable[[list[Entry]], None] | None = None,
                  l2_has: Callable[[Entry], bool] | None = None):
         self.arena = arena
         self.alloc = ExtentAllocator(arena.size)
         self.policy = policy
         self._start_spill = start_spill
         self._l2_has = l2_has
-        self._entries: dict[ObjectId, Entry] = {}
-        self._order: OrderedDict[ObjectId, Entry] = OrderedDict()  # READY objects, oldest first
+        self._entries: dict[ObjectKey, Entry] = {}
+        self._queues: dict[Queue, OrderedDict[ObjectKey, Entry]] = {q: OrderedDict() for q in Queue
+                                                                    if q is not Queue.NONE}
+        self._queued_bytes = dict.fromkeys(Queue, 0)
         self.evictions = 0
         self.evicted_bytes = 0
         self.pending_free = 0  # bytes that in-flight evicting spills will free
+        self._pinned = 0
+        self._ready = 0
+        self._used = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, oid: ObjectId) -> Entry | None:
+    def get(self, oid: ObjectKey) -> Entry | None:
         return self._entries.get(oid)
 
     def entries(self) -> Iterator[Entry]:
         return iter(list(self._entries.values()))
 
-    def touch(self, e: Entry) -> None:
-        """A hit: LRU moves it to the young end; FIFO keeps insertion order."""
-        if self.policy == "lru" and e.oid in self._order:
-            self._order.move_to_end(e.oid)
+    @property
+    def stuck_objects(self) -> int:
+        return len(self._queues[Queue.STUCK])
+
+    # ---- queues ----------------------------------------------------------------------------------
+
+    def _unqueue(self, e: Entry) -> None:
+        if e.queue is not Queue.NONE:
+            del self._queues[e.queue][e.oid]
+            self._queued_bytes[e.queue] -= self.alloc.rounded(e.length)
+            e.queue = Queue.NONE
+
+    def _enqueue(self, e: Entry, q: Queue, young: bool = True) -> None:
+        self._unqueue(e)
+        od = self._queues[q]
+        od[e.oid] = e
+        if not young:
+            od.move_to_end(e.oid, last=False)
+        self._queued_bytes[q] += self.alloc.rounded(e.length)
+        e.queue = q
+
+    def _place(self, e: Entry, young: bool = True) -> None:
+        """Put an entry in the queue its state calls for (or none)."""
+        if not e.evictable or e.gone:
+            self._unqueue(e)
+        elif self._start_spill is None or e.in_l2:
+            self._enqueue(e, Queue.CLEAN, young)
+        elif e.failed_at:
+            self._enqueue(e, Queue.STUCK, young)
+        else:
+            self._enqueue(e, Queue.DIRTY, young)
+
+    # ---- state changes -----------------------------------------------------------------------------
 
     def reserve(self, key: bytes, group: int, ns: bytes, length: int,
-                state: State = State.RESERVED) -> Entry | str | None:
-        """A new entry with a slot of `length` bytes, evicting if needed; WAIT, or None if it cannot fit."""
+                state: State = State.RESERVED) -> Entry | NoSlot:
+        """A new entry with a slot of `length` bytes, evicting if needed; or why there is none."""
         off = self._allocate(length)
-        if off is None or off == WAIT:
+        if isinstance(off, NoSlot):
             return off
         e = Entry(key, group, ns, off, length, state)
         self._entries[e.oid] = e
+        self._used += self.alloc.rounded(length)
         return e
 
     def make_ready(self, e: Entry) -> None:
+        if e.state is not State.READY:
+            self._ready += 1
         e.state = State.READY
-        self._order[e.oid] = e
-        self._order.move_to_end(e.oid)
+        self._place(e)
+
+    def touch(self, e: Entry) -> None:
+        """A hit: LRU moves it to the young end of its queue; FIFO keeps insertion order."""
+        if self.policy == "lru" and e.queue is not Queue.NONE:
+            self._queues[e.queue].move_to_end(e.oid)
+
+    def pin(self, e: Entry) -> None:
+        if e.pins == 0:
+            self._pinned += 1
+        e.pins += 1
+        self._unqueue(e)
+
+    def unpin(self, e: Entry) -> None:
+        if e.pins <= 0:
+            raise AssertionError(f"unpin of object (group {e.group}) that holds no pin")
+        e.pins -= 1
+        if e.pins == 0 and not e.gone:  # a detached entry left the pinned count when it left the table
+            self._pinned -= 1
+            self._place(e)
 
     def drop(self, e: Entry) -> None:
         """Free an entry's slot now. The caller guarantees no engine writes or reads it any more."""
@@ -103,98 +177,119 @@ class L1Cache:
 
     def detach(self, e: Entry) -> None:
         """Forget an entry but keep its extent allocated (the caller frees it later)."""
-        del self._entries[e.oid]
-        self._order.pop(e.oid, None)
+        if self._entries.get(e.oid) is e:
+            del self._entries[e.oid]
+            self._used -= self.alloc.rounded(e.length)
+            if e.state is State.READY:
+                self._ready -= 1
+            if e.pins:
+                self._pinned -= 1
+        e.gone = True
+        self._unqueue(e)
 
-    def evict(self, e: Entry) -> None:
+    def _evict(self, e: Entry) -> None:
         self.drop(e)
         self.evictions += 1
         self.evicted_bytes += e.length
+
+    def loaded(self, e: Entry) -> None:
+        """An L2 read into `e` finished: it is READY and L2 holds its bytes."""
+        e.in_l2 = True
+        self.make_ready(e)
 
     def spill_finished(self, e: Entry, ok: bool) -> None:
         """An L2 write of `e` ended; frees it now if it was evicted while spilling."""
         e.spilling = False
         e.in_l2 = e.in_l2 or ok
-        e.spill_failed = not ok
+        e.failed_at = 0.0 if ok else time.monotonic()
         if e.evict_after_spill:
             e.evict_after_spill = False
             self.pending_free -= self.alloc.rounded(e.length)
-            if e.evictable and self._entries.get(e.oid) is e:
-                self.evict(e)
+            if ok and e.evictable and not e.gone:
+                self._evict(e)
+                return
+        if not e.gone:
+            self._place(e)
 
-    def clean(self, e: Entry) -> bool:
-        """True when L2 still holds e's bytes (L2 may have evicted or dropped its copy since the spill)."""
-        if e.in_l2 and self._l2_has is not None and not self._l2_has(e):
-            e.in_l2 = False
-        return e.in_l2
+    def retry_stuck(self, older_than: float) -> int:
+        """Objects whose L2 write failed before `older_than` become dirty again (spilled on the next pass)."""
+        stuck = self._queues[Queue.STUCK]
+        n = 0
+        while stuck:
+            e = next(iter(stuck.values()))
+            if e.failed_at > older_than:
+                break
+            e.failed_at = 0.0
+            self._place(e, young=False)
+            n += 1
+        return n
 
-    def _allocate(self, length: int) -> int | str | None:
+    # ---- allocation --------------------------------------------------------------------------------
+
+    def _allocate(self, length: int) -> int | NoSlot:
         need = self.alloc.rounded(max(length, 1))
         if need > self.alloc.size:
-            return None
+            return NoSlot.FULL
         off = self.alloc.alloc(length)
         if off is not None:
             return off
-        # Clean victims first (no copy needed, so no wait on L2, which may be busy with other engines'
-        # reads); among them same-size ones first: freeing one is guaranteed to fit. Each victim is found
-        # from the old end of the LRU order, so a store that needs k slots looks at about k entries.
-        dirty = self._start_spill is not None
-        for exact in (True, False):
-            while True:
-                victim = next((e for e in self._order.values()
-                               if e.evictable and (not exact or self.alloc.rounded(e.length) == need)
-                               and (not dirty or self.clean(e))), None)
-                if victim is None:
-                    break
-                self.evict(victim)
-                off = self.alloc.alloc(length)
-                if off is not None:
-                    return off
-        if not dirty:
-            return None
-        # Only dirty victims left: copy the oldest to L2, and the caller waits until that frees their slots.
-        for exact in (True, False):
-            for e in self._order.values():
-                if not e.evictable or (exact and self.alloc.rounded(e.length) != need):
-                    continue
-                if self.pending_free and self.alloc.free_bytes + self.pending_free >= need:
-                    return WAIT
-                e.spilling = e.evict_after_spill = True
-                self.pending_free += self.alloc.rounded(e.length)
-                self._start_spill(e)
+        # Clean victims from the old end first: no copy needed, so no wait on L2.
+        clean = self._queues[Queue.CLEAN]
+        while clean:
+            e = next(iter(clean.values()))
+            if self._l2_has is not None and e.in_l2 and not self._l2_has(e):
+                e.in_l2 = False  # L2 dropped its copy since: it is dirty again, and the oldest
+                self._place(e, young=False)
+                continue
+            self._evict(e)
+            off = self.alloc.alloc(length)
+            if off is not None:
+                return off
+        if self._start_spill is None:
+            return NoSlot.FULL
+        # Only dirty victims left: copy the oldest to L2; the caller waits until that frees their slots.
+        free = self.alloc.free_bytes
+        if self.pending_free and free + self.pending_free >= need:
+            return NoSlot.WAIT
+        batch: list[Entry] = []
+        dirty = self._queues[Queue.DIRTY]
+        while dirty and (not batch or free + self.pending_free < need):
+            e = next(iter(dirty.values()))
+            self._unqueue(e)
+            e.spilling = e.evict_after_spill = True
+            self.pending_free += self.alloc.rounded(e.length)
+            batch.append(e)
+        if batch:
+            self._start_spill(batch)
         # Spill-ahead writes in flight free nothing by themselves: have them free their slots when done,
         # so a store waits for them instead of being refused while L1 is merely busy writing to L2.
-        for e in self._order.values():
-            if e.spilling and not e.evict_after_spill and e.pins == 0 and e.state is State.READY:
-                if self.pending_free and self.alloc.free_bytes + self.pending_free >= need:
-                    break
-                e.evict_after_spill = True
-                self.pending_free += self.alloc.rounded(e.length)
-        return WAIT if self.pending_free > 0 else None
+        ahead = self._queues[Queue.AHEAD]
+        while ahead and free + self.pending_free < need:
+            e = next(iter(ahead.values()))
+            self._unqueue(e)
+            e.evict_after_spill = True
+            self.pending_free += self.alloc.rounded(e.length)
+        return NoSlot.WAIT if self.pending_free > 0 else NoSlot.FULL
 
-    def spill_ahead(self, low_watermark: float, max_inflight: int, inflight: int) -> list[Entry]:
+    def spill_ahead(self, low_watermark: float, max_objects: int) -> list[Entry]:
         """Dirty LRU objects to copy to L2 now, so later evictions find clean victims and never wait."""
+        if self._start_spill is None:
+            return []
         target = low_watermark * self.alloc.size
-        clean = self.alloc.free_bytes + self.pending_free
+        clean = (self.alloc.free_bytes + self.pending_free + self._queued_bytes[Queue.CLEAN]
+                 + self._queued_bytes[Queue.AHEAD])
         out: list[Entry] = []
-        for e in self._order.values():
-            if clean >= target or inflight + len(out) >= max_inflight:
-                break
-            if not e.evictable or e.spill_failed:
-                continue  # retrying a failed write here would spin on a full or broken L2
-            if e.in_l2:
-                clean += self.alloc.rounded(e.length)
-            else:
-                e.spilling = True
-                out.append(e)
-                clean += self.alloc.rounded(e.length)
+        dirty = self._queues[Queue.DIRTY]
+        while dirty and clean < target and len(out) < max_objects:
+            e = next(iter(dirty.values()))
+            e.spilling = True
+            self._enqueue(e, Queue.AHEAD)
+            clean += self.alloc.rounded(e.length)
+            out.append(e)
         return out
 
     def usage(self) -> dict[str, int]:
-        pinned = sum(1 for e in self._entries.values() if e.pins)
-        reserved = sum(1 for e in self._entries.values() if e.state is not State.READY)
-        used = sum(self.alloc.rounded(e.length) for e in self._entries.values())
-        return {"l1_objects": len(self._entries), "l1_bytes_used": used, "l1_capacity_bytes": self.alloc.size,
-                "l1_free_bytes": self.alloc.free_bytes, "l1_pinned_objects": pinned,
-                "l1_unready_objects": reserved, "l1_evictions": self.evictions,
-                "l1_evicted_bytes": self.evicted_bytes}
+        return {"l1_objects": len(self._entries), "l1_bytes_used": self._used, "l1_capacity_bytes": self.alloc.size,
+                "l1_free_bytes": self.alloc.free_bytes, "l1_pinned_objects": self._pinned,
+                "l1_unready_objects": len(self._entries) - self._ready, "l1_evictions": self.evictions,
+                "l1_evicted_bytes": self.evicted_bytes, "l1_kept_after_l2_failure": self.stuck_objects}
