@@ -428,8 +428,8 @@ def test_negative_skip_chunks(server, client):
 
 
 @pytest.mark.parametrize("field, value, needle", [
-    ("page_bytes", 0, "page_bytes must be positive, got 0"),
-    ("block_tokens", -16, "block_tokens must be positive, got -16"),
+    ("page_bytes", 0, "page_bytes must be in 1..1099511627776, got 0"),
+    ("block_tokens", -16, "block_tokens must be in 1..16777216, got -16"),
     ("kind", "sliding", "'sliding'"),
     ("dtype", "float7", "'float7'"),
 ])
