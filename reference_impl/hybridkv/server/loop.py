@@ -160,7 +160,8 @@ class CacheServer:
             return
         head = frames[1].buffer
         if len(head) > self.config.max_message_bytes:
-            self._error(ident, 0, E.LIMIT, f"request frame of {len(head)} B; the limit is "
+            # the envelope decoder skips every other field in C: cheap, and the client gets its answer
+            self._error(ident, P.peek_envelope(head)[1], E.LIMIT, f"request frame of {len(head)} B; the limit is "
                         f"{self.config.max_message_bytes} B (--max-message-bytes)")
             return
         try:
@@ -189,20 +190,24 @@ class CacheServer:
             self._error(ident, msg.id, E.LIMIT, f"{pending} requests of this client still being answered; the "
                         f"limit is {self.config.max_pending} (--max-pending): read the replies first")
             return
+        # Counted before dispatch: a handler may answer "later" before it even returns (a parked op
+        # whose first step completes), and that answer takes the count down again.
+        self._pending[ident] = pending + 1
         try:
             out = self._dispatch(ident, msg, frames[2:])
         except RequestError as e:
             if e.code is E.LIMIT:
                 self.counters.limit_refusals += 1
+            self._answered(ident)
             self._error(ident, msg.id, e.code, e.message)
             return
         except Exception as e:  # a bug must not take the server down for every other engine
             log.exception("internal error handling %s", type(msg).__name__)
+            self._answered(ident)
             self._error(ident, msg.id, E.INTERNAL, f"{type(e).__name__}: {e}")
             return
-        if out is None:
-            self._pending[ident] = pending + 1
-        else:
+        if out is not None:
+            self._answered(ident)
             self._send(ident, msg.id, *out)
 
     def _dispatch(self, ident: bytes, msg: P.Request, frames: Frames) -> Answer:
@@ -245,13 +250,16 @@ class CacheServer:
         # mark: a client that does not read its replies costs at most max_queued_replies of them.
         self._sock.send_multipart([ident, P.encode(reply), *frames], copy=False)
 
-    def _send_later(self, ident: bytes, req_id: int, reply: P.Message, frames: Frames) -> None:
-        """A deferred answer: the client has one request fewer pending."""
+    def _answered(self, ident: bytes) -> None:
         n = self._pending.get(ident, 0) - 1
         if n > 0:
             self._pending[ident] = n
         else:
             self._pending.pop(ident, None)
+
+    def _send_later(self, ident: bytes, req_id: int, reply: P.Message, frames: Frames) -> None:
+        """A deferred answer: the client has one request fewer pending."""
+        self._answered(ident)
         if self._sock is not None and not self._closed:
             self._send(ident, req_id, reply, frames)
 
