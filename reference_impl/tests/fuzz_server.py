@@ -204,7 +204,7 @@ def _message(rng: random.Random, seeds: list[tuple[dict, list[bytes]]]) -> list[
 
 def fuzz(endpoint: str, pid: int, messages: int, seed: int = 0, log=print) -> FuzzResult:
     rng = random.Random(seed)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
     own = SocketClient(sock)

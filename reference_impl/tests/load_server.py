@@ -64,11 +64,11 @@ def _never_reads(endpoint: str, seconds: float, out) -> None:
     from hybridkv import protocol as P
     from serverkit import Engine
 
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDTIMEO, 100)
     sock.connect(endpoint)
-    eng = Engine(SocketClient(sock), salt="never-reads")  # type: ignore[arg-type]
+    eng = Engine(SocketClient(sock), salt="never-reads")
     keys = eng.keys(4, seed=7)
     eng.store(keys)
     lease = eng.lookup(keys).lease
@@ -149,7 +149,7 @@ def run(endpoint: str, pid: int, seconds: float) -> dict:
     for p in procs:
         p.start()
     rss = []
-    results = []
+    results: list[dict] = []
     while len(results) < len(procs) and time.monotonic() - t0 < seconds + 180:
         rss.append(rss_mib(pid))
         try:
