@@ -79,7 +79,7 @@ def stats(ctx: Context, ident: bytes, msg: P.Stats, frames: Frames) -> Answer:
     c = ctx.counters.as_dict()
     c.update(ctx.objects.stats())
     c.update(engines=len(ctx.sessions.engines), leases=len(ctx.sessions.leases),
-             reservations=len(ctx.sessions.reservations), workers_inflight=ctx.workers.inflight,
+             reservations=len(ctx.sessions.reservations), parked=len(ctx.parked), workers_inflight=ctx.workers.inflight,
              uptime_s=time.monotonic() - ctx.started)
     return P.StatsResult(counters=c), []
 

@@ -4,7 +4,7 @@ workers, the counters, and how to answer. Handlers are plain functions over a Co
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from hybridkv import protocol as P
@@ -44,7 +44,11 @@ class Context:
     started: float
     send: Callable[[bytes, int, P.Message, Frames], None]
     """Answer a request later (a deferred answer: the client's pending count goes down)."""
-    park: Callable[[Parked], None]
+    parked: list[Parked] = field(default_factory=list)
+    """Requests waiting for workers; the loop steps them again when a worker finishes."""
+
+    def park(self, op: Parked) -> None:
+        self.parked.append(op)
 
     def fail(self, ident: bytes, req_id: int, code: E, message: str) -> None:
         """A deferred error answer."""

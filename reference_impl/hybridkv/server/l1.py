@@ -4,9 +4,10 @@ An object is RESERVED while an engine writes it, LOADING while it is read back f
 visible. Only READY, unpinned objects that are not being spilled may be evicted. With an L2, a dirty
 object (no copy in L2) is spilled before its slot is freed; the caller then waits for the spill.
 
-Every evictable object sits in exactly one queue (clean, dirty, or stuck after a failed L2 write), kept
-in LRU order, so finding a victim or the next object to spill is O(1): nothing scans the table per
-allocation. Pinned, spilling and unready objects sit in no queue.
+Every evictable object sits in exactly one queue (clean, dirty, or stuck after a failed L2 write),
+kept in LRU order. Victims are taken clean first, then dirty (after their spill), stuck last, so finding
+a victim or the next object to spill is O(1): nothing scans the table per allocation. Pinned, spilling
+and unready objects sit in no queue.
 """
 
 from __future__ import annotations
@@ -33,14 +34,14 @@ class Queue(enum.Enum):
     NONE = 0
     CLEAN = 1     # evictable at once: L2 holds a copy, or there is no L2
     DIRTY = 2     # must be written to L2 before its slot is freed
-    STUCK = 3     # its last L2 write failed: kept in L1 (never silently dropped), retried later
+    STUCK = 3     # its last L2 write failed: kept in L1, retried later, evicted last (and then counted)
     AHEAD = 4     # a spill-ahead write is in flight
 
 
 class NoSlot(enum.Enum):
     """Why reserve() returned no entry."""
     WAIT = "wait"    # in-flight spills will free enough room: try again when they finish
-    FULL = "full"    # nothing evictable: the rest is pinned, being written, or kept after L2 failures
+    FULL = "full"    # nothing evictable: the rest is pinned, reserved or loading
 
 
 @dataclass(slots=True, eq=False)
@@ -85,6 +86,7 @@ class L1Cache:
         self._queued_bytes = dict.fromkeys(Queue, 0)
         self.evictions = 0
         self.evicted_bytes = 0
+        self.dropped_unspilled = 0  # evicted with no copy in L2 because L2 refused the write
         self.pending_free = 0  # bytes that in-flight evicting spills will free
         self._pinned = 0
         self._ready = 0
@@ -208,6 +210,7 @@ class L1Cache:
             if ok and e.evictable and not e.gone:
                 self._evict(e)
                 return
+            # a failed write keeps the object (STUCK); it is dropped only when nothing else can make room
         if not e.gone:
             self._place(e)
 
@@ -269,7 +272,19 @@ class L1Cache:
             self._unqueue(e)
             e.evict_after_spill = True
             self.pending_free += self.alloc.rounded(e.length)
-        return NoSlot.WAIT if self.pending_free > 0 else NoSlot.FULL
+        if self.pending_free > 0:
+            return NoSlot.WAIT
+        # L2 refuses writes (a full or broken disk): serve on as an L1-only cache. The oldest object whose
+        # write failed goes, and is counted (the object store logs the count): never a silent loss.
+        stuck = self._queues[Queue.STUCK]
+        while stuck:
+            e = next(iter(stuck.values()))
+            self._evict(e)
+            self.dropped_unspilled += 1
+            off = self.alloc.alloc(length)
+            if off is not None:
+                return off
+        return NoSlot.FULL
 
     def spill_ahead(self, low_watermark: float, max_objects: int) -> list[Entry]:
         """Dirty LRU objects to copy to L2 now, so later evictions find clean victims and never wait."""
@@ -292,4 +307,5 @@ class L1Cache:
         return {"l1_objects": len(self._entries), "l1_bytes_used": self._used, "l1_capacity_bytes": self.alloc.size,
                 "l1_free_bytes": self.alloc.free_bytes, "l1_pinned_objects": self._pinned,
                 "l1_unready_objects": len(self._entries) - self._ready, "l1_evictions": self.evictions,
-                "l1_evicted_bytes": self.evicted_bytes, "l1_kept_after_l2_failure": self.stuck_objects}
+                "l1_evicted_bytes": self.evicted_bytes, "l1_kept_after_l2_failure": self.stuck_objects,
+                "l1_dropped_unspilled": self.dropped_unspilled}

@@ -18,7 +18,7 @@ from hybridkv import protocol as P
 from hybridkv.arena import Arena, remove_dead_arenas
 from hybridkv.server import admin, lookup, retrieve, store
 from hybridkv.server.config import ServerConfig
-from hybridkv.server.context import Answer, Context, Frames, Parked, RequestError
+from hybridkv.server.context import Answer, Context, Frames, RequestError
 from hybridkv.server.counters import Counters
 from hybridkv.server.formats import Formats
 from hybridkv.server.l2 import L2Adapter
@@ -56,10 +56,9 @@ class CacheServer:
         self.sessions = Sessions(SessionLimits(config.max_engines, config.max_leases, config.max_reservations),
                                  config.client_timeout_s)
         self.ctx = Context(config, self.arena, self.sessions, self.objects, self.workers, self.counters,
-                           Formats(self.arena, config.cuda_ipc), self.started, self._send_later, self._park)
+                           Formats(self.arena, config.cuda_ipc), self.started, self._send_later)
         self._zctx = context or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
-        self._parked: list[Parked] = []
         self._pending: dict[bytes, int] = {}  # requests answered later, per client
         self._stopping = False
         self._closed = False
@@ -267,16 +266,14 @@ class CacheServer:
         self.counters.errors += 1
         self._send(ident, req_id, P.Error(code=code, message=message))
 
-    def _park(self, op: Parked) -> None:
-        self._parked.append(op)
-
     def _run_parked(self) -> None:
         """Retry parked requests in arrival order; each answers itself when it completes."""
-        parked, self._parked = self._parked, []
+        parked = self.ctx.parked[:]
+        self.ctx.parked.clear()
         for op in parked:
             try:
                 if not op.step():
-                    self._parked.append(op)
+                    self.ctx.parked.append(op)
             except RequestError as e:
                 self.ctx.fail(op.ident, op.req_id, e.code, e.message)
             except Exception as e:

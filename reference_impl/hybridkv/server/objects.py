@@ -42,6 +42,7 @@ class ObjectStore:
         self._spills_inflight = 0
         self._last_failure_log = 0.0
         self._failures_unlogged = 0
+        self._dropped_logged = 0
         self.last_spill_error = ""
 
     # ---- questions ---------------------------------------------------------------------------------
@@ -62,12 +63,8 @@ class ObjectStore:
 
     def full_reason(self) -> str:
         a = self.l1.alloc
-        why = (f"no space: L1 holds {a.size} B, {a.free_bytes} B free, the rest pinned, being written"
-               f"{' or spilled' if self.l2 else ''}")
-        if self.l1.stuck_objects:
-            why += (f"; {self.l1.stuck_objects} objects are kept in L1 because L2 refused their writes "
-                    f"({self.last_spill_error})")
-        return why
+        return (f"no space: L1 holds {a.size} B, {a.free_bytes} B free, the rest pinned, reserved or "
+                "being read from L2")
 
     # ---- orders ------------------------------------------------------------------------------------
 
@@ -210,12 +207,15 @@ class ObjectStore:
         self.spill_ahead()
 
     def _log_failures(self, now: float, force: bool) -> None:
-        """Rate-limited: one line per interval says how many writes failed and that the objects stay in L1."""
-        if self._failures_unlogged and (force or now - self._last_failure_log >= FAILURE_LOG_EVERY_S):
-            log.error("%d L2 writes failed (last: %s); the objects stay in L1 (%d kept), retried every %gs; "
-                      "stores are refused once L1 holds nothing else", self._failures_unlogged,
-                      self.last_spill_error, self.l1.stuck_objects, SPILL_RETRY_S)
+        """Rate-limited: one line per interval says how many writes failed and what became of the objects."""
+        dropped = self.l1.dropped_unspilled - self._dropped_logged
+        if (self._failures_unlogged or dropped) and (force or now - self._last_failure_log >= FAILURE_LOG_EVERY_S):
+            log.error("%d L2 writes failed (last: %s); %d objects stay in L1 and are retried every %gs; %d objects "
+                      "were dropped from L1 without an L2 copy to make room (%d since start)",
+                      self._failures_unlogged, self.last_spill_error, self.l1.stuck_objects, SPILL_RETRY_S,
+                      dropped, self.l1.dropped_unspilled)
             self._failures_unlogged = 0
+            self._dropped_logged = self.l1.dropped_unspilled
             self._last_failure_log = now
 
     def close(self) -> None:
