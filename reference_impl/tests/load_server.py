@@ -6,7 +6,8 @@
 client sends retrieves and never reads a reply; one registers, reserves slots and vanishes mid-store
 (over and over, a new process each time); one pins leases and never releases them. Passes when every
 well-behaved engine kept making progress (no call slower than --stall-s), the server's RSS stayed under
---max-rss-mib, and every retrieved byte matched what was stored.
+--max-rss-mib, and every retrieved byte matched what was stored. The same 13 engines run first without
+the misbehaving three: that run is the reference the loaded figures are read against.
 """
 
 from __future__ import annotations
@@ -136,15 +137,18 @@ def _holds_pins(endpoint: str, seconds: float, out) -> None:
     out.put({"role": "holds_pins", "leases": held, "refused": refused})
 
 
-def run(endpoint: str, pid: int, seconds: float) -> dict:
+def run(endpoint: str, pid: int, seconds: float, hostile: bool = True) -> dict:
+    """The 13 engines, with the three misbehaving clients (hostile) or alone (the same run's reference)."""
     from fuzz_server import rss_mib
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_good, args=(endpoint, seconds, i, out)) for i in range(GOOD)]
-    procs += [ctx.Process(target=_never_reads, args=(endpoint, seconds, out)),
-              ctx.Process(target=_disconnects, args=(endpoint, seconds, out)),
-              ctx.Process(target=_holds_pins, args=(endpoint, seconds, out))]
+    procs = [ctx.Process(target=_good, args=(endpoint, seconds, i + (100 if hostile else 0), out))
+             for i in range(GOOD)]
+    if hostile:
+        procs += [ctx.Process(target=_never_reads, args=(endpoint, seconds, out)),
+                  ctx.Process(target=_disconnects, args=(endpoint, seconds, out)),
+                  ctx.Process(target=_holds_pins, args=(endpoint, seconds, out))]
     t0 = time.monotonic()
     for p in procs:
         p.start()
@@ -188,8 +192,11 @@ def main() -> int:
     server = start_server(f"ipc://{sock}/s.sock", "--max-queued-replies", "100", "--max-leases", "256",
                           l1_gib=0.25, client_timeout=5, log_level="error")
     try:
+        alone = run(server.endpoint, server.pid, args.seconds, hostile=False)
         res = run(server.endpoint, server.pid, args.seconds)
         res["server_alive"] = server.alive()
+        res["reference_without_misbehaving_clients"] = {k: alone[k] for k in (
+            "ops_per_s", "lookup_p50_ms", "lookup_p99_ms", "worst_call_s", "rss_max_mib")}
     finally:
         server.stop()
         server.close()
