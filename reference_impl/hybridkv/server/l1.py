@@ -303,6 +303,14 @@ class L1Cache:
             out.append(e)
         return out
 
+    def take_unspilled(self) -> list[Entry]:
+        """Every READY object L2 lacks, marked as being spilled (a flush at shutdown writes them all)."""
+        out = [e for e in self._entries.values() if e.state is State.READY and not e.spilling and not e.in_l2]
+        for e in out:
+            self._unqueue(e)
+            e.spilling = True
+        return out
+
     def usage(self) -> dict[str, int]:
         return {"l1_objects": len(self._entries), "l1_bytes_used": self._used, "l1_capacity_bytes": self.alloc.size,
                 "l1_free_bytes": self.alloc.free_bytes, "l1_pinned_objects": self._pinned,

@@ -165,12 +165,11 @@ class ObjectStore:
 
     def flush(self) -> None:
         """Write every dirty object to L2 (shutdown with --flush-on-exit)."""
-        dirty = [e for e in self.l1.entries() if e.state is State.READY and not e.spilling and not e.in_l2]
+        if self.l2 is None:
+            return
+        dirty = self.l1.take_unspilled()
         for i in range(0, len(dirty), SPILL_BATCH):
-            batch = dirty[i:i + SPILL_BATCH]
-            for e in batch:
-                e.spilling = True
-            self._spill(batch)
+            self._spill(dirty[i:i + SPILL_BATCH])
 
     def _spill(self, batch: list[Entry]) -> None:
         l2 = self.l2
