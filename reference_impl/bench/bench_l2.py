@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     # 2. Reload: drop the page cache, start a server with a small L1 on the same directory (index rebuilt
     #    from the files) and look every document up: each object is read from disk before the hit is given.
     dropped = drop_page_cache()
-    server = start_server(f"ipc://{sock}/b.sock", *l2_flags, "--admin", l1_gib=l1_gib, client_timeout=120, stderr=sys.stderr)
+    server = start_server(f"ipc://{sock}/b.sock", *l2_flags, "--admin", l1_gib=l1_gib, client_timeout=120,
+                          stderr=sys.stderr)
     bad, lookup_s = 0, 0.0
     try:
         with KVTransfer(server.endpoint, layout, pools, cfg) as kv:

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import bisect
 import fcntl
-import logging
 import mmap
 import os
 import secrets
 import stat
 from pathlib import Path
-
-log = logging.getLogger("hybridkv.arena")
 
 SLOT_ALIGN = 4096  # page-aligned slots: DMA and 16-byte vector access both want it
 
@@ -83,9 +80,25 @@ class Arena:
 ARENA_SUFFIX = ".arena"
 
 
+def _pid_alive(name: str) -> bool:
+    """Whether the pid in an arena name (`hybridkv-<pid>-<hex>.arena`) is a live process (True if unreadable)."""
+    try:
+        pid = int(name.split("-")[1])
+    except (IndexError, ValueError):
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def remove_dead_arenas(directory: str | Path, prefix: str = "hybridkv") -> list[Path]:
     """Unlink arena files in `directory` whose server is gone (killed with -9, crashed): a live server
-    holds a lock on its arena for as long as it runs, so a file we can lock has no owner."""
+    holds a lock on its arena for as long as it runs, so a file we can lock, named for a dead pid, has
+    no owner. (The pid check spares servers of older versions, which hold no lock.)"""
     removed: list[Path] = []
     directory = Path(directory)
     for path in directory.glob(f"{prefix}-*{ARENA_SUFFIX}"):
@@ -101,11 +114,12 @@ def remove_dead_arenas(directory: str | Path, prefix: str = "hybridkv") -> list[
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 continue  # its server is alive
+            if _pid_alive(path.name):
+                continue  # unlocked but its process lives: a server older than the lock; never ours to remove
             # Still the same file (not replaced between our open and now)? Then nobody owns it.
             if os.stat(path, follow_symlinks=False).st_ino == st.st_ino:
                 path.unlink(missing_ok=True)
                 removed.append(path)
-                log.warning("removed %s (%d MiB), the arena of a server that is gone", path, st.st_size >> 20)
         except OSError:
             continue
         finally:

@@ -96,16 +96,18 @@ def test_a_store_waits_for_spill_ahead_writes_instead_of_being_refused(arena):
     assert l1.reserve(key(9), 0, NS, SLOT_ALIGN) is not None
 
 
-def test_a_failed_spill_keeps_the_object_and_refuses_instead_of_dropping_it(arena):
+def test_a_failed_spill_keeps_the_object_until_nothing_else_makes_room_and_counts_its_loss(arena):
     spilled = []
     l1 = L1Cache(arena, start_spill=spilled.extend, l2_has=lambda e: e.in_l2)
     entries = fill(l1, 4)
     for e in l1.spill_ahead(low_watermark=0.99, max_objects=8):
         l1.spill_finished(e, ok=False)  # L2 refused every write (a full disk)
-    assert l1.stuck_objects == 4 and all(l1.get(e.oid) is e for e in entries)
-    assert l1.reserve(key(9), 0, NS, SLOT_ALIGN) is NoSlot.FULL  # refused, and every object kept
-    assert l1.retry_stuck(older_than=float("inf")) == 4 and l1.stuck_objects == 0
-    assert l1.reserve(key(9), 0, NS, SLOT_ALIGN) is NoSlot.WAIT  # dirty again: spilled before eviction
+    assert l1.stuck_objects == 4 and all(l1.get(e.oid) is e for e in entries) and l1.dropped_unspilled == 0
+    assert l1.retry_stuck(older_than=0.0) == 0  # too recent: not retried in a loop
+    assert l1.reserve(key(9), 0, NS, SLOT_ALIGN) not in (NoSlot.FULL, NoSlot.WAIT)  # an L1-only cache goes on
+    assert l1.get(entries[0].oid) is None and l1.dropped_unspilled == 1  # the oldest went, and is counted
+    assert l1.retry_stuck(older_than=float("inf")) == 3 and l1.stuck_objects == 0
+    assert l1.reserve(key(10), 0, NS, SLOT_ALIGN) is NoSlot.WAIT  # dirty again: spilled before eviction
 
 
 def test_pinned_objects_at_the_old_end_are_not_scanned_per_allocation(tmp_path):
