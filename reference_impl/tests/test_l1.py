@@ -120,6 +120,6 @@ def test_pinned_objects_at_the_old_end_are_not_scanned_per_allocation(tmp_path):
         for i in range(48):
             assert l1.reserve(key(10_000 + i), 0, NS, SLOT_ALIGN) not in (NoSlot.FULL, NoSlot.WAIT)
         assert l1.evictions == 48 and all(l1.get(e.oid) is e for e in entries[:2000])
-        assert len(l1._queues[next(iter(l1._queues))]) == 0  # only unpinned READY objects are queued
+        assert len(l1._clean.od) == 0  # only unpinned READY objects are queued
     finally:
         a.close()

@@ -30,12 +30,24 @@ class State(enum.Enum):
 
 
 class Queue(enum.Enum):
-    """Which eviction queue an entry sits in (NONE: pinned, spilling or not READY)."""
-    NONE = 0
+    """The eviction queues (an entry that is pinned, spilling or not READY sits in none)."""
     CLEAN = 1     # evictable at once: L2 holds a copy, or there is no L2
     DIRTY = 2     # must be written to L2 before its slot is freed
     STUCK = 3     # its last L2 write failed: kept in L1, retried later, evicted last (and then counted)
     AHEAD = 4     # a spill-ahead write is in flight
+
+
+class LruQueue:
+    """One eviction queue: entries oldest first, and the slot bytes they hold."""
+    __slots__ = ("kind", "od", "bytes")
+
+    def __init__(self, kind: Queue):
+        self.kind = kind
+        self.od: OrderedDict[ObjectKey, Entry] = OrderedDict()
+        self.bytes = 0
+
+    def oldest(self) -> Entry:
+        return next(iter(self.od.values()))
 
 
 class NoSlot(enum.Enum):
@@ -52,12 +64,13 @@ class Entry:
     offset: int
     length: int
     state: State
+    size: int = 0           # the slot's bytes (length rounded to the arena's alignment)
     pins: int = 0
     in_l2: bool = False
     spilling: bool = False
     evict_after_spill: bool = False
     failed_at: float = 0.0  # monotonic time of its last failed L2 write
-    queue: Queue = Queue.NONE
+    queue: LruQueue | None = None
     gone: bool = False      # dropped from the table (a failed prefetch, an abort)
 
     @property
@@ -81,9 +94,8 @@ class L1Cache:
         self._start_spill = start_spill
         self._l2_has = l2_has
         self._entries: dict[ObjectKey, Entry] = {}
-        self._queues: dict[Queue, OrderedDict[ObjectKey, Entry]] = {q: OrderedDict() for q in Queue
-                                                                    if q is not Queue.NONE}
-        self._queued_bytes = dict.fromkeys(Queue, 0)
+        self._clean, self._dirty = LruQueue(Queue.CLEAN), LruQueue(Queue.DIRTY)
+        self._stuck, self._ahead = LruQueue(Queue.STUCK), LruQueue(Queue.AHEAD)
         self.evictions = 0
         self.evicted_bytes = 0
         self.dropped_unspilled = 0  # evicted with no copy in L2 because L2 refused the write
@@ -103,23 +115,26 @@ class L1Cache:
 
     @property
     def stuck_objects(self) -> int:
-        return len(self._queues[Queue.STUCK])
+        return len(self._stuck.od)
 
     # ---- queues ----------------------------------------------------------------------------------
 
     def _unqueue(self, e: Entry) -> None:
-        if e.queue is not Queue.NONE:
-            del self._queues[e.queue][e.oid]
-            self._queued_bytes[e.queue] -= self.alloc.rounded(e.length)
-            e.queue = Queue.NONE
+        q = e.queue
+        if q is not None:
+            del q.od[e.oid]
+            q.bytes -= e.size
+            e.queue = None
 
-    def _enqueue(self, e: Entry, q: Queue, young: bool = True) -> None:
+    def _enqueue(self, e: Entry, q: LruQueue, young: bool = True) -> None:
+        if e.queue is q:
+            q.od.move_to_end(e.oid, last=young)
+            return
         self._unqueue(e)
-        od = self._queues[q]
-        od[e.oid] = e
+        q.od[e.oid] = e
         if not young:
-            od.move_to_end(e.oid, last=False)
-        self._queued_bytes[q] += self.alloc.rounded(e.length)
+            q.od.move_to_end(e.oid, last=False)
+        q.bytes += e.size
         e.queue = q
 
     def _place(self, e: Entry, young: bool = True) -> None:
@@ -127,11 +142,11 @@ class L1Cache:
         if not e.evictable or e.gone:
             self._unqueue(e)
         elif self._start_spill is None or e.in_l2:
-            self._enqueue(e, Queue.CLEAN, young)
+            self._enqueue(e, self._clean, young)
         elif e.failed_at:
-            self._enqueue(e, Queue.STUCK, young)
+            self._enqueue(e, self._stuck, young)
         else:
-            self._enqueue(e, Queue.DIRTY, young)
+            self._enqueue(e, self._dirty, young)
 
     # ---- state changes -----------------------------------------------------------------------------
 
@@ -141,9 +156,9 @@ class L1Cache:
         off = self._allocate(length)
         if isinstance(off, NoSlot):
             return off
-        e = Entry(key, group, ns, off, length, state)
+        e = Entry(key, group, ns, off, length, state, self.alloc.rounded(max(length, 1)))
         self._entries[e.oid] = e
-        self._used += self.alloc.rounded(length)
+        self._used += e.size
         return e
 
     def make_ready(self, e: Entry) -> None:
@@ -154,8 +169,8 @@ class L1Cache:
 
     def touch(self, e: Entry) -> None:
         """A hit: LRU moves it to the young end of its queue; FIFO keeps insertion order."""
-        if self.policy == "lru" and e.queue is not Queue.NONE:
-            self._queues[e.queue].move_to_end(e.oid)
+        if self.policy == "lru" and e.queue is not None:
+            e.queue.od.move_to_end(e.oid)
 
     def pin(self, e: Entry) -> None:
         if e.pins == 0:
@@ -181,7 +196,7 @@ class L1Cache:
         """Forget an entry but keep its extent allocated (the caller frees it later)."""
         if self._entries.get(e.oid) is e:
             del self._entries[e.oid]
-            self._used -= self.alloc.rounded(e.length)
+            self._used -= e.size
             if e.state is State.READY:
                 self._ready -= 1
             if e.pins:
@@ -206,7 +221,7 @@ class L1Cache:
         e.failed_at = 0.0 if ok else time.monotonic()
         if e.evict_after_spill:
             e.evict_after_spill = False
-            self.pending_free -= self.alloc.rounded(e.length)
+            self.pending_free -= e.size
             if ok and e.evictable and not e.gone:
                 self._evict(e)
                 return
@@ -216,10 +231,10 @@ class L1Cache:
 
     def retry_stuck(self, older_than: float) -> int:
         """Objects whose L2 write failed before `older_than` become dirty again (spilled on the next pass)."""
-        stuck = self._queues[Queue.STUCK]
+        stuck = self._stuck
         n = 0
-        while stuck:
-            e = next(iter(stuck.values()))
+        while stuck.od:
+            e = stuck.oldest()
             if e.failed_at > older_than:
                 break
             e.failed_at = 0.0
@@ -237,9 +252,9 @@ class L1Cache:
         if off is not None:
             return off
         # Clean victims from the old end first: no copy needed, so no wait on L2.
-        clean = self._queues[Queue.CLEAN]
-        while clean:
-            e = next(iter(clean.values()))
+        clean = self._clean
+        while clean.od:
+            e = clean.oldest()
             if self._l2_has is not None and e.in_l2 and not self._l2_has(e):
                 e.in_l2 = False  # L2 dropped its copy since: it is dirty again, and the oldest
                 self._place(e, young=False)
@@ -255,30 +270,30 @@ class L1Cache:
         if self.pending_free and free + self.pending_free >= need:
             return NoSlot.WAIT
         batch: list[Entry] = []
-        dirty = self._queues[Queue.DIRTY]
-        while dirty and (not batch or free + self.pending_free < need):
-            e = next(iter(dirty.values()))
+        dirty = self._dirty
+        while dirty.od and (not batch or free + self.pending_free < need):
+            e = dirty.oldest()
             self._unqueue(e)
             e.spilling = e.evict_after_spill = True
-            self.pending_free += self.alloc.rounded(e.length)
+            self.pending_free += e.size
             batch.append(e)
         if batch:
             self._start_spill(batch)
         # Spill-ahead writes in flight free nothing by themselves: have them free their slots when done,
         # so a store waits for them instead of being refused while L1 is merely busy writing to L2.
-        ahead = self._queues[Queue.AHEAD]
-        while ahead and free + self.pending_free < need:
-            e = next(iter(ahead.values()))
+        ahead = self._ahead
+        while ahead.od and free + self.pending_free < need:
+            e = ahead.oldest()
             self._unqueue(e)
             e.evict_after_spill = True
-            self.pending_free += self.alloc.rounded(e.length)
+            self.pending_free += e.size
         if self.pending_free > 0:
             return NoSlot.WAIT
         # L2 refuses writes (a full or broken disk): serve on as an L1-only cache. The oldest object whose
         # write failed goes, and is counted (the object store logs the count): never a silent loss.
-        stuck = self._queues[Queue.STUCK]
-        while stuck:
-            e = next(iter(stuck.values()))
+        stuck = self._stuck
+        while stuck.od:
+            e = stuck.oldest()
             self._evict(e)
             self.dropped_unspilled += 1
             off = self.alloc.alloc(length)
@@ -291,15 +306,14 @@ class L1Cache:
         if self._start_spill is None:
             return []
         target = low_watermark * self.alloc.size
-        clean = (self.alloc.free_bytes + self.pending_free + self._queued_bytes[Queue.CLEAN]
-                 + self._queued_bytes[Queue.AHEAD])
+        clean = self.alloc.free_bytes + self.pending_free + self._clean.bytes + self._ahead.bytes
         out: list[Entry] = []
-        dirty = self._queues[Queue.DIRTY]
-        while dirty and clean < target and len(out) < max_objects:
-            e = next(iter(dirty.values()))
+        dirty = self._dirty
+        while dirty.od and clean < target and len(out) < max_objects:
+            e = dirty.oldest()
             e.spilling = True
-            self._enqueue(e, Queue.AHEAD)
-            clean += self.alloc.rounded(e.length)
+            self._enqueue(e, self._ahead)
+            clean += e.size
             out.append(e)
         return out
 
