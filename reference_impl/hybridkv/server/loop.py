@@ -40,7 +40,7 @@ class CacheServer:
         for path in remove_dead_arenas(config.l1_dir):
             log.info("removed the arena of a dead server: %s", path)
         self.arena = Arena(config.l1_bytes, config.l1_dir)
-        try:
+        try:  # from here on, any failure (a bad --l2-dir, SIGTERM during start) must remove the arena
             l2: L2Adapter | None = None
             if config.has_l2:
                 from hybridkv.server.l2_fs import FilesystemL2
@@ -48,15 +48,15 @@ class CacheServer:
                 assert config.l2_dir is not None
                 l2 = FilesystemL2(config.l2_dir, config.l2_bytes, fsync=config.l2_fsync)
             self.workers = Workers(config.io_threads)
+            self.counters = Counters()
+            self.objects = ObjectStore(config, self.arena, l2, self.workers, self.counters)
+            self.sessions = Sessions(SessionLimits(config.max_engines, config.max_leases,
+                                                   config.max_reservations), config.client_timeout_s)
+            self.ctx = Context(config, self.arena, self.sessions, self.objects, self.workers, self.counters,
+                               Formats(self.arena, config.cuda_ipc), self.started, self._send_later)
         except BaseException:
-            self.arena.close()  # else a bad --l2-dir leaves the arena file in /dev/shm
+            self.arena.close()
             raise
-        self.counters = Counters()
-        self.objects = ObjectStore(config, self.arena, l2, self.workers, self.counters)
-        self.sessions = Sessions(SessionLimits(config.max_engines, config.max_leases, config.max_reservations),
-                                 config.client_timeout_s)
-        self.ctx = Context(config, self.arena, self.sessions, self.objects, self.workers, self.counters,
-                           Formats(self.arena, config.cuda_ipc), self.started, self._send_later)
         self._zctx = context or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._pending: dict[bytes, int] = {}  # requests answered later, per client
