@@ -83,6 +83,15 @@ def microbench(session: nox.Session) -> None:
                 "--benchmark-only", f"--benchmark-storage={storage}", *args, *session.posargs)
 
 
+@nox.session
+def fuzz(session: nox.Session) -> None:
+    """Fuzz a real cache server: 100,000 mutated and garbage messages of every request type (about 5
+    minutes on 2 cores), then a byte-exact store and retrieve; fails on a crash, an unanswered message,
+    RSS growth after warm-up or wrong bytes. `-- --messages N --seed S` to change the run."""
+    _install(session)
+    session.run("python", "reference_impl/tests/fuzz_server.py", *(session.posargs or ["--messages", "100000"]))
+
+
 @nox.session(venv_backend="none")
 def gpu_tests(session: nox.Session) -> None:
     """The suite on a CUDA machine, with the machine's own torch and triton (not default)."""

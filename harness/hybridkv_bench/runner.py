@@ -209,7 +209,8 @@ class Runner:
         srv = self.scenario.server
         sock = self._mkdtemp("hkv-bench-")  # /tmp: ipc:// paths must stay short; mkdtemp makes it 0700
         # only the CUDA-IPC baseline's server may see a GPU: it maps the engine's pages and copies itself
-        flags = ["--cuda-ipc"] if wire_format == "cuda_ipc" else []
+        # --admin: the runner reads server-wide Stats around each case (its own private server)
+        flags = ["--admin", *(["--cuda-ipc"] if wire_format == "cuda_ipc" else [])]
         if srv.l2_gib > 0:
             parent = Path(srv.l2_dir) if srv.l2_dir else self.folder / ".tmp"
             parent.mkdir(parents=True, exist_ok=True)
@@ -332,7 +333,8 @@ class Runner:
                 self.status.set(label, f"repeat {repeat + 1} of {self.scenario.repeats}" if repeat >= 0
                                 else f"warm-up {repeat + self.scenario.warmup + 1} of {self.scenario.warmup}")
                 for eng in {eng.kv.namespace: eng for eng in engines}.values():
-                    control.call(P.Clear(engine=eng.kv.engine_id))
+                    # an engine id is bound to the connection that registered it: clear through that one
+                    eng.kv.client.call(P.Clear(engine=eng.kv.engine_id))
                 oracles = {rank: ExpectedHits(self.chunk, has_state, axes["store_policy"], axes["retrieve_policy"])
                            for rank in set(plan.ranks)}
                 rows += self._repeat(engines, oracles, plan, workload.label, case, repeat)

@@ -161,7 +161,7 @@ def test_a_case_that_cannot_run_here_is_a_failed_case(tmp_path: Path, capsys):
 def test_external_server_is_used_and_its_probes_not_measured(tmp_path: Path):
     sock = Path(os.environ.get("TMPDIR", "/tmp")) / f"hkv-ext-{os.getpid()}"
     sock.mkdir(mode=0o700)
-    server = start_server(f"ipc://{sock}/s.sock", l1_gib=0.0625)
+    server = start_server(f"ipc://{sock}/s.sock", "--admin", l1_gib=0.0625)  # the runner reads Stats
     try:
         sf = load_scenario(SCENARIOS / "smoke.toml").scaled(0.5)
         outcome = run_bench(sf, BenchOptions(out=tmp_path / "run", server=server.endpoint,

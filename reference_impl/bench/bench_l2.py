@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     docs = [np.random.default_rng(d).integers(0, 150_000, a.chunks * ct) for d in range(a.docs)]
     # 1. Spill: a server whose L1 holds everything stores the documents, then flushes every object to L2
     #    on SIGTERM (--flush-on-exit, --l2-fsync): bytes over the flush time is the L2 write path.
-    server = start_server(f"ipc://{sock}/a.sock", *l2_flags, "--flush-on-exit", "--spill-watermark", "0",
+    server = start_server(f"ipc://{sock}/a.sock", *l2_flags, "--admin", "--flush-on-exit", "--spill-watermark", "0",
                           l1_gib=1.2 * total / GIB + 0.1, client_timeout=120, stderr=sys.stderr)
     try:
         with KVTransfer(server.endpoint, layout, pools, cfg) as kv:
@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     # 2. Reload: drop the page cache, start a server with a small L1 on the same directory (index rebuilt
     #    from the files) and look every document up: each object is read from disk before the hit is given.
     dropped = drop_page_cache()
-    server = start_server(f"ipc://{sock}/b.sock", *l2_flags, l1_gib=l1_gib, client_timeout=120, stderr=sys.stderr)
+    server = start_server(f"ipc://{sock}/b.sock", *l2_flags, "--admin", l1_gib=l1_gib, client_timeout=120,
+                          stderr=sys.stderr)
     bad, lookup_s = 0, 0.0
     try:
         with KVTransfer(server.endpoint, layout, pools, cfg) as kv:

@@ -34,7 +34,7 @@ GB = 1e9
 def start_server(endpoint: str, l1_gib: float) -> subprocess.Popen:
     """`hybridkv serve` in its own process; returns once it prints its ready line."""
     cmd = [sys.executable, "-c", "import sys; from hybridkv.cli import main; sys.exit(main())", "serve",
-           "--endpoint", endpoint, "--l1-gib", f"{l1_gib:.3f}", "--log-level", "warning"]
+           "--endpoint", endpoint, "--l1-gib", f"{l1_gib:.3f}", "--log-level", "warning", "--admin"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     ready, _, _ = select.select([proc.stdout], [], [], 60)
     if not ready or "ready" not in proc.stdout.readline():

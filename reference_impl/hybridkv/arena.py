@@ -8,9 +8,11 @@ payload bytes on that path; it only hands out (offset, length) slots.
 from __future__ import annotations
 
 import bisect
+import fcntl
 import mmap
 import os
 import secrets
+import stat
 from pathlib import Path
 
 SLOT_ALIGN = 4096  # page-aligned slots: DMA and 16-byte vector access both want it
@@ -40,30 +42,89 @@ class Arena:
             raise ArenaError(f"L1 size {size / 2**30:.2f} GiB exceeds the {free / 2**30:.2f} GiB free "
                              f"in {directory}; lower --l1-gib or enlarge the mount")
         self.size = size
-        self.path = directory / f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}.arena"
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        name = f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
+        # Created under a temporary name and locked before it gets its final one, so a starting server that
+        # sweeps dead arenas (remove_dead_arenas) never sees an arena whose owner has not locked it yet.
+        tmp = directory / f".{name}.creating"
+        self.path = directory / f"{name}{ARENA_SUFFIX}"
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while this process lives: "owner alive"
             os.ftruncate(fd, size)
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            os.rename(tmp, self.path)
         except OSError as e:
             os.close(fd)
-            self.path.unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
             raise ArenaError(f"cannot map {size} B at {self.path}: {e}") from e
-        os.close(fd)
+        self._fd = fd  # kept open: the lock lasts exactly as long as this process or close()
         self.buf = memoryview(self._mm)
 
     def view(self, offset: int, length: int) -> memoryview:
         return self.buf[offset:offset + length]
 
     def close(self) -> None:
-        """Unmap and unlink; engines that still map the file keep their mapping until they unmap."""
+        """Unmap and unlink; engines that still map the file keep their mapping until they unmap. Idempotent."""
+        self.path.unlink(missing_ok=True)
         try:
             self.buf.release()
             self._mm.close()
         except BufferError:
             # A payload frame still references the mapping (zero-copy send in flight); the OS frees it at exit.
             pass
-        self.path.unlink(missing_ok=True)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+ARENA_SUFFIX = ".arena"
+
+
+def _pid_alive(name: str) -> bool:
+    """Whether the pid in an arena name (`hybridkv-<pid>-<hex>.arena`) is a live process (True if unreadable)."""
+    try:
+        pid = int(name.split("-")[1])
+    except (IndexError, ValueError):
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_dead_arenas(directory: str | Path, prefix: str = "hybridkv") -> list[Path]:
+    """Unlink arena files in `directory` whose server is gone (killed with -9, crashed): a live server
+    holds a lock on its arena for as long as it runs, so a file we can lock, named for a dead pid, has
+    no owner. (The pid check spares servers of older versions, which hold no lock.)"""
+    removed: list[Path] = []
+    directory = Path(directory)
+    for path in directory.glob(f"{prefix}-*{ARENA_SUFFIX}"):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue  # vanished, a symlink, or not ours to open
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode):
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its server is alive
+            if _pid_alive(path.name):
+                continue  # unlocked but its process lives: a server older than the lock; never ours to remove
+            # Still the same file (not replaced between our open and now)? Then nobody owns it.
+            if os.stat(path, follow_symlinks=False).st_ino == st.st_ino:
+                path.unlink(missing_ok=True)
+                removed.append(path)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
 
 
 def map_arena(path: str | Path, size: int, writable: bool = True) -> mmap.mmap:

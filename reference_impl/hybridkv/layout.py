@@ -21,6 +21,14 @@ DTYPE_BYTES = {
 }
 
 
+# Bounds that keep every size the server computes from a layout well inside 64 bits (sizes travel as
+# msgpack integers and index the arena); real models are many orders of magnitude below them.
+MAX_PAGE_BYTES = 1 << 40
+MAX_BLOCK_TOKENS = 1 << 24
+MAX_CHUNK_TOKENS = 1 << 32
+MAX_OBJECT_BYTES = 1 << 48
+
+
 class LayoutError(ValueError):
     """A layout, chunk size or block list that cannot describe a paged KV cache."""
 
@@ -40,10 +48,10 @@ class GroupLayout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             raise LayoutError("a group needs at least one layer")
         if len(set(self.layer_names)) != len(self.layer_names):
             raise LayoutError(f"duplicate layer names in group: {self.layer_names}")
-        if self.page_bytes <= 0:
-            raise LayoutError(f"page_bytes must be positive, got {self.page_bytes}")
-        if self.block_tokens <= 0:
-            raise LayoutError(f"block_tokens must be positive, got {self.block_tokens}")
+        if not 0 < self.page_bytes <= MAX_PAGE_BYTES:
+            raise LayoutError(f"page_bytes must be in 1..{MAX_PAGE_BYTES}, got {self.page_bytes}")
+        if not 0 < self.block_tokens <= MAX_BLOCK_TOKENS:
+            raise LayoutError(f"block_tokens must be in 1..{MAX_BLOCK_TOKENS}, got {self.block_tokens}")
         if self.dtype not in DTYPE_BYTES:
             raise LayoutError(f"unknown dtype {self.dtype!r}; known: {sorted(DTYPE_BYTES)}")
         if self.page_bytes % DTYPE_BYTES[self.dtype]:
@@ -81,13 +89,16 @@ class ModelLayout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
     def check_chunk_tokens(self, chunk_tokens: int) -> None:
         """Reject a chunk size that does not cover a whole number of blocks in every group."""
-        if chunk_tokens <= 0:
-            raise LayoutError(f"chunk_tokens must be positive, got {chunk_tokens}")
+        if not 0 < chunk_tokens <= MAX_CHUNK_TOKENS:
+            raise LayoutError(f"chunk_tokens must be in 1..{MAX_CHUNK_TOKENS}, got {chunk_tokens}")
         for i, g in enumerate(self.groups):
             if chunk_tokens % g.block_tokens:
                 raise LayoutError(
                     f"chunk_tokens {chunk_tokens} is not a multiple of group {i}'s block size {g.block_tokens}"
                 )
+            if self.object_bytes(i, chunk_tokens) > MAX_OBJECT_BYTES:
+                raise LayoutError(f"group {i}'s object at chunk_tokens {chunk_tokens} is "
+                                  f"{self.object_bytes(i, chunk_tokens)} B, over the {MAX_OBJECT_BYTES} B limit")
 
     def default_chunk_tokens(self) -> int:
         """The smallest chunk that is whole blocks in every group (vLLM's unified block size)."""

@@ -8,6 +8,7 @@ the protocol version `v` and a request id `id` that the reply echoes.
 
 from __future__ import annotations
 
+import enum
 from typing import Literal
 
 import msgspec
@@ -20,7 +21,6 @@ PROTOCOL_VERSION = 1
 # holds a CUDA context and VRAM); a server accepts it only when started with --cuda-ipc.
 WireFormat = Literal["shm", "raw", "pickle", "torch_save", "cuda_ipc"]
 RetrievePolicy = Literal["boundary", "all"]
-LEGACY_FORMATS = ("pickle", "torch_save")
 
 
 class Message(msgspec.Struct, tag_field="op", kw_only=True, forbid_unknown_fields=True):
@@ -126,11 +126,12 @@ class EndSession(Message, tag="end_session"):
 
 
 class Stats(Message, tag="stats"):
-    """Ask for the server's counters."""
+    """Ask for the server's counters (server-wide: only on a server started with --admin)."""
 
 
 class Clear(Message, tag="clear"):
-    """Drop every unpinned, committed object of this engine's namespace (or of all, with engine=None)."""
+    """Drop every unpinned, committed object of this engine's namespace; engine=None clears every
+    namespace and is refused unless the server was started with --admin."""
     engine: int | None = None
 
 
@@ -214,17 +215,22 @@ Reply = (Error | Registered | LookupResult | Prepared | Committed | Retrieved | 
          | HealthResult)
 
 
-class ErrorCode:
+class ErrorCode(enum.StrEnum):
     BAD_MESSAGE = "bad_message"          # not a decodable request
     VERSION = "version"                  # protocol version mismatch
-    UNKNOWN_ENGINE = "unknown_engine"
+    UNKNOWN_ENGINE = "unknown_engine"    # never registered, reclaimed, or registered by another connection
     UNKNOWN_RESERVATION = "unknown_reservation"
     UNKNOWN_LEASE = "unknown_lease"
     BAD_PAYLOAD = "bad_payload"          # wrong frame count or size
-    BAD_REQUEST = "bad_request"          # decodable but inconsistent (key size, index, group)
+    BAD_REQUEST = "bad_request"          # decodable but inconsistent (key size, index, group, duplicate)
     LAYOUT = "layout"
-    NO_SPACE = "no_space"
+    LIMIT = "limit"                      # over a configured bound (keys, bytes, engines, leases, queue)
+    FORBIDDEN = "forbidden"              # an operation on every tenant, on a server without --admin
     INTERNAL = "internal"
+
+
+class BadMessage(ValueError):
+    """A frame that is not a request of this protocol; the message says why."""
 
 
 class _Envelope(msgspec.Struct):
@@ -245,15 +251,27 @@ def encode(msg: Message) -> bytes:
 
 
 def decode_request(frame: bytes | memoryview) -> Request:
-    """Decode one request frame; raises msgspec.DecodeError / ValidationError naming the problem."""
-    return _request_decoder.decode(frame)
+    """Decode one request frame; raises BadMessage naming the problem, whatever went wrong.
+
+    Any exception class becomes BadMessage: deep nesting raises RecursionError inside msgspec, a
+    layout's own checks raise LayoutError, and none of them may reach the server loop."""
+    try:
+        return _request_decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise BadMessage(str(e)) from None
+    except RecursionError:
+        raise BadMessage("nested too deeply") from None
+    except Exception as e:  # noqa: BLE001 - a hostile frame may trip anything; it is the sender's error
+        raise BadMessage(f"{type(e).__name__}: {e}") from None
 
 
 def peek_envelope(frame: bytes | memoryview) -> tuple[int, int]:
     """(version, request id) of a frame that failed decode_request; (PROTOCOL_VERSION, 0) if unreadable."""
     try:
         env = _envelope_decoder.decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except Exception:  # noqa: BLE001 - best effort: the reply is an error either way
+        return PROTOCOL_VERSION, 0
+    if not (0 <= env.id < 1 << 64 and -(1 << 63) <= env.v < 1 << 63):
         return PROTOCOL_VERSION, 0
     return env.v, env.id
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
+import zmq
 from hybridkv import protocol as P
 from hybridkv.arena import map_arena
 from hybridkv.engine.client import CacheClient
@@ -11,9 +13,12 @@ from hybridkv.server.launch import ServerProcess, start_server
 
 
 def spawn_server(sock_dir: str, *args: str, name: str = "s", l1_gib: float = 0.05,
-                 client_timeout: float = 30.0) -> ServerProcess:
-    """Start `hybridkv serve` on an ipc socket in `sock_dir` and wait for its ready line."""
-    return start_server(f"ipc://{sock_dir}/{name}.sock", *args, l1_gib=l1_gib, client_timeout=client_timeout)
+                 client_timeout: float = 30.0, admin: bool = True) -> ServerProcess:
+    """Start `hybridkv serve` on an ipc socket in `sock_dir` and wait for its ready line. Test servers
+    open Stats to every client (--admin) unless a test checks what a plain server refuses."""
+    extra = ("--admin",) if admin else ()
+    return start_server(f"ipc://{sock_dir}/{name}.sock", *args, *extra, l1_gib=l1_gib,
+                        client_timeout=client_timeout)
 
 
 class Engine:
@@ -59,3 +64,25 @@ class Engine:
         for o in res.objects:
             got = self.arena[o.offset:o.offset + o.length]
             assert np.array_equal(got, self.payload(keys[o.chunk], o.group, o.length)), (o.chunk, o.group)
+
+
+class RawDealer:
+    """A bare DEALER socket: sends any frames, returns the decoded reply and its payload frames."""
+
+    def __init__(self, endpoint: str):
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVTIMEO, 10_000)
+        self.sock.connect(endpoint)
+
+    def call(self, frames: list) -> tuple[P.Message, list[bytes]]:
+        self.sock.send_multipart(frames)
+        out = self.sock.recv_multipart()
+        return P.decode_reply(out[0]), out[1:]
+
+    def request(self, msg: dict | P.Message, frames: list = ()) -> P.Message:
+        data = P.encode(msg) if isinstance(msg, P.Message) else msgspec.msgpack.encode(msg)
+        return self.call([data, *frames])[0]
+
+    def close(self) -> None:
+        self.sock.close(linger=0)

@@ -13,36 +13,13 @@ import pickle
 import msgspec
 import numpy as np
 import pytest
-import zmq
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerError
 from hybridkv.presets import preset_layout
-from serverkit import Engine
+from serverkit import Engine, RawDealer
 
 E = P.ErrorCode
 _seeds = itertools.count(1000)
-
-
-class RawDealer:
-    """A bare DEALER socket: sends any frames, returns the decoded reply and its payload frames."""
-
-    def __init__(self, endpoint: str):
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.RCVTIMEO, 10_000)
-        self.sock.connect(endpoint)
-
-    def call(self, frames: list) -> tuple[P.Message, list[bytes]]:
-        self.sock.send_multipart(frames)
-        out = self.sock.recv_multipart()
-        return P.decode_reply(out[0]), out[1:]
-
-    def request(self, msg: dict | P.Message, frames: list = ()) -> P.Message:
-        data = P.encode(msg) if isinstance(msg, P.Message) else msgspec.msgpack.encode(msg)
-        return self.call([data, *frames])[0]
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
 
 
 @pytest.fixture
@@ -428,8 +405,8 @@ def test_negative_skip_chunks(server, client):
 
 
 @pytest.mark.parametrize("field, value, needle", [
-    ("page_bytes", 0, "page_bytes must be positive, got 0"),
-    ("block_tokens", -16, "block_tokens must be positive, got -16"),
+    ("page_bytes", 0, "page_bytes must be in 1..1099511627776, got 0"),
+    ("block_tokens", -16, "block_tokens must be in 1..16777216, got -16"),
     ("kind", "sliding", "'sliding'"),
     ("dtype", "float7", "'float7'"),
 ])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from hybridkv.arena import SLOT_ALIGN, Arena
-from hybridkv.server.l1 import WAIT, L1Cache, State
+from hybridkv.server.l1 import L1Cache, NoSlot, State
 
 NS = b"n" * 16
 
@@ -33,7 +33,7 @@ def test_lru_evicts_the_oldest_unpinned_ready_object(arena):
     l1 = L1Cache(arena)
     a, b, c, d = fill(l1, 4)
     l1.touch(a)          # a is now the youngest
-    b.pins = 1           # b may not go
+    l1.pin(b)            # b may not go
     e = l1.reserve(key(9), 0, NS, SLOT_ALIGN)
     assert e is not None and l1.get(c.oid) is None and l1.get(a.oid) is a and l1.get(b.oid) is b
     assert e.state is State.RESERVED and l1.evictions == 1
@@ -52,15 +52,19 @@ def test_everything_pinned_or_unready_refuses(arena):
     entries = fill(l1, 3)
     l1.reserve(key(8), 0, NS, SLOT_ALIGN)  # RESERVED: never evictable
     for e in entries:
-        e.pins = 1
-    assert l1.reserve(key(9), 0, NS, SLOT_ALIGN) is None
+        l1.pin(e)
+    assert l1.reserve(key(9), 0, NS, SLOT_ALIGN) is NoSlot.FULL
+    l1.unpin(entries[0])
+    assert l1.reserve(key(9), 0, NS, SLOT_ALIGN) is not NoSlot.FULL
+    with pytest.raises(AssertionError):
+        l1.unpin(entries[0])  # a pin count never goes below zero
 
 
 def test_dirty_victims_are_spilled_before_their_slot_is_freed(arena):
     spilled = []
-    l1 = L1Cache(arena, start_spill=spilled.append, l2_has=lambda e: e.in_l2)
+    l1 = L1Cache(arena, start_spill=spilled.extend, l2_has=lambda e: e.in_l2)
     a, b, c, d = fill(l1, 4)
-    assert l1.reserve(key(9), 0, NS, SLOT_ALIGN) == WAIT
+    assert l1.reserve(key(9), 0, NS, SLOT_ALIGN) is NoSlot.WAIT
     assert spilled == [a] and a.spilling and a.evict_after_spill and l1.get(a.oid) is a
     l1.spill_finished(a, ok=True)            # the L2 write is done: now the slot is free
     assert l1.get(a.oid) is None
@@ -70,23 +74,52 @@ def test_dirty_victims_are_spilled_before_their_slot_is_freed(arena):
 def test_clean_victims_go_first_and_a_vanished_l2_copy_makes_a_victim_dirty_again(arena):
     spilled = []
     in_l2 = set()
-    l1 = L1Cache(arena, start_spill=spilled.append, l2_has=lambda e: e.oid in in_l2)
+    l1 = L1Cache(arena, start_spill=spilled.extend, l2_has=lambda e: e.oid in in_l2)
     a, b, c, d = fill(l1, 4)
-    b.in_l2 = True
     in_l2.add(b.oid)
+    l1.spill_finished(b, ok=True)  # b is written to L2: clean
     assert l1.reserve(key(9), 0, NS, SLOT_ALIGN) is not None  # b is clean: dropped at once, no spill
     assert l1.get(b.oid) is None and not spilled
-    c.in_l2 = True  # L2 says it has c, but its copy has since been evicted from L2
-    assert l1.reserve(key(10), 0, NS, SLOT_ALIGN) == WAIT
-    assert spilled == [a] and c.in_l2 is False and l1.get(c.oid) is c  # c is dirty again, not dropped
+    l1.spill_finished(c, ok=True)  # L2 took c, but its copy has since been evicted from L2
+    assert l1.reserve(key(10), 0, NS, SLOT_ALIGN) is NoSlot.WAIT
+    assert spilled == [c] and c.in_l2 is False and l1.get(c.oid) is c  # c is dirty again, not dropped
 
 
 def test_a_store_waits_for_spill_ahead_writes_instead_of_being_refused(arena):
     spilled = []
-    l1 = L1Cache(arena, start_spill=spilled.append, l2_has=lambda e: e.in_l2)
+    l1 = L1Cache(arena, start_spill=spilled.extend, l2_has=lambda e: e.in_l2)
     entries = fill(l1, 4)
-    ahead = l1.spill_ahead(low_watermark=0.99, max_inflight=8, inflight=0)
+    ahead = l1.spill_ahead(low_watermark=0.99, max_objects=8)
     assert ahead == entries and all(e.spilling for e in entries)  # every object is being written to L2
-    assert l1.reserve(key(9), 0, NS, SLOT_ALIGN) == WAIT          # not None: those writes will free room
+    assert l1.reserve(key(9), 0, NS, SLOT_ALIGN) is NoSlot.WAIT          # not FULL: those writes will free room
     l1.spill_finished(entries[0], ok=True)
     assert l1.reserve(key(9), 0, NS, SLOT_ALIGN) is not None
+
+
+def test_a_failed_spill_keeps_the_object_until_nothing_else_makes_room_and_counts_its_loss(arena):
+    spilled = []
+    l1 = L1Cache(arena, start_spill=spilled.extend, l2_has=lambda e: e.in_l2)
+    entries = fill(l1, 4)
+    for e in l1.spill_ahead(low_watermark=0.99, max_objects=8):
+        l1.spill_finished(e, ok=False)  # L2 refused every write (a full disk)
+    assert l1.stuck_objects == 4 and all(l1.get(e.oid) is e for e in entries) and l1.dropped_unspilled == 0
+    assert l1.retry_stuck(older_than=0.0) == 0  # too recent: not retried in a loop
+    assert l1.reserve(key(9), 0, NS, SLOT_ALIGN) not in (NoSlot.FULL, NoSlot.WAIT)  # an L1-only cache goes on
+    assert l1.get(entries[0].oid) is None and l1.dropped_unspilled == 1  # the oldest went, and is counted
+    assert l1.retry_stuck(older_than=float("inf")) == 3 and l1.stuck_objects == 0
+    assert l1.reserve(key(10), 0, NS, SLOT_ALIGN) is NoSlot.WAIT  # dirty again: spilled before eviction
+
+
+def test_pinned_objects_at_the_old_end_are_not_scanned_per_allocation(tmp_path):
+    a = Arena(2048 * SLOT_ALIGN, tmp_path)
+    try:
+        l1 = L1Cache(a)
+        entries = fill(l1, 2048)
+        for e in entries[:2000]:
+            l1.pin(e)  # the 2000 oldest are pinned: a victim search that scans would walk them every time
+        for i in range(48):
+            assert l1.reserve(key(10_000 + i), 0, NS, SLOT_ALIGN) not in (NoSlot.FULL, NoSlot.WAIT)
+        assert l1.evictions == 48 and all(l1.get(e.oid) is e for e in entries[:2000])
+        assert len(l1._clean.od) == 0  # only unpinned READY objects are queued
+    finally:
+        a.close()

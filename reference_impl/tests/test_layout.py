@@ -77,7 +77,7 @@ def test_presets_fail_clearly():
 
 def test_layouts_validate_themselves():
     g = GroupLayout(kind="attention", layer_names=("l0",), page_bytes=4096, block_tokens=16)
-    with pytest.raises(LayoutError, match="page_bytes must be positive"):
+    with pytest.raises(LayoutError, match="page_bytes must be in"):
         GroupLayout(kind="attention", layer_names=("l0",), page_bytes=0, block_tokens=16)
     with pytest.raises(LayoutError, match="duplicate"):
         GroupLayout(kind="attention", layer_names=("l0", "l0"), page_bytes=64, block_tokens=16)

@@ -7,6 +7,10 @@ import logging
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hybridkv.server.loop import CacheServer
 
 GIB = 1 << 30
 
@@ -46,6 +50,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-ipc", action="store_true",
                    help="also serve the cuda_ipc baseline format: the server maps engines' GPU pages and "
                         "copies itself, so it creates a CUDA context and holds VRAM (for comparison only)")
+    p.add_argument("--admin", action="store_true",
+                   help="let every client of the endpoint read server-wide stats and clear every namespace "
+                        "(without it, clients clear only their own engine's namespace)")
+    p.add_argument("--max-keys", type=int, default=1 << 16, help="keys per request (default: %(default)s)")
+    p.add_argument("--max-message-bytes", type=int, default=8 << 20,
+                   help="bytes of one request's msgpack frame (default: %(default)s)")
+    p.add_argument("--max-frame-bytes", type=int, default=256 << 20,
+                   help="bytes of any one frame; a larger one drops its connection (default: %(default)s)")
+    p.add_argument("--max-engines", type=int, default=1024, help="registered engines (default: %(default)s)")
+    p.add_argument("--max-leases", type=int, default=4096, help="leases held per engine (default: %(default)s)")
+    p.add_argument("--max-reservations", type=int, default=1024,
+                   help="open store reservations per engine (default: %(default)s)")
+    p.add_argument("--max-queued-replies", type=int, default=1000,
+                   help="replies queued per client that is not reading them; more are dropped "
+                        "(default: %(default)s)")
+    p.add_argument("--max-pending", type=int, default=256,
+                   help="requests per client waiting for an answer (parked or on a worker) (default: %(default)s)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                    help="log level (default: %(default)s)")
 
@@ -62,31 +83,45 @@ def run(args: argparse.Namespace) -> int:
     from hybridkv.cli import UserError
     from hybridkv.server.config import ConfigError, ServerConfig
     from hybridkv.server.l2 import L2Error
+    from hybridkv.server.lifecycle import EndpointInUse
     from hybridkv.server.loop import CacheServer
 
+    # Until the server exists, SIGTERM must still unwind through the finally below (not kill us mid-start
+    # with the arena created); afterwards it asks the loop to stop.
+    def terminate(*_: object) -> None:
+        raise SystemExit(143)
+
+    signal.signal(signal.SIGTERM, terminate)
+    server: CacheServer | None = None
     try:
         cfg = ServerConfig(
             endpoint=args.endpoint, l1_bytes=int(args.l1_gib * GIB), l1_dir=args.l1_dir, l2_dir=args.l2_dir,
             l2_bytes=int(args.l2_gib * GIB), l2_fsync=args.l2_fsync, chunk_tokens=args.chunk_tokens,
             eviction=args.eviction, client_timeout_s=args.client_timeout, quarantine_s=args.quarantine,
             io_threads=args.io_threads, spill_watermark=args.spill_watermark, flush_on_exit=args.flush_on_exit,
-            cuda_ipc=args.cuda_ipc)
+            cuda_ipc=args.cuda_ipc, admin=args.admin, max_keys=args.max_keys,
+            max_message_bytes=args.max_message_bytes, max_frame_bytes=args.max_frame_bytes,
+            max_engines=args.max_engines, max_leases=args.max_leases, max_reservations=args.max_reservations,
+            max_queued_replies=args.max_queued_replies, max_pending=args.max_pending)
         server = CacheServer(cfg)
         try:
             endpoint = server.bind()
         except zmq.ZMQError as e:
-            server.arena.close()  # else the arena file of this failed start stays in /dev/shm
             raise UserError(f"cannot listen on --endpoint {cfg.endpoint}: {e}") from None
-    except (ConfigError, ArenaError, L2Error, OSError) as e:
+        running = server
+        signal.signal(signal.SIGTERM, lambda *_: running.stop())
+        signal.signal(signal.SIGINT, lambda *_: running.stop())
+        l2 = f"{cfg.l2_dir} ({args.l2_gib:g} GiB)" if cfg.has_l2 else "none"
+
+        def ready() -> None:
+            print(f"hybridkv server ready: endpoint={endpoint} l1={args.l1_gib:g}GiB arena={running.arena.path} "
+                  f"l2={l2} pid={os.getpid()}", flush=True)
+
+        server.serve_forever(on_ready=ready)
+    except (ConfigError, ArenaError, L2Error, EndpointInUse, OSError) as e:
         raise UserError(str(e)) from None
-    signal.signal(signal.SIGTERM, lambda *_: server.stop())
-    signal.signal(signal.SIGINT, lambda *_: server.stop())
-    l2 = f"{cfg.l2_dir} ({args.l2_gib:g} GiB)" if cfg.has_l2 else "none"
-
-    def ready() -> None:
-        print(f"hybridkv server ready: endpoint={endpoint} l1={args.l1_gib:g}GiB arena={server.arena.path} "
-              f"l2={l2} pid={os.getpid()}", flush=True)
-
-    server.serve_forever(on_ready=ready)
+    finally:
+        if server is not None:
+            server.close()  # every exit path (an error, SIGTERM at start) removes the arena
     print("hybridkv server stopped", flush=True)
     return 0

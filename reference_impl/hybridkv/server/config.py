@@ -67,6 +67,16 @@ class ServerConfig:
     spill_watermark: float = 0.1    # keep this fraction of L1 free or clean (in L2) so stores never wait
     flush_on_exit: bool = False     # spill every dirty L1 object to L2 on a clean shutdown
     cuda_ipc: bool = False          # accept the CUDA-IPC baseline format (the server then uses a GPU)
+    # ---- limits: what one client can make the server hold or do (DESIGN: Trust and limits) ----
+    admin: bool = False             # let every client clear all namespaces and read server-wide stats
+    max_keys: int = 1 << 16         # keys per request (a 1M-token prompt of 16-token chunks)
+    max_message_bytes: int = 8 << 20   # the msgpack request frame
+    max_frame_bytes: int = 256 << 20   # any one frame (payload frames of raw / legacy commits)
+    max_engines: int = 1024
+    max_leases: int = 4096          # per engine
+    max_reservations: int = 1024    # per engine
+    max_queued_replies: int = 1000  # per client: ZMQ send high-water mark (replies beyond it are dropped)
+    max_pending: int = 256          # per client: requests answered later (parked or on a worker)
 
     def __post_init__(self) -> None:
         if not self.endpoint:
@@ -88,6 +98,10 @@ class ServerConfig:
             raise ConfigError("client timeout must be > 0 and quarantine >= 0 seconds")
         if not 1 <= self.io_threads <= 64:
             raise ConfigError(f"io threads must be in 1..64, got {self.io_threads}")
+        for name in ("max_keys", "max_message_bytes", "max_frame_bytes", "max_engines", "max_leases",
+                     "max_reservations", "max_queued_replies", "max_pending"):
+            if not 0 < getattr(self, name) < 1 << 62:
+                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if not 0 <= self.spill_watermark < 1:
             raise ConfigError(f"spill watermark must be in [0, 1), got {self.spill_watermark}")
 

@@ -3,18 +3,24 @@
 An object is RESERVED while an engine writes it, LOADING while it is read back from L2, and READY once
 visible. Only READY, unpinned objects that are not being spilled may be evicted. With an L2, a dirty
 object (no copy in L2) is spilled before its slot is freed; the caller then waits for the spill.
+
+Every evictable object sits in exactly one queue (clean, dirty, or stuck after a failed L2 write),
+kept in LRU order. Victims are taken clean first, then dirty (after their spill), stuck last, so finding
+a victim or the next object to spill is O(1): nothing scans the table per allocation. Pinned, spilling
+and unready objects sit in no queue.
 """
 
 from __future__ import annotations
 
 import enum
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from hybridkv.arena import Arena, ExtentAllocator
 
-ObjectId = tuple[bytes, int]  # (chunk key, group)
+ObjectKey = tuple[bytes, int]  # (chunk key, group): one object
 
 
 class State(enum.Enum):
@@ -23,7 +29,31 @@ class State(enum.Enum):
     READY = "ready"
 
 
-WAIT = "wait"  # an allocation that will succeed once in-flight spills finish
+class Queue(enum.Enum):
+    """The eviction queues (an entry that is pinned, spilling or not READY sits in none)."""
+    CLEAN = 1     # evictable at once: L2 holds a copy, or there is no L2
+    DIRTY = 2     # must be written to L2 before its slot is freed
+    STUCK = 3     # its last L2 write failed: kept in L1, retried later, evicted last (and then counted)
+    AHEAD = 4     # a spill-ahead write is in flight
+
+
+class LruQueue:
+    """One eviction queue: entries oldest first, and the slot bytes they hold."""
+    __slots__ = ("kind", "od", "bytes")
+
+    def __init__(self, kind: Queue):
+        self.kind = kind
+        self.od: OrderedDict[ObjectKey, Entry] = OrderedDict()
+        self.bytes = 0
+
+    def oldest(self) -> Entry:
+        return next(iter(self.od.values()))
+
+
+class NoSlot(enum.Enum):
+    """Why reserve() returned no entry."""
+    WAIT = "wait"    # in-flight spills will free enough room: try again when they finish
+    FULL = "full"    # nothing evictable: the rest is pinned, reserved or loading
 
 
 @dataclass(slots=True, eq=False)
@@ -34,14 +64,17 @@ class Entry:
     offset: int
     length: int
     state: State
+    size: int = 0           # the slot's bytes (length rounded to the arena's alignment)
     pins: int = 0
     in_l2: bool = False
     spilling: bool = False
     evict_after_spill: bool = False
-    spill_failed: bool = False  # its last L2 write failed: spill-ahead leaves it to eviction
+    failed_at: float = 0.0  # monotonic time of its last failed L2 write
+    queue: LruQueue | None = None
+    gone: bool = False      # dropped from the table (a failed prefetch, an abort)
 
     @property
-    def oid(self) -> ObjectId:
+    def oid(self) -> ObjectKey:
         return (self.key, self.group)
 
     @property
@@ -50,50 +83,108 @@ class Entry:
 
 
 class L1Cache:
-    """Objects in the arena. `start_spill(entry)` is called for dirty victims when an L2 exists."""
+    """Objects in the arena. `start_spill(entries)` writes dirty victims to L2 when an L2 exists."""
 
     def __init__(self, arena: Arena, policy: str = "lru",
-                 start_spill: Callable[[Entry], None] | None = None,
+                 start_spill: Callable[[list[Entry]], None] | None = None,
                  l2_has: Callable[[Entry], bool] | None = None):
         self.arena = arena
         self.alloc = ExtentAllocator(arena.size)
         self.policy = policy
         self._start_spill = start_spill
         self._l2_has = l2_has
-        self._entries: dict[ObjectId, Entry] = {}
-        self._order: OrderedDict[ObjectId, Entry] = OrderedDict()  # READY objects, oldest first
+        self._entries: dict[ObjectKey, Entry] = {}
+        self._clean, self._dirty = LruQueue(Queue.CLEAN), LruQueue(Queue.DIRTY)
+        self._stuck, self._ahead = LruQueue(Queue.STUCK), LruQueue(Queue.AHEAD)
         self.evictions = 0
         self.evicted_bytes = 0
+        self.dropped_unspilled = 0  # evicted with no copy in L2 because L2 refused the write
         self.pending_free = 0  # bytes that in-flight evicting spills will free
+        self._pinned = 0
+        self._ready = 0
+        self._used = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, oid: ObjectId) -> Entry | None:
+    def get(self, oid: ObjectKey) -> Entry | None:
         return self._entries.get(oid)
 
     def entries(self) -> Iterator[Entry]:
         return iter(list(self._entries.values()))
 
-    def touch(self, e: Entry) -> None:
-        """A hit: LRU moves it to the young end; FIFO keeps insertion order."""
-        if self.policy == "lru" and e.oid in self._order:
-            self._order.move_to_end(e.oid)
+    @property
+    def stuck_objects(self) -> int:
+        return len(self._stuck.od)
+
+    # ---- queues ----------------------------------------------------------------------------------
+
+    def _unqueue(self, e: Entry) -> None:
+        q = e.queue
+        if q is not None:
+            del q.od[e.oid]
+            q.bytes -= e.size
+            e.queue = None
+
+    def _enqueue(self, e: Entry, q: LruQueue, young: bool = True) -> None:
+        if e.queue is q:
+            q.od.move_to_end(e.oid, last=young)
+            return
+        self._unqueue(e)
+        q.od[e.oid] = e
+        if not young:
+            q.od.move_to_end(e.oid, last=False)
+        q.bytes += e.size
+        e.queue = q
+
+    def _place(self, e: Entry, young: bool = True) -> None:
+        """Put an entry in the queue its state calls for (or none)."""
+        if not e.evictable or e.gone:
+            self._unqueue(e)
+        elif self._start_spill is None or e.in_l2:
+            self._enqueue(e, self._clean, young)
+        elif e.failed_at:
+            self._enqueue(e, self._stuck, young)
+        else:
+            self._enqueue(e, self._dirty, young)
+
+    # ---- state changes -----------------------------------------------------------------------------
 
     def reserve(self, key: bytes, group: int, ns: bytes, length: int,
-                state: State = State.RESERVED) -> Entry | str | None:
-        """A new entry with a slot of `length` bytes, evicting if needed; WAIT, or None if it cannot fit."""
+                state: State = State.RESERVED) -> Entry | NoSlot:
+        """A new entry with a slot of `length` bytes, evicting if needed; or why there is none."""
         off = self._allocate(length)
-        if off is None or off == WAIT:
+        if isinstance(off, NoSlot):
             return off
-        e = Entry(key, group, ns, off, length, state)
+        e = Entry(key, group, ns, off, length, state, self.alloc.rounded(max(length, 1)))
         self._entries[e.oid] = e
+        self._used += e.size
         return e
 
     def make_ready(self, e: Entry) -> None:
+        if e.state is not State.READY:
+            self._ready += 1
         e.state = State.READY
-        self._order[e.oid] = e
-        self._order.move_to_end(e.oid)
+        self._place(e)
+
+    def touch(self, e: Entry) -> None:
+        """A hit: LRU moves it to the young end of its queue; FIFO keeps insertion order."""
+        if self.policy == "lru" and e.queue is not None:
+            e.queue.od.move_to_end(e.oid)
+
+    def pin(self, e: Entry) -> None:
+        if e.pins == 0:
+            self._pinned += 1
+        e.pins += 1
+        self._unqueue(e)
+
+    def unpin(self, e: Entry) -> None:
+        if e.pins <= 0:
+            raise AssertionError(f"unpin of object (group {e.group}) that holds no pin")
+        e.pins -= 1
+        if e.pins == 0 and not e.gone:  # a detached entry left the pinned count when it left the table
+            self._pinned -= 1
+            self._place(e)
 
     def drop(self, e: Entry) -> None:
         """Free an entry's slot now. The caller guarantees no engine writes or reads it any more."""
@@ -103,98 +194,140 @@ class L1Cache:
 
     def detach(self, e: Entry) -> None:
         """Forget an entry but keep its extent allocated (the caller frees it later)."""
-        del self._entries[e.oid]
-        self._order.pop(e.oid, None)
+        if self._entries.get(e.oid) is e:
+            del self._entries[e.oid]
+            self._used -= e.size
+            if e.state is State.READY:
+                self._ready -= 1
+            if e.pins:
+                self._pinned -= 1
+        e.gone = True
+        self._unqueue(e)
 
-    def evict(self, e: Entry) -> None:
+    def _evict(self, e: Entry) -> None:
         self.drop(e)
         self.evictions += 1
         self.evicted_bytes += e.length
+
+    def loaded(self, e: Entry) -> None:
+        """An L2 read into `e` finished: it is READY and L2 holds its bytes."""
+        e.in_l2 = True
+        self.make_ready(e)
 
     def spill_finished(self, e: Entry, ok: bool) -> None:
         """An L2 write of `e` ended; frees it now if it was evicted while spilling."""
         e.spilling = False
         e.in_l2 = e.in_l2 or ok
-        e.spill_failed = not ok
+        e.failed_at = 0.0 if ok else time.monotonic()
         if e.evict_after_spill:
             e.evict_after_spill = False
-            self.pending_free -= self.alloc.rounded(e.length)
-            if e.evictable and self._entries.get(e.oid) is e:
-                self.evict(e)
+            self.pending_free -= e.size
+            if ok and e.evictable and not e.gone:
+                self._evict(e)
+                return
+            # a failed write keeps the object (STUCK); it is dropped only when nothing else can make room
+        if not e.gone:
+            self._place(e)
 
-    def clean(self, e: Entry) -> bool:
-        """True when L2 still holds e's bytes (L2 may have evicted or dropped its copy since the spill)."""
-        if e.in_l2 and self._l2_has is not None and not self._l2_has(e):
-            e.in_l2 = False
-        return e.in_l2
+    def retry_stuck(self, older_than: float) -> int:
+        """Objects whose L2 write failed before `older_than` become dirty again (spilled on the next pass)."""
+        stuck = self._stuck
+        n = 0
+        while stuck.od:
+            e = stuck.oldest()
+            if e.failed_at > older_than:
+                break
+            e.failed_at = 0.0
+            self._place(e, young=False)
+            n += 1
+        return n
 
-    def _allocate(self, length: int) -> int | str | None:
+    # ---- allocation --------------------------------------------------------------------------------
+
+    def _allocate(self, length: int) -> int | NoSlot:
         need = self.alloc.rounded(max(length, 1))
         if need > self.alloc.size:
-            return None
+            return NoSlot.FULL
         off = self.alloc.alloc(length)
         if off is not None:
             return off
-        # Clean victims first (no copy needed, so no wait on L2, which may be busy with other engines'
-        # reads); among them same-size ones first: freeing one is guaranteed to fit. Each victim is found
-        # from the old end of the LRU order, so a store that needs k slots looks at about k entries.
-        dirty = self._start_spill is not None
-        for exact in (True, False):
-            while True:
-                victim = next((e for e in self._order.values()
-                               if e.evictable and (not exact or self.alloc.rounded(e.length) == need)
-                               and (not dirty or self.clean(e))), None)
-                if victim is None:
-                    break
-                self.evict(victim)
-                off = self.alloc.alloc(length)
-                if off is not None:
-                    return off
-        if not dirty:
-            return None
-        # Only dirty victims left: copy the oldest to L2, and the caller waits until that frees their slots.
-        for exact in (True, False):
-            for e in self._order.values():
-                if not e.evictable or (exact and self.alloc.rounded(e.length) != need):
-                    continue
-                if self.pending_free and self.alloc.free_bytes + self.pending_free >= need:
-                    return WAIT
-                e.spilling = e.evict_after_spill = True
-                self.pending_free += self.alloc.rounded(e.length)
-                self._start_spill(e)
+        # Clean victims from the old end first: no copy needed, so no wait on L2.
+        clean = self._clean
+        while clean.od:
+            e = clean.oldest()
+            if self._l2_has is not None and e.in_l2 and not self._l2_has(e):
+                e.in_l2 = False  # L2 dropped its copy since: it is dirty again, and the oldest
+                self._place(e, young=False)
+                continue
+            self._evict(e)
+            off = self.alloc.alloc(length)
+            if off is not None:
+                return off
+        if self._start_spill is None:
+            return NoSlot.FULL
+        # Only dirty victims left: copy the oldest to L2; the caller waits until that frees their slots.
+        free = self.alloc.free_bytes
+        if self.pending_free and free + self.pending_free >= need:
+            return NoSlot.WAIT
+        batch: list[Entry] = []
+        dirty = self._dirty
+        while dirty.od and (not batch or free + self.pending_free < need):
+            e = dirty.oldest()
+            self._unqueue(e)
+            e.spilling = e.evict_after_spill = True
+            self.pending_free += e.size
+            batch.append(e)
+        if batch:
+            self._start_spill(batch)
         # Spill-ahead writes in flight free nothing by themselves: have them free their slots when done,
         # so a store waits for them instead of being refused while L1 is merely busy writing to L2.
-        for e in self._order.values():
-            if e.spilling and not e.evict_after_spill and e.pins == 0 and e.state is State.READY:
-                if self.pending_free and self.alloc.free_bytes + self.pending_free >= need:
-                    break
-                e.evict_after_spill = True
-                self.pending_free += self.alloc.rounded(e.length)
-        return WAIT if self.pending_free > 0 else None
+        ahead = self._ahead
+        while ahead.od and free + self.pending_free < need:
+            e = ahead.oldest()
+            self._unqueue(e)
+            e.evict_after_spill = True
+            self.pending_free += e.size
+        if self.pending_free > 0:
+            return NoSlot.WAIT
+        # L2 refuses writes (a full or broken disk): serve on as an L1-only cache. The oldest object whose
+        # write failed goes, and is counted (the object store logs the count): never a silent loss.
+        stuck = self._stuck
+        while stuck.od:
+            e = stuck.oldest()
+            self._evict(e)
+            self.dropped_unspilled += 1
+            off = self.alloc.alloc(length)
+            if off is not None:
+                return off
+        return NoSlot.FULL
 
-    def spill_ahead(self, low_watermark: float, max_inflight: int, inflight: int) -> list[Entry]:
+    def spill_ahead(self, low_watermark: float, max_objects: int) -> list[Entry]:
         """Dirty LRU objects to copy to L2 now, so later evictions find clean victims and never wait."""
+        if self._start_spill is None:
+            return []
         target = low_watermark * self.alloc.size
-        clean = self.alloc.free_bytes + self.pending_free
+        clean = self.alloc.free_bytes + self.pending_free + self._clean.bytes + self._ahead.bytes
         out: list[Entry] = []
-        for e in self._order.values():
-            if clean >= target or inflight + len(out) >= max_inflight:
-                break
-            if not e.evictable or e.spill_failed:
-                continue  # retrying a failed write here would spin on a full or broken L2
-            if e.in_l2:
-                clean += self.alloc.rounded(e.length)
-            else:
-                e.spilling = True
-                out.append(e)
-                clean += self.alloc.rounded(e.length)
+        dirty = self._dirty
+        while dirty.od and clean < target and len(out) < max_objects:
+            e = dirty.oldest()
+            e.spilling = True
+            self._enqueue(e, self._ahead)
+            clean += e.size
+            out.append(e)
+        return out
+
+    def take_unspilled(self) -> list[Entry]:
+        """Every READY object L2 lacks, marked as being spilled (a flush at shutdown writes them all)."""
+        out = [e for e in self._entries.values() if e.state is State.READY and not e.spilling and not e.in_l2]
+        for e in out:
+            self._unqueue(e)
+            e.spilling = True
         return out
 
     def usage(self) -> dict[str, int]:
-        pinned = sum(1 for e in self._entries.values() if e.pins)
-        reserved = sum(1 for e in self._entries.values() if e.state is not State.READY)
-        used = sum(self.alloc.rounded(e.length) for e in self._entries.values())
-        return {"l1_objects": len(self._entries), "l1_bytes_used": used, "l1_capacity_bytes": self.alloc.size,
-                "l1_free_bytes": self.alloc.free_bytes, "l1_pinned_objects": pinned,
-                "l1_unready_objects": reserved, "l1_evictions": self.evictions,
-                "l1_evicted_bytes": self.evicted_bytes}
+        return {"l1_objects": len(self._entries), "l1_bytes_used": self._used, "l1_capacity_bytes": self.alloc.size,
+                "l1_free_bytes": self.alloc.free_bytes, "l1_pinned_objects": self._pinned,
+                "l1_unready_objects": len(self._entries) - self._ready, "l1_evictions": self.evictions,
+                "l1_evicted_bytes": self.evicted_bytes, "l1_kept_after_l2_failure": self.stuck_objects,
+                "l1_dropped_unspilled": self.dropped_unspilled}

@@ -65,11 +65,13 @@ def start_server(endpoint: str, *args: str, l1_gib: float, client_timeout: float
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
     deadline = time.monotonic() + ready_timeout
     line = ""
+    out = proc.stdout
+    assert out is not None
     try:
         while time.monotonic() < deadline and proc.poll() is None:
-            ready, _, _ = select.select([proc.stdout], [], [], 0.2)
+            ready, _, _ = select.select([out], [], [], 0.2)
             if ready:
-                line = proc.stdout.readline()
+                line = out.readline()
                 break
     except BaseException:  # Ctrl-C while starting: no server may outlive its starter
         proc.kill()

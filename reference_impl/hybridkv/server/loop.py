@@ -1,254 +1,292 @@
-"""The CPU-only cache server: a ZMQ ROUTER loop over the L1 arena and the L2 adapter.
+"""The CPU-only cache server: a ZMQ ROUTER loop that decodes requests and dispatches them to handlers.
 
-One thread owns the socket and every table; disk and payload work runs on worker threads that post
-completions back through a queue and a wake-up pipe. A request that must wait (an L2 read, a spill
-that frees space) is parked and answered later, so no engine waits on another engine's work.
+One thread owns the socket and every table; disk and payload work runs on worker threads whose
+completions come back through a wake-up pipe. A request that must wait (an L2 read, a spill that
+frees space) is parked and answered later, so no engine waits on another engine's work.
 This module never imports torch (the legacy codecs import it on first use).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import queue
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
-import msgspec
 import zmq
 
 from hybridkv import protocol as P
-from hybridkv.arena import Arena
-from hybridkv.server.config import ServerConfig, default_ipc_dir, ensure_private_dir
-from hybridkv.server.handlers import RequestError, RequestHandlers
-from hybridkv.server.l1 import L1Cache, State
+from hybridkv.arena import Arena, remove_dead_arenas
+from hybridkv.server import admin, lookup, retrieve, store
+from hybridkv.server.config import ServerConfig
+from hybridkv.server.context import Answer, Context, Frames, RequestError
+from hybridkv.server.counters import Counters
+from hybridkv.server.formats import Formats
+from hybridkv.server.l2 import L2Adapter
+from hybridkv.server.lifecycle import claim_ipc_path
+from hybridkv.server.objects import ObjectStore
+from hybridkv.server.sessions import SessionLimits, Sessions
+from hybridkv.server.workers import Workers
 
 log = logging.getLogger("hybridkv.server")
+E = P.ErrorCode
 
 
-class CacheServer(RequestHandlers):
-    """Serves lookups, stores and retrieves for many engines; see DESIGN.md (Server)."""
+class CacheServer:
+    """Serves lookups, stores and retrieves for many engines; see docs/protocol.md."""
 
     def __init__(self, config: ServerConfig, context: zmq.Context | None = None):
         self.config = config
         self.started = time.monotonic()
+        for path in remove_dead_arenas(config.l1_dir):
+            log.info("removed the arena of a dead server: %s", path)
         self.arena = Arena(config.l1_bytes, config.l1_dir)
-        self.l2 = None
-        if config.has_l2:
-            from hybridkv.server.l2_fs import FilesystemL2
+        try:  # from here on, any failure (a bad --l2-dir, SIGTERM during start) must remove the arena
+            l2: L2Adapter | None = None
+            if config.has_l2:
+                from hybridkv.server.l2_fs import FilesystemL2
 
-            try:
-                self.l2 = FilesystemL2(config.l2_dir, config.l2_bytes, fsync=config.l2_fsync)
-            except BaseException:
-                self.arena.close()  # else a bad --l2-dir leaves the arena file in /dev/shm
-                raise
-        self.l1 = L1Cache(self.arena, config.eviction, self._start_evicting_spill if self.l2 else None,
-                          (lambda e: self.l2.length(e.key, e.group) == e.length) if self.l2 else None)
-        self._ctx = context or zmq.Context.instance()
+                assert config.l2_dir is not None
+                l2 = FilesystemL2(config.l2_dir, config.l2_bytes, fsync=config.l2_fsync)
+            self.workers = Workers(config.io_threads)
+            self.counters = Counters()
+            self.objects = ObjectStore(config, self.arena, l2, self.workers, self.counters)
+            self.sessions = Sessions(SessionLimits(config.max_engines, config.max_leases,
+                                                   config.max_reservations), config.client_timeout_s)
+            self.ctx = Context(config, self.arena, self.sessions, self.objects, self.workers, self.counters,
+                               Formats(self.arena, config.cuda_ipc), self.started, self._send_later)
+        except BaseException:
+            self.arena.close()
+            raise
+        self._zctx = context or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
-        self._io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="hkv-io")
-        self._done: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        self._stop = threading.Event()
-        self._engines: dict = {}
-        self._reservations: dict = {}
-        self._leases: dict = {}
-        self._cuda_engines: dict = {}  # engine id -> cuda_ipc.MappedEngine (baseline format only)
-        self._parked: list = []
-        self._quarantine: list[tuple[float, int, int]] = []  # (until, offset, length)
-        self._spills_inflight = 0
-        self._next_id = 1
-        self.counters: dict[str, int] = dict.fromkeys((
-            "requests", "errors", "lookups", "lookup_chunks", "hit_chunks", "objects_committed",
-            "bytes_committed", "objects_skipped_present", "objects_refused", "objects_aborted",
-            "l2_spills", "l2_spill_bytes", "l2_spill_failures", "l2_prefetches", "l2_prefetch_bytes",
-            "l2_prefetch_failures", "engines_registered", "engines_reclaimed", "reservations_reclaimed"), 0)
-        self._handlers: dict[type, Callable] = {
-            P.Register: self._register, P.Unregister: self._unregister, P.Heartbeat: self._heartbeat,
-            P.Lookup: self._lookup, P.PrepareStore: self._prepare, P.CommitStore: self._commit,
-            P.AbortStore: self._abort, P.Retrieve: self._retrieve, P.Release: self._release,
-            P.EndSession: self._end_session, P.Stats: self._stats, P.Clear: self._clear,
-            P.Health: self._health, P.ShareCuda: self._share_cuda,
-        }
+        self._pending: dict[bytes, int] = {}  # requests answered later, per client
+        self._stopping = False
+        self._closed = False
 
-    # ---- loop ----------------------------------------------------------------------------------
+    # ---- lifecycle -----------------------------------------------------------------------------
 
     def bind(self) -> str:
-        """Bind the ROUTER socket; returns the endpoint."""
+        """Bind the ROUTER socket (refusing a live server's ipc endpoint); returns the endpoint."""
         ep = self.config.endpoint
         if ep.startswith("ipc://"):
-            path = ep[len("ipc://"):]
-            parent = os.path.dirname(path) or "."
-            if os.path.abspath(parent) == str(default_ipc_dir()):
-                ensure_private_dir(default_ipc_dir())
-            if os.path.exists(path):
-                os.unlink(path)  # a stale socket of a dead server; binding over it would fail
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted engine reusing its identity takes over
-        self._sock.bind(ep)
+            claim_ipc_path(ep[len("ipc://"):])
+        sock = self._zctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # No ROUTER_HANDOVER: a connection must never take over another's routing id, which is what
+        # engines, reservations and leases are bound to.
+        sock.setsockopt(zmq.SNDHWM, self.config.max_queued_replies)
+        sock.setsockopt(zmq.RCVHWM, self.config.max_pending)
+        # libzmq refuses a larger frame before allocating it, and drops the connection that sent it.
+        sock.setsockopt(zmq.MAXMSGSIZE, max(self.config.max_frame_bytes, self.config.max_message_bytes))
+        try:
+            sock.bind(ep)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        self._sock = sock
         return ep
 
     def serve_forever(self, on_ready: Callable[[], None] | None = None) -> None:
         """Run until stop(); then shut down cleanly (in-flight L2 writes finish, arena unlinked)."""
-        if self._sock is None:
-            self.bind()
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        if on_ready:
-            on_ready()
-        next_tick = time.monotonic()
         try:
-            while not self._stop.is_set():
+            if self._sock is None:
+                self.bind()
+            assert self._sock is not None
+            poller = zmq.Poller()
+            poller.register(self._sock, zmq.POLLIN)
+            poller.register(self.workers.wake_r, zmq.POLLIN)
+            if on_ready:
+                on_ready()
+            next_tick = time.monotonic()
+            while not self._stopping:
                 events = dict(poller.poll(timeout=200))
                 if self._sock in events:
                     self._drain_socket()
-                if self._wake_r in events:
-                    self._drain_completions()
+                if self.workers.wake_r in events and self.workers.drain():
+                    self._run_parked()
                 if time.monotonic() >= next_tick:
                     self._tick()
                     next_tick = time.monotonic() + min(0.5, self.config.client_timeout_s / 4)
         finally:
-            self._shutdown()
+            self.close()
 
     def stop(self) -> None:
         """Ask the loop to stop (safe from signal handlers and other threads)."""
-        self._stop.set()
-        try:
-            os.write(self._wake_w, b"s")
-        except OSError:
-            pass
+        self._stopping = True
+        self.workers.wake()
 
-    def _shutdown(self) -> None:
-        if self.config.flush_on_exit and self.l2 is not None:
-            for e in self.l1.entries():
-                if e.state is State.READY and not e.spilling and not self.l1.clean(e):
-                    e.spilling = True
-                    self._submit(self._spill_job, e, self._spill_done)
-        self._io.shutdown(wait=True)  # in-flight L2 writes complete: L2 stays consistent
-        self._drain_completions()
-        if self._sock is not None:
-            self._sock.close(linger=0)
-        if self.l2 is not None:
-            self.l2.close()
-        self.arena.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+    def close(self) -> None:
+        """Release everything; the arena file is removed whatever fails before. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.config.flush_on_exit:
+                self.objects.flush()
+            self.workers.close()  # in-flight L2 writes complete: L2 stays consistent
+        except Exception:
+            log.exception("error while finishing L2 writes at shutdown")
+        finally:
+            try:
+                if self._sock is not None:
+                    self._sock.close(linger=0)
+                self.objects.close()
+            except Exception:
+                log.exception("error while closing the socket or L2 at shutdown")
+            finally:
+                self.arena.close()
+                self.workers.release()
+
+    # ---- requests --------------------------------------------------------------------------------
 
     def _drain_socket(self) -> None:
+        assert self._sock is not None
         for _ in range(256):  # bounded, so completions and timers are never starved
             try:
                 frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self._handle(frames)
+            try:
+                self._handle(frames)
+            except Exception:  # the loop survives anything a socket delivers
+                log.exception("internal error handling a message")
 
-    def _handle(self, frames: list) -> None:
+    def _handle(self, frames: list[zmq.Frame]) -> None:
         ident = frames[0].bytes
-        self.counters["requests"] += 1
+        self.counters.requests += 1
         if len(frames) < 2:
-            self._send_error(ident, 0, P.ErrorCode.BAD_MESSAGE, "empty message: expected a request frame")
+            self._error(ident, 0, E.BAD_MESSAGE, "empty message: expected a request frame")
+            return
+        head = frames[1].buffer
+        if len(head) > self.config.max_message_bytes:
+            # the envelope decoder skips every other field in C: cheap, and the client gets its answer
+            self._error(ident, P.peek_envelope(head)[1], E.LIMIT, f"request frame of {len(head)} B; the limit is "
+                        f"{self.config.max_message_bytes} B (--max-message-bytes)")
             return
         try:
-            msg = P.decode_request(frames[1].buffer)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            msg = P.decode_request(head)
+        except P.BadMessage as e:
             # A newer client's request may not decode here at all: report the version, not its fields,
             # and echo the id so a client library's waiting future gets the error instead of a timeout.
-            v, req_id = P.peek_envelope(frames[1].buffer)
+            v, req_id = P.peek_envelope(head)
+            self.counters.bad_messages += 1
             if v != P.PROTOCOL_VERSION:
-                self._send_error(ident, req_id, P.ErrorCode.VERSION,
-                                 f"protocol version {v} not supported; this server speaks {P.PROTOCOL_VERSION}")
+                self._error(ident, req_id, E.VERSION,
+                            f"protocol version {v} not supported; this server speaks {P.PROTOCOL_VERSION}")
             else:
-                self._send_error(ident, req_id, P.ErrorCode.BAD_MESSAGE, f"undecodable request: {e}")
+                self._error(ident, req_id, E.BAD_MESSAGE, f"undecodable request: {e}")
             return
         if msg.v != P.PROTOCOL_VERSION:
-            self._send_error(ident, msg.id, P.ErrorCode.VERSION,
-                             f"protocol version {msg.v} not supported; this server speaks {P.PROTOCOL_VERSION}")
+            self._error(ident, msg.id, E.VERSION,
+                        f"protocol version {msg.v} not supported; this server speaks {P.PROTOCOL_VERSION}")
             return
+        if len(frames) - 2 > self.config.max_keys * 8:
+            self._error(ident, msg.id, E.LIMIT, f"{len(frames) - 2} payload frames in one message")
+            return
+        pending = self._pending.get(ident, 0)
+        if pending >= self.config.max_pending:
+            self.counters.limit_refusals += 1
+            self._error(ident, msg.id, E.LIMIT, f"{pending} requests of this client still being answered; the "
+                        f"limit is {self.config.max_pending} (--max-pending): read the replies first")
+            return
+        # Counted before dispatch: a handler may answer "later" before it even returns (a parked op
+        # whose first step completes), and that answer takes the count down again.
+        self._pending[ident] = pending + 1
         try:
-            out = self._handlers[type(msg)](ident, msg, frames[2:])
+            out = self._dispatch(ident, msg, frames[2:])
         except RequestError as e:
-            self._send_error(ident, msg.id, e.code, e.message)
+            if e.code is E.LIMIT:
+                self.counters.limit_refusals += 1
+            self._answered(ident)
+            self._error(ident, msg.id, e.code, e.message)
             return
         except Exception as e:  # a bug must not take the server down for every other engine
             log.exception("internal error handling %s", type(msg).__name__)
-            self._send_error(ident, msg.id, P.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+            self._answered(ident)
+            self._error(ident, msg.id, E.INTERNAL, f"{type(e).__name__}: {e}")
             return
         if out is not None:
+            self._answered(ident)
             self._send(ident, msg.id, *out)
 
-    def _send(self, ident: bytes, req_id: int, reply: P.Message, frames: list | tuple = ()) -> None:
+    def _dispatch(self, ident: bytes, msg: P.Request, frames: Frames) -> Answer:
+        ctx = self.ctx
+        match msg:
+            case P.Register():
+                return admin.register(ctx, ident, msg, frames)
+            case P.Unregister():
+                return admin.unregister(ctx, ident, msg, frames)
+            case P.Heartbeat():
+                return admin.heartbeat(ctx, ident, msg, frames)
+            case P.Lookup():
+                return lookup.lookup(ctx, ident, msg, frames)
+            case P.PrepareStore():
+                return store.prepare(ctx, ident, msg, frames)
+            case P.CommitStore():
+                return store.commit(ctx, ident, msg, frames)
+            case P.AbortStore():
+                return store.abort(ctx, ident, msg, frames)
+            case P.ShareCuda():
+                return admin.share_cuda(ctx, ident, msg, frames)
+            case P.Retrieve():
+                return retrieve.retrieve(ctx, ident, msg, frames)
+            case P.Release():
+                return retrieve.release(ctx, ident, msg, frames)
+            case P.EndSession():
+                return retrieve.end_session(ctx, ident, msg, frames)
+            case P.Stats():
+                return admin.stats(ctx, ident, msg, frames)
+            case P.Clear():
+                return admin.clear(ctx, ident, msg, frames)
+            case P.Health():
+                return admin.health(ctx, ident, msg, frames)
+        raise RequestError(E.BAD_MESSAGE, f"no handler for {type(msg).__name__}")
+
+    def _send(self, ident: bytes, req_id: int, reply: P.Message, frames: Frames = ()) -> None:
+        assert self._sock is not None
         reply.id = req_id
-        # ROUTER drops (never blocks on) messages to a vanished or stalled peer: no engine stalls another.
+        # ROUTER drops (never blocks on) messages to a vanished peer or one over its send high-water
+        # mark: a client that does not read its replies costs at most max_queued_replies of them.
         self._sock.send_multipart([ident, P.encode(reply), *frames], copy=False)
 
-    def _send_error(self, ident: bytes, req_id: int, code: str, message: str) -> None:
-        self.counters["errors"] += 1
+    def _answered(self, ident: bytes) -> None:
+        n = self._pending.get(ident, 0) - 1
+        if n > 0:
+            self._pending[ident] = n
+        else:
+            self._pending.pop(ident, None)
+
+    def _send_later(self, ident: bytes, req_id: int, reply: P.Message, frames: Frames) -> None:
+        """A deferred answer: the client has one request fewer pending."""
+        self._answered(ident)
+        if self._sock is not None and not self._closed:
+            self._send(ident, req_id, reply, frames)
+
+    def _error(self, ident: bytes, req_id: int, code: E, message: str) -> None:
+        self.counters.errors += 1
         self._send(ident, req_id, P.Error(code=code, message=message))
-
-    def _submit(self, job: Callable, arg, done: Callable) -> None:
-        """Run job(arg) on a worker; done(arg, result, exc) runs later on the loop thread."""
-        def run():
-            try:
-                res, exc = job(arg), None
-            except BaseException as e:  # noqa: BLE001 - delivered to the loop, which decides
-                res, exc = None, e
-            self._done.put((done, arg, res, exc))
-            try:
-                os.write(self._wake_w, b"c")
-            except OSError:
-                pass
-        self._io.submit(run)
-
-    def _drain_completions(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except (BlockingIOError, OSError):
-            pass
-        progressed = False
-        while True:
-            try:
-                done, arg, res, exc = self._done.get_nowait()
-            except queue.Empty:
-                break
-            done(arg, res, exc)
-            progressed = True
-        if progressed:
-            self._run_parked()
 
     def _run_parked(self) -> None:
         """Retry parked requests in arrival order; each answers itself when it completes."""
-        parked, self._parked = self._parked, []
+        parked = self.ctx.parked[:]
+        self.ctx.parked.clear()
         for op in parked:
             try:
                 if not op.step():
-                    self._parked.append(op)
+                    self.ctx.parked.append(op)
             except RequestError as e:
-                self._send_error(op.ident, op.msg.id, e.code, e.message)
-        self._spill_ahead()
+                self.ctx.fail(op.ident, op.req_id, e.code, e.message)
+            except Exception as e:
+                log.exception("internal error in a parked request")
+                self.ctx.fail(op.ident, op.req_id, E.INTERNAL, f"{type(e).__name__}: {e}")
+        self.objects.spill_ahead()
 
     def _tick(self) -> None:
         now = time.monotonic()
-        for eng in list(self._engines.values()):
-            if now - eng.last_seen > self.config.client_timeout_s:
-                log.warning("engine %d (%s) silent for %.1fs: reclaiming its reservations and pins",
-                            eng.id, eng.name, now - eng.last_seen)
-                self.counters["engines_reclaimed"] += 1
-                self._drop_engine(eng, reclaimed=True)
-        keep = []
-        for until, offset, length in self._quarantine:
-            if until <= now:
-                self.l1.alloc.free(offset, length)
-            else:
-                keep.append((until, offset, length))
-        self._quarantine = keep
+        for eng in self.sessions.silent(now):
+            log.warning("engine %x (%s) silent for %.1fs: reclaiming its reservations and pins",
+                        eng.id, eng.name, now - eng.last_seen)
+            self.counters.engines_reclaimed += 1
+            admin.drop_engine(self.ctx, eng, reclaimed=True)
+        self.objects.tick(now)
         self._run_parked()
-
-    def _new_id(self) -> int:
-        self._next_id += 1
-        return self._next_id

@@ -1,0 +1,107 @@
+"""Handlers for engines and administration: register, unregister, heartbeat, share_cuda, stats, clear, health."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from hybridkv import __version__
+from hybridkv import protocol as P
+from hybridkv.keys import namespace
+from hybridkv.layout import LayoutError
+from hybridkv.server.context import Answer, Context, Frames, RequestError, no_frames
+from hybridkv.server.sessions import Engine
+
+E = P.ErrorCode
+
+
+def register(ctx: Context, ident: bytes, msg: P.Register, frames: Frames) -> Answer:
+    no_frames(msg, frames)
+    layout = msg.layout
+    forced = ctx.config.chunk_tokens
+    try:
+        chunk = msg.chunk_tokens or forced or layout.default_chunk_tokens()
+        if forced and chunk != forced:
+            raise RequestError(E.LAYOUT, f"this server caches chunks of {forced} tokens; engine asked for {chunk}")
+        ns = namespace(layout, msg.tp_rank, chunk, msg.salt)
+    except LayoutError as e:
+        raise RequestError(E.LAYOUT, str(e)) from None
+    sizes = [layout.object_bytes(g, chunk) for g in range(len(layout.groups))]
+    alloc = ctx.objects.l1.alloc
+    if alloc.rounded(max(sizes)) > alloc.size:
+        raise RequestError(E.LAYOUT, f"one object of {max(sizes)} B does not fit in the {alloc.size} B "
+                           "L1 arena; start the server with a larger L1 or use smaller chunks")
+    eng = ctx.sessions.add_engine(ident, msg.name, layout, ns, chunk, sizes)
+    ctx.counters.engines_registered += 1
+    return P.Registered(engine=eng.id, namespace=ns, object_bytes=sizes, arena_path=str(ctx.arena.path),
+                        arena_bytes=ctx.arena.size, heartbeat_s=ctx.config.client_timeout_s / 3), []
+
+
+def unregister(ctx: Context, ident: bytes, msg: P.Unregister, frames: Frames) -> Answer:
+    no_frames(msg, frames)
+    drop_engine(ctx, ctx.sessions.engine(ident, msg.engine), reclaimed=False)
+    return P.Done(), []
+
+
+def heartbeat(ctx: Context, ident: bytes, msg: P.Heartbeat, frames: Frames) -> Answer:
+    no_frames(msg, frames)
+    ctx.sessions.engine(ident, msg.engine)
+    return P.Done(), []
+
+
+def drop_engine(ctx: Context, eng: Engine, reclaimed: bool) -> None:
+    """Forget an engine: unpin its leases, free its reservations (quarantined when it vanished)."""
+    leases, reservations = ctx.sessions.remove_engine(eng)
+    for lease in leases:
+        for e in lease.entries:
+            ctx.objects.unpin(e)
+    for res in reservations:
+        if res.committing:
+            res.dead = True  # the copy finishes on its thread, then its slots are freed
+            continue
+        ctx.objects.discard([s.entry for s in res.slots], quarantine=reclaimed)
+        if reclaimed:
+            ctx.counters.reservations_reclaimed += 1
+        else:
+            ctx.counters.objects_aborted += len(res.slots)
+    ctx.formats.cuda.forget(eng)
+
+
+def share_cuda(ctx: Context, ident: bytes, msg: P.ShareCuda, frames: Frames) -> Answer:
+    no_frames(msg, frames)
+    eng = ctx.sessions.engine(ident, msg.engine)
+    return P.Done(count=ctx.formats.cuda.share(eng, msg)), []
+
+
+def stats(ctx: Context, ident: bytes, msg: P.Stats, frames: Frames) -> Answer:
+    no_frames(msg, frames)
+    _admin_only(ctx, "stats")
+    c = ctx.counters.as_dict()
+    c.update(ctx.objects.stats())
+    c.update(engines=len(ctx.sessions.engines), leases=len(ctx.sessions.leases),
+             reservations=len(ctx.sessions.reservations), parked=len(ctx.parked), workers_inflight=ctx.workers.inflight,
+             uptime_s=time.monotonic() - ctx.started)
+    return P.StatsResult(counters=c), []
+
+
+def clear(ctx: Context, ident: bytes, msg: P.Clear, frames: Frames) -> Answer:
+    no_frames(msg, frames)
+    if msg.engine is None:
+        _admin_only(ctx, "clear of every namespace")
+        ns = None
+    else:
+        ns = ctx.sessions.engine(ident, msg.engine).ns
+    return P.Done(count=ctx.objects.clear(ns)), []
+
+
+def health(ctx: Context, ident: bytes, msg: P.Health, frames: Frames) -> Answer:
+    no_frames(msg, frames)
+    return P.HealthResult(status="ok", version=__version__, uptime_s=time.monotonic() - ctx.started,
+                          pid=os.getpid()), []
+
+
+def _admin_only(ctx: Context, what: str) -> None:
+    if not ctx.config.admin:
+        ctx.counters.forbidden_refusals += 1
+        raise RequestError(E.FORBIDDEN, f"{what} touches every tenant; this server was started without "
+                           "--admin, which opens it to every client of the endpoint")

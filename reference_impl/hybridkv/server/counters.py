@@ -1,0 +1,36 @@
+"""The server's counters: one typed struct, reported by Stats."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Counters:
+    """Server-wide counters (gauges are computed when Stats asks)."""
+    requests: int = 0
+    errors: int = 0
+    lookups: int = 0
+    lookup_chunks: int = 0
+    hit_chunks: int = 0
+    objects_committed: int = 0
+    bytes_committed: int = 0
+    objects_skipped_present: int = 0
+    objects_refused: int = 0
+    objects_aborted: int = 0
+    l2_spills: int = 0
+    l2_spill_bytes: int = 0
+    l2_spill_failures: int = 0
+    l2_prefetches: int = 0
+    l2_prefetch_bytes: int = 0
+    l2_prefetch_failures: int = 0
+    engines_registered: int = 0
+    engines_reclaimed: int = 0
+    reservations_reclaimed: int = 0
+    bad_messages: int = 0
+    limit_refusals: int = 0
+    forbidden_refusals: int = 0
+
+    def as_dict(self) -> dict[str, int | float]:
+        return dataclasses.asdict(self)

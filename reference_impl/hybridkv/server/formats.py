@@ -1,0 +1,187 @@
+"""The server half of each wire format: how a commit's bytes reach the arena and how a retrieve's leave it.
+
+One strategy per format, registered in one table keyed by `WireFormat`. A strategy validates on the
+loop thread (raising RequestError) and returns the copy work as a job for a worker thread, or None
+when no byte has to move (shm: the engine wrote the arena itself).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from hybridkv import protocol as P
+from hybridkv.arena import Arena
+from hybridkv.baselines.codec import bytes_to_tensor, copy_tensor_into, decode_tensor, encode_tensor
+from hybridkv.server.errors import RequestError
+from hybridkv.server.sessions import Engine, Lease, Reservation
+
+if TYPE_CHECKING:
+    from hybridkv.baselines.cuda_ipc import MappedEngine
+
+E = P.ErrorCode
+Job = Callable[[], Any]
+
+
+class WireFormat(enum.StrEnum):
+    SHM = "shm"
+    RAW = "raw"
+    PICKLE = "pickle"
+    TORCH_SAVE = "torch_save"
+    CUDA_IPC = "cuda_ipc"
+
+
+class FormatStrategy(Protocol):
+    def commit(self, eng: Engine, res: Reservation, msg: P.CommitStore, frames: list[Any]) -> Job | None:
+        """Validate a commit; the job that copies its payload into the reservation's slots, or None."""
+
+    def retrieve(self, eng: Engine, lease: Lease, msg: P.Retrieve) -> list[Any] | Job:
+        """The payload frames of a lease now, or a job that returns them."""
+
+
+def _frame_count(res: Reservation, frames: list[Any], fmt: WireFormat) -> None:
+    if len(frames) != len(res.slots):
+        raise RequestError(E.BAD_PAYLOAD, f"commit of reservation {res.id} needs {len(res.slots)} payload "
+                           f"frames ({fmt}), got {len(frames)}")
+
+
+def _no_payload(msg: P.Message, frames: list[Any]) -> None:
+    if frames:
+        raise RequestError(E.BAD_PAYLOAD, f"{type(msg).__name__} carries no payload frames, got {len(frames)}")
+
+
+class ShmFormat:
+    """The engine writes and reads the arena itself: only metadata crosses the socket."""
+
+    def commit(self, eng: Engine, res: Reservation, msg: P.CommitStore, frames: list[Any]) -> Job | None:
+        _no_payload(msg, frames)
+        return None
+
+    def retrieve(self, eng: Engine, lease: Lease, msg: P.Retrieve) -> list[Any] | Job:
+        raise RequestError(E.BAD_REQUEST, "shm engines read the arena at the lookup's offsets; retrieve "
+                           "sends payload frames only for raw, pickle and torch_save")
+
+
+class RawFormat:
+    """One zero-copy payload frame per object, the object's bytes exactly."""
+
+    def __init__(self, arena: Arena):
+        self.arena = arena
+
+    def commit(self, eng: Engine, res: Reservation, msg: P.CommitStore, frames: list[Any]) -> Job | None:
+        _frame_count(res, frames, WireFormat.RAW)
+        for i, (f, s) in enumerate(zip(frames, res.slots, strict=True)):
+            if len(f) != s.entry.length:
+                raise RequestError(E.BAD_PAYLOAD, f"payload frame {i} (chunk {s.chunk}, group {s.group}) is "
+                                   f"{len(f)} B; the object is {s.entry.length} B")
+
+        def copy() -> None:
+            for f, s in zip(frames, res.slots, strict=True):
+                # numpy releases the GIL for the copy, so the loop keeps serving meanwhile
+                np.copyto(np.frombuffer(self.arena.view(s.entry.offset, s.entry.length), np.uint8),
+                          np.frombuffer(f.buffer, np.uint8))
+        return copy
+
+    def retrieve(self, eng: Engine, lease: Lease, msg: P.Retrieve) -> list[Any] | Job:
+        # zero-copy: frames point into the arena; the lease's pins keep the bytes still until release
+        return [self.arena.view(e.offset, e.length) for e in lease.entries]
+
+
+class LegacyFormat:
+    """The seed's formats (pickle, torch.save): a typed tensor per object, decoded and encoded here."""
+
+    def __init__(self, arena: Arena, fmt: WireFormat):
+        self.arena = arena
+        self.fmt = fmt
+
+    def commit(self, eng: Engine, res: Reservation, msg: P.CommitStore, frames: list[Any]) -> Job | None:
+        _frame_count(res, frames, self.fmt)
+
+        def copy() -> None:
+            for f, s in zip(frames, res.slots, strict=True):
+                copy_tensor_into(decode_tensor(self.fmt, f.buffer), self.arena.view(s.entry.offset, s.entry.length))
+        return copy
+
+    def retrieve(self, eng: Engine, lease: Lease, msg: P.Retrieve) -> list[Any] | Job:
+        dtypes = [eng.layout.groups[loc.group].dtype for loc in lease.locs]
+        views = [self.arena.view(e.offset, e.length) for e in lease.entries]
+        return lambda: [encode_tensor(self.fmt, bytes_to_tensor(v, dt)) for v, dt in zip(views, dtypes, strict=True)]
+
+
+class CudaIpcFormat:
+    """The CUDA-IPC baseline: the server maps the engine's GPU pages and copies them itself."""
+
+    def __init__(self, arena: Arena, enabled: bool):
+        self.arena = arena
+        self.enabled = enabled
+        self.mapped: dict[int, MappedEngine] = {}
+
+    def share(self, eng: Engine, msg: P.ShareCuda) -> int:
+        if not self.enabled:
+            raise RequestError(E.BAD_REQUEST, "this server is CPU-only and never maps GPU memory; start it with "
+                               "--cuda-ipc to measure the CUDA-IPC baseline")
+        layout = eng.layout
+        if [len(g) for g in msg.groups] != [g.num_layers for g in layout.groups]:
+            raise RequestError(E.LAYOUT, f"shared {[len(g) for g in msg.groups]} layers per group; the layout has "
+                               f"{[g.num_layers for g in layout.groups]}")
+        from hybridkv.baselines.cuda_ipc import MappedEngine  # imports torch and initialises CUDA: the baseline's cost
+
+        try:
+            self.mapped[eng.id] = MappedEngine(msg.groups, self.arena.buf, [g.page_bytes for g in layout.groups])
+        except (ValueError, RuntimeError) as e:
+            raise RequestError(E.BAD_REQUEST, f"cannot map the engine's CUDA pages: {e}") from None
+        return sum(len(g) for g in msg.groups)
+
+    def forget(self, eng: Engine) -> None:
+        self.mapped.pop(eng.id, None)
+
+    def _job(self, eng: Engine, direction: str, objects: list[tuple[int, int, int, int]],
+             blocks: list[list[int]]) -> Job:
+        """Validate a copy of (chunk, group, offset, length) objects from/to engine blocks."""
+        mapped = self.mapped.get(eng.id)
+        if mapped is None:
+            raise RequestError(E.BAD_REQUEST, f"engine {eng.id} shared no CUDA pages (send share_cuda first)")
+        if len(blocks) != len(objects):
+            raise RequestError(E.BAD_REQUEST, f"{len(blocks)} block lists for {len(objects)} objects")
+        plan = []
+        for i, ((c, g, off, length), ids) in enumerate(zip(objects, blocks, strict=True)):
+            grp = eng.layout.groups[g]
+            if len(ids) * grp.num_layers * grp.page_bytes != length:
+                raise RequestError(E.BAD_REQUEST, f"object {i} (chunk {c}, group {g}) is {length} B; "
+                                   f"{len(ids)} blocks of {grp.num_layers} layers do not fill it")
+            plan.append((g, ids, off, length))
+        return lambda: mapped.copy(direction, plan)
+
+    def commit(self, eng: Engine, res: Reservation, msg: P.CommitStore, frames: list[Any]) -> Job | None:
+        _no_payload(msg, frames)
+        return self._job(eng, "gather", [(s.chunk, s.group, s.entry.offset, s.entry.length) for s in res.slots],
+                         msg.blocks)
+
+    def retrieve(self, eng: Engine, lease: Lease, msg: P.Retrieve) -> list[Any] | Job:
+        job = self._job(eng, "scatter", [(loc.chunk, loc.group, e.offset, e.length)
+                                         for loc, e in zip(lease.locs, lease.entries, strict=True)], msg.blocks)
+
+        def run() -> list[Any]:
+            job()
+            return []
+        return run
+
+
+class Formats:
+    """The table: one strategy per wire format."""
+
+    def __init__(self, arena: Arena, cuda_ipc: bool):
+        self.cuda = CudaIpcFormat(arena, cuda_ipc)
+        self.table: dict[WireFormat, FormatStrategy] = {
+            WireFormat.SHM: ShmFormat(),
+            WireFormat.RAW: RawFormat(arena),
+            WireFormat.PICKLE: LegacyFormat(arena, WireFormat.PICKLE),
+            WireFormat.TORCH_SAVE: LegacyFormat(arena, WireFormat.TORCH_SAVE),
+            WireFormat.CUDA_IPC: self.cuda,
+        }
+
+    def __getitem__(self, fmt: str) -> FormatStrategy:
+        return self.table[WireFormat(fmt)]

@@ -1,0 +1,129 @@
+"""Lookup: the hit rule, pins for the hit's objects, and L2 -> L1 prefetch of those not in L1."""
+
+from __future__ import annotations
+
+from hybridkv import protocol as P
+from hybridkv.policy import resume_objects
+from hybridkv.server.context import Answer, Context, Frames, RequestError, check_keys, no_frames
+from hybridkv.server.l1 import Entry, NoSlot, ObjectKey, State
+from hybridkv.server.sessions import Engine
+
+E = P.ErrorCode
+
+
+def hit_length(ctx: Context, eng: Engine, keys: list[bytes], policy: str, missing: set[ObjectKey]) -> int:
+    """Longest n such that every needed object of chunks < n exists and every recurrent group
+    has its state at chunk n-1 (DESIGN.md: a prefix without its state is a miss at that length)."""
+    groups = eng.layout.attention_groups if policy == "boundary" else range(len(eng.layout.groups))
+
+    def ok(k: bytes, g: int) -> bool:
+        return (k, g) not in missing and ctx.objects.available((k, g), eng.object_bytes[g])
+
+    full = 0
+    for k in keys:
+        if not all(ok(k, g) for g in groups):
+            break
+        full += 1
+    for n in range(full, 0, -1):
+        if all(ok(keys[n - 1], g) for g in eng.layout.recurrent_groups):
+            return n
+    return 0
+
+
+def lookup(ctx: Context, ident: bytes, msg: P.Lookup, frames: Frames) -> Answer:
+    no_frames(msg, frames)
+    eng = ctx.sessions.engine(ident, msg.engine)
+    keys = check_keys(msg.keys, ctx.config.max_keys)
+    if msg.skip_chunks < 0:
+        raise RequestError(E.BAD_REQUEST, f"skip_chunks must be >= 0, got {msg.skip_chunks}")
+    ctx.counters.lookups += 1
+    ctx.counters.lookup_chunks += len(keys)
+    if not msg.pin:
+        n = hit_length(ctx, eng, keys, msg.policy, set())
+        ctx.counters.hit_chunks += n
+        return P.LookupResult(hit_chunks=n, lease=0, objects=[]), []
+    ctx.sessions.lease_room(eng)
+    op = LookupOp(ctx, ident, msg, eng, keys)
+    if not op.step():
+        ctx.park(op)
+    return None
+
+
+class LookupOp:
+    """A lookup that may wait for L2 prefetches; it pins what it needs as soon as it is in L1."""
+
+    def __init__(self, ctx: Context, ident: bytes, msg: P.Lookup, eng: Engine, keys: list[bytes]):
+        self.ctx, self.ident, self.req_id, self.msg, self.eng, self.keys = ctx, ident, msg.id, msg, eng, keys
+        self.pinned: dict[ObjectKey, Entry] = {}
+        self.missing: set[ObjectKey] = set()
+        self.loading: list[Entry] = []  # prefetches this op waits for
+
+    def _pin(self, e: Entry) -> None:
+        old = self.pinned.get(e.oid)
+        if old is e:
+            return
+        if old is not None:
+            self.ctx.objects.unpin(old)  # dropped when its prefetch failed; the object is back in another slot
+        self.ctx.objects.pin(e)
+        self.pinned[e.oid] = e
+
+    def step(self) -> bool:
+        ctx, eng, keys, msg = self.ctx, self.eng, self.keys, self.msg
+        if ctx.sessions.engines.get(eng.id) is not eng:
+            self._unpin(set())
+            ctx.fail(self.ident, self.req_id, E.UNKNOWN_ENGINE, f"engine {eng.id} was unregistered or reclaimed "
+                     "while this lookup waited")
+            return True
+        # Cheap while prefetches are still running: re-running the hit rule per completion would cost
+        # O(keys) for every finished read, O(keys^2) for a large lookup.
+        while self.loading and (self.loading[-1].state is not State.LOADING or self.loading[-1].gone):
+            self.loading.pop()
+        if self.loading:
+            return False
+        objects = ctx.objects
+        while True:
+            n = hit_length(ctx, eng, keys, msg.policy, self.missing)
+            needed = resume_objects(eng.layout, msg.policy, n, msg.skip_chunks)
+            restart = False
+            # Pin what is already in L1 before any prefetch allocates: a prefetch for this lookup must
+            # never evict an object this same lookup needs further down its list.
+            for c, g in needed:
+                e = objects.get((keys[c], g))
+                if e is not None and e.state is not State.RESERVED:
+                    self._pin(e)
+            for c, g in needed:
+                oid = (keys[c], g)
+                e = objects.get(oid)
+                if e is None:
+                    r = objects.prefetch(oid, eng.ns, eng.object_bytes[g])
+                    if isinstance(r, NoSlot):
+                        if r is NoSlot.FULL:  # no room to bring it in: treat as a miss at this length
+                            self.missing.add(oid)
+                            restart = True
+                            break
+                        continue  # spills will free room: this op is stepped again when they finish
+                    self._pin(r)
+                    self.loading.append(r)
+                    continue
+                if e.state is State.LOADING:
+                    self.loading.append(e)
+            if not restart:
+                break
+        if self.loading or any((keys[c], g) not in self.pinned for c, g in needed):
+            return False
+        wanted = {(keys[c], g) for c, g in needed}
+        self._unpin(wanted)
+        entries = [self.pinned[(keys[c], g)] for c, g in needed]
+        locs = [P.ObjectLoc(c, g, e.offset, e.length) for (c, g), e in zip(needed, entries, strict=True)]
+        for e in entries:
+            objects.touch(e)
+        lid = 0
+        if entries:
+            lid = ctx.sessions.add_lease(eng, msg.request, entries, locs).id
+        ctx.counters.hit_chunks += n
+        ctx.send(self.ident, self.req_id, P.LookupResult(hit_chunks=n, lease=lid, objects=locs), ())
+        return True
+
+    def _unpin(self, keep: set[ObjectKey]) -> None:
+        for oid in [o for o in self.pinned if o not in keep]:
+            self.ctx.objects.unpin(self.pinned.pop(oid))

@@ -1,0 +1,230 @@
+"""The object store: L1 and L2 state of every (chunk, group) object, and the only place it changes.
+
+It owns the L1 table (states, pins, LRU queues), the L2 adapter, the quarantine of reclaimed slots,
+spills (evicting and ahead of need, in batches) and prefetches from L2. Handlers ask it questions
+and give it orders; they never touch an Entry's fields themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterator
+
+from hybridkv.arena import Arena
+from hybridkv.server.config import ServerConfig
+from hybridkv.server.counters import Counters
+from hybridkv.server.l1 import Entry, L1Cache, NoSlot, ObjectKey, State
+from hybridkv.server.l2 import L2Adapter
+from hybridkv.server.workers import Workers
+
+log = logging.getLogger("hybridkv.server")
+
+SPILL_BATCH = 64          # objects per spill job: one hand-off to a worker, not one per tiny object
+SPILL_RETRY_S = 10.0      # an object whose L2 write failed is tried again after this long
+FAILURE_LOG_EVERY_S = 10.0
+
+
+class ObjectStore:
+    """L1 + L2 objects of every namespace."""
+
+    def __init__(self, config: ServerConfig, arena: Arena, l2: L2Adapter | None, workers: Workers,
+                 counters: Counters):
+        self.config = config
+        self.arena = arena
+        self.l2 = l2
+        self._workers = workers
+        self._counters = counters
+        has_l2 = (lambda e: l2.length(e.key, e.group) == e.length) if l2 is not None else None
+        self.l1 = L1Cache(arena, config.eviction, self._spill if l2 is not None else None, has_l2)
+        self._quarantine: deque[tuple[float, int, int]] = deque()  # (until, offset, length), in time order
+        self._spills_inflight = 0
+        self._last_failure_log = 0.0
+        self._failures_unlogged = 0
+        self._dropped_logged = 0
+        self.last_spill_error = ""
+
+    # ---- questions ---------------------------------------------------------------------------------
+
+    def get(self, oid: ObjectKey) -> Entry | None:
+        return self.l1.get(oid)
+
+    def available(self, oid: ObjectKey, length: int) -> bool:
+        """Whether a lookup may count this object as present (READY or LOADING in L1, or in L2)."""
+        e = self.l1.get(oid)
+        if e is not None:
+            return e.state is not State.RESERVED
+        return self.l2 is not None and self.l2.length(*oid) == length
+
+    def present(self, oid: ObjectKey, length: int) -> bool:
+        """Whether a store may skip this object (anywhere in L1, even being written, or in L2)."""
+        return self.l1.get(oid) is not None or (self.l2 is not None and self.l2.length(*oid) == length)
+
+    def full_reason(self) -> str:
+        a = self.l1.alloc
+        return (f"no space: L1 holds {a.size} B, {a.free_bytes} B free, the rest pinned, reserved or "
+                "being read from L2")
+
+    # ---- orders ------------------------------------------------------------------------------------
+
+    def reserve(self, oid: ObjectKey, ns: bytes, length: int) -> Entry | NoSlot:
+        return self.l1.reserve(oid[0], oid[1], ns, length)
+
+    def publish(self, entries: list[Entry]) -> None:
+        """Written entries become READY (visible to lookups)."""
+        for e in entries:
+            self.l1.make_ready(e)
+        self.spill_ahead()
+
+    def discard(self, entries: list[Entry], quarantine: bool) -> None:
+        """Drop unpublished entries; quarantined slots are reused only after the quarantine time."""
+        for e in entries:
+            if e.gone:
+                continue
+            if quarantine:
+                # A client we declared gone may still be DMA-ing into the slot: hide the entry now, reuse later.
+                self.l1.detach(e)
+                self._quarantine.append((time.monotonic() + self.config.quarantine_s, e.offset, e.length))
+            else:
+                self.l1.drop(e)
+
+    def pin(self, e: Entry) -> None:
+        self.l1.pin(e)
+
+    def unpin(self, e: Entry) -> None:
+        self.l1.unpin(e)
+
+    def touch(self, e: Entry) -> None:
+        self.l1.touch(e)
+
+    def clear(self, ns: bytes | None) -> int:
+        """Drop every evictable object of namespace `ns` (of every namespace when None) from L1 and L2."""
+        count = 0
+        for e in self.l1.entries():
+            if (ns is None or e.ns == ns) and e.evictable:
+                self.l1.drop(e)
+                count += 1
+        if self.l2 is not None:
+            count += self.l2.clear(ns)
+        return count
+
+    def tick(self, now: float) -> None:
+        """Free quarantined slots whose time is up; retry L2 writes that failed a while ago."""
+        while self._quarantine and self._quarantine[0][0] <= now:
+            _, offset, length = self._quarantine.popleft()
+            self.l1.alloc.free(offset, length)
+        if self.l1.retry_stuck(now - SPILL_RETRY_S):
+            self.spill_ahead()
+        self._log_failures(now, force=False)
+
+    def entries(self) -> Iterator[Entry]:
+        return self.l1.entries()
+
+    # ---- L2 prefetch -------------------------------------------------------------------------------
+
+    def prefetch(self, oid: ObjectKey, ns: bytes, length: int) -> Entry | NoSlot:
+        """Reserve a slot and read an L2 object into it; the entry is LOADING until the read ends."""
+        r = self.l1.reserve(oid[0], oid[1], ns, length, state=State.LOADING)
+        if isinstance(r, Entry):
+            l2 = self.l2
+            assert l2 is not None
+            e = r
+            if self._workers.submit(lambda: l2.get_into(e.key, e.group, self.arena.view(e.offset, e.length)),
+                                    lambda ok, exc: self._prefetch_done(e, ok, exc)):
+                self._counters.l2_prefetches += 1
+            else:
+                self.l1.drop(e)  # shutting down
+                return NoSlot.FULL
+        return r
+
+    def _prefetch_done(self, e: Entry, ok: bool | None, exc: BaseException | None) -> None:
+        if ok and exc is None:
+            self.l1.loaded(e)
+            self._counters.l2_prefetch_bytes += e.length
+        else:
+            # a bad or vanished L2 file is a miss: the lookup recomputes its hit without it
+            self._counters.l2_prefetch_failures += 1
+            if exc is not None:
+                log.warning("L2 read of an object failed: %s: %s", type(exc).__name__, exc)
+            self.l1.drop(e)
+
+    # ---- L2 spills ---------------------------------------------------------------------------------
+
+    def spill_ahead(self) -> None:
+        """Keep the spill watermark: copy the oldest dirty objects to L2, a batch per worker job."""
+        if self.l2 is None:
+            return
+        room = self.config.io_threads - self._spills_inflight
+        while room > 0:
+            batch = self.l1.spill_ahead(self.config.spill_watermark, SPILL_BATCH)
+            if not batch:
+                return
+            self._spill(batch)
+            room -= 1
+
+    def flush(self) -> None:
+        """Write every dirty object to L2 (shutdown with --flush-on-exit)."""
+        if self.l2 is None:
+            return
+        dirty = self.l1.take_unspilled()
+        for i in range(0, len(dirty), SPILL_BATCH):
+            self._spill(dirty[i:i + SPILL_BATCH])
+
+    def _spill(self, batch: list[Entry]) -> None:
+        l2 = self.l2
+        assert l2 is not None
+
+        def job() -> list[BaseException | None]:
+            out: list[BaseException | None] = []
+            for e in batch:
+                try:
+                    l2.put(e.key, e.group, e.ns, self.arena.view(e.offset, e.length))
+                    out.append(None)
+                except Exception as exc:  # noqa: BLE001 - each object's fate is reported on its own
+                    out.append(exc)
+            return out
+
+        self._spills_inflight += 1
+        if not self._workers.submit(job, lambda res, exc: self._spill_done(batch, res, exc)):
+            self._spill_done(batch, None, RuntimeError("server shutting down"))
+
+    def _spill_done(self, batch: list[Entry], results: list[BaseException | None] | None,
+                    exc: BaseException | None) -> None:
+        self._spills_inflight -= 1
+        for i, e in enumerate(batch):
+            err = exc if results is None else results[i]
+            if err is None:
+                self._counters.l2_spills += 1
+                self._counters.l2_spill_bytes += e.length
+            else:
+                self._counters.l2_spill_failures += 1
+                self._failures_unlogged += 1
+                self.last_spill_error = f"{type(err).__name__}: {err}"
+            self.l1.spill_finished(e, ok=err is None)
+        self._log_failures(time.monotonic(), force=False)
+        self.spill_ahead()
+
+    def _log_failures(self, now: float, force: bool) -> None:
+        """Rate-limited: one line per interval says how many writes failed and what became of the objects."""
+        dropped = self.l1.dropped_unspilled - self._dropped_logged
+        if (self._failures_unlogged or dropped) and (force or now - self._last_failure_log >= FAILURE_LOG_EVERY_S):
+            log.error("%d L2 writes failed (last: %s); %d objects stay in L1 and are retried every %gs; %d objects "
+                      "were dropped from L1 without an L2 copy to make room (%d since start)",
+                      self._failures_unlogged, self.last_spill_error, self.l1.stuck_objects, SPILL_RETRY_S,
+                      dropped, self.l1.dropped_unspilled)
+            self._failures_unlogged = 0
+            self._dropped_logged = self.l1.dropped_unspilled
+            self._last_failure_log = now
+
+    def close(self) -> None:
+        self._log_failures(time.monotonic(), force=True)
+        if self.l2 is not None:
+            self.l2.close()
+
+    def stats(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = dict(self.l1.usage())
+        out["l1_quarantined_slots"] = len(self._quarantine)
+        if self.l2 is not None:
+            out.update({f"l2_{k}": v for k, v in self.l2.stats().items()})
+        return out

@@ -1,0 +1,161 @@
+"""Sessions: registered engines, their store reservations and their read leases.
+
+Each belongs to the connection (ZMQ routing id) that made it: a request naming an engine registered by
+another connection is answered as if the engine did not exist. Ids are random 63-bit numbers, so one
+client cannot guess another's. This module keeps the books only; freeing slots and unpinning objects
+is the object store's job (see handlers in admin.py / retrieve.py / store.py).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from hybridkv import protocol as P
+from hybridkv.layout import ModelLayout
+from hybridkv.server.errors import RequestError
+from hybridkv.server.l1 import Entry
+
+E = P.ErrorCode
+
+
+@dataclass(slots=True, eq=False)
+class Slot:
+    chunk: int
+    group: int
+    entry: Entry
+
+
+@dataclass(slots=True, eq=False)
+class Reservation:
+    id: int
+    engine: Engine
+    request: str
+    slots: list[Slot]
+    committing: bool = False
+    dead: bool = False  # its engine was dropped while a commit copy was in flight
+
+
+@dataclass(slots=True, eq=False)
+class Lease:
+    id: int
+    engine: Engine
+    request: str
+    entries: list[Entry]
+    locs: list[P.ObjectLoc]
+
+
+@dataclass(slots=True, eq=False)
+class Engine:
+    id: int
+    ident: bytes  # the routing id of the connection that registered it
+    name: str
+    layout: ModelLayout
+    ns: bytes
+    chunk_tokens: int
+    object_bytes: list[int]
+    last_seen: float
+    reservations: dict[int, Reservation] = field(default_factory=dict)
+    leases: dict[int, Lease] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class SessionLimits:
+    max_engines: int
+    max_leases: int         # per engine
+    max_reservations: int   # per engine
+
+
+class Sessions:
+    """Every live engine, reservation and lease, indexed by id."""
+
+    def __init__(self, limits: SessionLimits, client_timeout_s: float):
+        self.limits = limits
+        self.client_timeout_s = client_timeout_s
+        self.engines: dict[int, Engine] = {}
+        self.reservations: dict[int, Reservation] = {}
+        self.leases: dict[int, Lease] = {}
+
+    def _new_id(self) -> int:
+        while True:
+            i = secrets.randbits(63)
+            if i and i not in self.engines and i not in self.reservations and i not in self.leases:
+                return i
+
+    def engine(self, ident: bytes, engine_id: int) -> Engine:
+        """The caller's engine `engine_id`, marked alive; UNKNOWN_ENGINE if absent or not the caller's."""
+        eng = self.engines.get(engine_id)
+        if eng is None or eng.ident != ident:
+            # Someone else's engine gets the same answer as none at all: ids reveal nothing.
+            raise RequestError(E.UNKNOWN_ENGINE, f"engine {engine_id} is not registered on this connection "
+                               f"(register first; engines silent for {self.client_timeout_s:g}s are reclaimed)")
+        eng.last_seen = time.monotonic()
+        return eng
+
+    def add_engine(self, ident: bytes, name: str, layout: ModelLayout, ns: bytes, chunk_tokens: int,
+                   object_bytes: list[int]) -> Engine:
+        if len(self.engines) >= self.limits.max_engines:
+            raise RequestError(E.LIMIT, f"{len(self.engines)} engines registered, the server's limit "
+                               f"(--max-engines {self.limits.max_engines})")
+        eid = self._new_id()
+        eng = Engine(eid, ident, name or f"engine-{eid:x}", layout, ns, chunk_tokens, object_bytes,
+                     time.monotonic())
+        self.engines[eid] = eng
+        return eng
+
+    def add_reservation(self, eng: Engine, request: str, slots: list[Slot]) -> Reservation:
+        if len(eng.reservations) >= self.limits.max_reservations:
+            raise RequestError(E.LIMIT, f"engine {eng.id} holds {len(eng.reservations)} open reservations, "
+                               f"the limit (--max-reservations {self.limits.max_reservations})")
+        res = Reservation(self._new_id(), eng, request, slots)
+        self.reservations[res.id] = eng.reservations[res.id] = res
+        return res
+
+    def add_lease(self, eng: Engine, request: str, entries: list[Entry], locs: list[P.ObjectLoc]) -> Lease:
+        """Record a lease; the caller checked `lease_room` before pinning."""
+        lease = Lease(self._new_id(), eng, request, entries, locs)
+        self.leases[lease.id] = eng.leases[lease.id] = lease
+        return lease
+
+    def lease_room(self, eng: Engine) -> None:
+        if len(eng.leases) >= self.limits.max_leases:
+            raise RequestError(E.LIMIT, f"engine {eng.id} holds {len(eng.leases)} leases, the limit "
+                               f"(--max-leases {self.limits.max_leases}); release or end sessions first")
+
+    def reservation(self, eng: Engine, rid: int) -> Reservation:
+        res = eng.reservations.get(rid)
+        if res is None:
+            raise RequestError(E.UNKNOWN_RESERVATION, f"reservation {rid} is not open for engine {eng.id} "
+                               "(never made, already committed or aborted, or reclaimed)")
+        if res.committing:
+            raise RequestError(E.UNKNOWN_RESERVATION, f"reservation {rid} is already being committed")
+        return res
+
+    def lease(self, eng: Engine, lid: int) -> Lease:
+        lease = eng.leases.get(lid)
+        if lease is None:
+            raise RequestError(E.UNKNOWN_LEASE, f"lease {lid} is not held by engine {eng.id} "
+                               "(never made, already released, or reclaimed)")
+        return lease
+
+    def close_reservation(self, res: Reservation) -> None:
+        self.reservations.pop(res.id, None)
+        res.engine.reservations.pop(res.id, None)
+
+    def close_lease(self, lease: Lease) -> None:
+        self.leases.pop(lease.id, None)
+        lease.engine.leases.pop(lease.id, None)
+
+    def remove_engine(self, eng: Engine) -> tuple[list[Lease], list[Reservation]]:
+        """Forget an engine; returns its leases and reservations for the caller to release."""
+        leases, reservations = list(eng.leases.values()), list(eng.reservations.values())
+        for lease in leases:
+            self.close_lease(lease)
+        for res in reservations:
+            self.close_reservation(res)
+        self.engines.pop(eng.id, None)
+        return leases, reservations
+
+    def silent(self, now: float) -> list[Engine]:
+        return [e for e in self.engines.values() if now - e.last_seen > self.client_timeout_s]

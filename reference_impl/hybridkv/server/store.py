@@ -1,0 +1,127 @@
+"""Store: prepare (reserve slots for what the server lacks), commit (make them visible), abort."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybridkv import protocol as P
+from hybridkv.server.context import Answer, Context, Frames, RequestError, check_keys, no_frames
+from hybridkv.server.l1 import NoSlot
+from hybridkv.server.sessions import Engine, Reservation, Slot
+
+E = P.ErrorCode
+
+
+def prepare(ctx: Context, ident: bytes, msg: P.PrepareStore, frames: Frames) -> Answer:
+    no_frames(msg, frames)
+    eng = ctx.sessions.engine(ident, msg.engine)
+    keys = check_keys(msg.keys, ctx.config.max_keys)
+    if len(msg.objects) > ctx.config.max_keys * len(eng.layout.groups):
+        raise RequestError(E.LIMIT, f"{len(msg.objects)} objects in one prepare; the limit is "
+                           f"{ctx.config.max_keys} keys x {len(eng.layout.groups)} groups")
+    seen: set[tuple[int, int]] = set()
+    for c, g in msg.objects:
+        if not 0 <= c < len(keys) or not 0 <= g < len(eng.layout.groups):
+            raise RequestError(E.BAD_REQUEST, f"object (chunk {c}, group {g}) outside {len(keys)} keys "
+                               f"x {len(eng.layout.groups)} groups")
+        if (c, g) in seen:
+            raise RequestError(E.BAD_REQUEST, f"object (chunk {c}, group {g}) listed twice")
+        seen.add((c, g))
+    if len(eng.reservations) >= ctx.sessions.limits.max_reservations:
+        raise RequestError(E.LIMIT, f"engine {eng.id} holds {len(eng.reservations)} open reservations, the "
+                           f"limit (--max-reservations {ctx.sessions.limits.max_reservations})")
+    op = PrepareOp(ctx, ident, msg, eng, keys)
+    if not op.step():
+        ctx.park(op)
+    return None
+
+
+class PrepareOp:
+    """A store reservation that may wait for spills to free L1 space."""
+
+    def __init__(self, ctx: Context, ident: bytes, msg: P.PrepareStore, eng: Engine, keys: list[bytes]):
+        self.ctx, self.ident, self.req_id, self.msg, self.eng, self.keys = ctx, ident, msg.id, msg, eng, keys
+        self.next = 0  # index into msg.objects: each object is looked at once
+        self.slots: list[Slot] = []
+        self.present: list[tuple[int, int]] = []
+        self.refused: list[P.Refusal] = []
+
+    def step(self) -> bool:
+        ctx, eng, objects = self.ctx, self.eng, self.ctx.objects
+        if ctx.sessions.engines.get(eng.id) is not eng:
+            objects.discard([s.entry for s in self.slots], quarantine=False)
+            ctx.fail(self.ident, self.req_id, E.UNKNOWN_ENGINE, f"engine {eng.id} was unregistered or reclaimed "
+                     "while this prepare waited")
+            return True
+        todo = self.msg.objects
+        while self.next < len(todo):
+            c, g = todo[self.next]
+            oid, length = (self.keys[c], g), eng.object_bytes[g]
+            if objects.present(oid, length):
+                self.present.append((c, g))  # delta-aware: no bytes move for what the server holds
+            else:
+                r = objects.reserve(oid, eng.ns, length)
+                if r is NoSlot.WAIT:
+                    return False
+                if r is NoSlot.FULL:
+                    self.refused.append(P.Refusal(c, g, objects.full_reason()))
+                elif not isinstance(r, NoSlot):
+                    self.slots.append(Slot(c, g, r))
+            self.next += 1
+        rid = 0
+        if self.slots:
+            rid = ctx.sessions.add_reservation(eng, self.msg.request, self.slots).id
+        ctx.counters.objects_skipped_present += len(self.present)
+        ctx.counters.objects_refused += len(self.refused)
+        locs = [P.ObjectLoc(s.chunk, s.group, s.entry.offset, s.entry.length) for s in self.slots]
+        ctx.send(self.ident, self.req_id, P.Prepared(reservation=rid, slots=locs, present=self.present,
+                                                     refused=self.refused), ())
+        return True
+
+
+def commit(ctx: Context, ident: bytes, msg: P.CommitStore, frames: Frames) -> Answer:
+    eng = ctx.sessions.engine(ident, msg.engine)
+    res = ctx.sessions.reservation(eng, msg.reservation)
+    job = ctx.formats[msg.format].commit(eng, res, msg, list(frames))
+    if job is None:
+        return finish_commit(ctx, res), []
+    res.committing = True
+    req_id = msg.id
+
+    def done(_: Any, exc: BaseException | None) -> None:
+        if res.dead:
+            ctx.objects.discard([s.entry for s in res.slots], quarantine=False)
+            ctx.fail(ident, req_id, E.UNKNOWN_ENGINE, f"engine {eng.id} was unregistered or reclaimed during "
+                     f"the commit of reservation {res.id}: nothing of it became visible")
+            return
+        if exc is not None:
+            ctx.sessions.close_reservation(res)
+            ctx.objects.discard([s.entry for s in res.slots], quarantine=False)
+            ctx.fail(ident, req_id, E.BAD_PAYLOAD, f"reservation {res.id} aborted: {exc}")
+            return
+        ctx.send(ident, req_id, finish_commit(ctx, res), ())
+
+    if not ctx.workers.submit(job, done):
+        res.committing = False
+        raise RequestError(E.INTERNAL, "the server is shutting down")
+    return None
+
+
+def finish_commit(ctx: Context, res: Reservation) -> P.Committed:
+    entries = [s.entry for s in res.slots]
+    ctx.objects.publish(entries)
+    ctx.sessions.close_reservation(res)
+    nbytes = sum(e.length for e in entries)
+    ctx.counters.objects_committed += len(entries)
+    ctx.counters.bytes_committed += nbytes
+    return P.Committed(objects=len(entries), bytes=nbytes)
+
+
+def abort(ctx: Context, ident: bytes, msg: P.AbortStore, frames: Frames) -> Answer:
+    no_frames(msg, frames)
+    eng = ctx.sessions.engine(ident, msg.engine)
+    res = ctx.sessions.reservation(eng, msg.reservation)
+    ctx.sessions.close_reservation(res)
+    ctx.objects.discard([s.entry for s in res.slots], quarantine=False)
+    ctx.counters.objects_aborted += len(res.slots)
+    return P.Done(count=len(res.slots)), []
