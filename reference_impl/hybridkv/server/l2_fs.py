@@ -20,7 +20,6 @@ import logging
 import os
 import re
 import secrets
-import struct
 import threading
 import time
 import zlib
@@ -28,17 +27,20 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridkv.server.l2 import L2Adapter, L2Error, byte_view, check_key, check_ns
+from hybridkv.server.l2 import (
+    HEADER_BYTES,
+    MAGIC,  # noqa: F401  (re-exported: tests and tools read it from here)
+    BadObject,
+    L2Adapter,
+    L2Error,
+    ObjectHeader,
+    byte_view,
+    check_key,
+    check_ns,
+)
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"HKVL2OBJ"
-FORMAT_VERSION = 1
-# magic, version, header length, group, namespace, key, payload length, payload crc32; then the
-# crc32 of those 60 bytes, so a torn or scribbled header is caught before its fields are trusted.
-_FIELDS = struct.Struct("<8sHHI16s16sQI")
-_HEADER_CRC = struct.Struct("<I")
-HEADER_BYTES = _FIELDS.size + _HEADER_CRC.size  # 64
 TMP_PREFIX = ".tmp-"
 LOCK_NAME = ".lock"
 _OBJ_NAME = re.compile(r"([0-9a-f]{32})-([0-9]+)\.obj")
@@ -53,43 +55,6 @@ _COUNTERS = ("puts", "gets", "hits", "misses", "corrupt_removed", "evictions", "
 _BAD_FILE_ERRNOS = frozenset({errno.EIO, errno.ENODATA, errno.EUCLEAN, errno.EBADMSG})
 
 ObjectKey = tuple[bytes, int]
-
-
-class _BadObject(Exception):
-    """A file that must not be served: the message says what is wrong with it."""
-
-
-@dataclass(slots=True, frozen=True)
-class ObjectHeader:
-    """The fixed 64-byte header in front of every object's payload."""
-
-    ns: bytes
-    key: bytes
-    group: int
-    payload_len: int
-    payload_crc: int
-
-    def pack(self) -> bytes:
-        fields = _FIELDS.pack(MAGIC, FORMAT_VERSION, HEADER_BYTES, self.group, self.ns, self.key,
-                              self.payload_len, self.payload_crc)
-        return fields + _HEADER_CRC.pack(zlib.crc32(fields))
-
-    @classmethod
-    def unpack(cls, raw: bytes) -> ObjectHeader:
-        """Parse and check a header; raises _BadObject naming the first thing wrong with it."""
-        if len(raw) < HEADER_BYTES:
-            raise _BadObject(f"header truncated: {len(raw)} of {HEADER_BYTES} bytes")
-        fields = raw[:_FIELDS.size]
-        magic, version, header_len, group, ns, key, payload_len, payload_crc = _FIELDS.unpack(fields)
-        if magic != MAGIC:
-            raise _BadObject(f"bad magic {magic!r}")
-        (header_crc,) = _HEADER_CRC.unpack_from(raw, _FIELDS.size)
-        if zlib.crc32(fields) != header_crc:
-            raise _BadObject("header checksum mismatch")
-        if version != FORMAT_VERSION or header_len != HEADER_BYTES:
-            raise _BadObject(f"format version {version} / header length {header_len}, "
-                             f"this reader knows {FORMAT_VERSION} / {HEADER_BYTES}")
-        return cls(ns, key, group, payload_len, payload_crc)
 
 
 @dataclass(slots=True)
@@ -259,7 +224,7 @@ class FilesystemL2(L2Adapter):
                     self._counters["misses"] += 1
                 return False
             reason = str(e)
-        except _BadObject as e:
+        except BadObject as e:
             reason = str(e)
         else:
             with self._lock:
@@ -394,7 +359,7 @@ class FilesystemL2(L2Adapter):
                     key, group = bytes.fromhex(m[1]), int(m[2])
                     try:
                         hdr, mtime = self._check_file(de.path, sub, key, group)
-                    except (_BadObject, OSError) as e:
+                    except (BadObject, OSError) as e:
                         log.warning("L2: removing bad object file %s: %s", de.path, e)
                         _unlink_quietly(de.path)
                         self._counters["corrupt_removed"] += 1
@@ -417,15 +382,15 @@ class FilesystemL2(L2Adapter):
         """Check that a file's name, header and size agree; returns its header and mtime (ns)."""
         name = os.path.basename(path)
         if name != _object_name(key, group) or os.path.basename(sub) != key.hex()[:2]:
-            raise _BadObject(f"name is not canonical for its key/group or subdirectory {sub}")
+            raise BadObject(f"name is not canonical for its key/group or subdirectory {sub}")
         with open(path, "rb", buffering=0) as f:
             hdr = ObjectHeader.unpack(f.read(HEADER_BYTES))
             st = os.fstat(f.fileno())
         if hdr.key != key or hdr.group != group:
-            raise _BadObject(f"named for {key.hex()}-{group} but its header is for "
+            raise BadObject(f"named for {key.hex()}-{group} but its header is for "
                              f"{hdr.key.hex()}-{hdr.group}")
         if st.st_size != HEADER_BYTES + hdr.payload_len:
-            raise _BadObject(f"file is {st.st_size} bytes, header says {HEADER_BYTES} + {hdr.payload_len}")
+            raise BadObject(f"file is {st.st_size} bytes, header says {HEADER_BYTES} + {hdr.payload_len}")
         return hdr, st.st_mtime_ns
 
     # ---- internals ----
@@ -503,24 +468,24 @@ class FilesystemL2(L2Adapter):
         return tmp
 
     def _read_verified(self, path: str, key: bytes, group: int, out: memoryview, stamp: int) -> None:
-        """Fill `out` with the object's payload; raises _BadObject or OSError when it cannot be trusted."""
+        """Fill `out` with the object's payload; raises BadObject or OSError when it cannot be trusted."""
         with open(path, "rb", buffering=0) as f:
             hdr = ObjectHeader.unpack(f.read(HEADER_BYTES))
             if hdr.key != key or hdr.group != group:
-                raise _BadObject(f"header is for {hdr.key.hex()}-{hdr.group}")
+                raise BadObject(f"header is for {hdr.key.hex()}-{hdr.group}")
             if hdr.payload_len != out.nbytes:
-                raise _BadObject(f"header says {hdr.payload_len} payload bytes, index says {out.nbytes}")
+                raise BadObject(f"header says {hdr.payload_len} payload bytes, index says {out.nbytes}")
             size = os.fstat(f.fileno()).st_size
             if size != HEADER_BYTES + hdr.payload_len:
-                raise _BadObject(f"file is {size} bytes, header says {HEADER_BYTES} + {hdr.payload_len}")
+                raise BadObject(f"file is {size} bytes, header says {HEADER_BYTES} + {hdr.payload_len}")
             pos = 0
             while pos < out.nbytes:
                 n = f.readinto(out[pos:])
                 if not n:
-                    raise _BadObject(f"file ends at {HEADER_BYTES + pos} of {size} bytes")
+                    raise BadObject(f"file ends at {HEADER_BYTES + pos} of {size} bytes")
                 pos += n
             if zlib.crc32(out) != hdr.payload_crc:
-                raise _BadObject("payload checksum mismatch")
+                raise BadObject("payload checksum mismatch")
             try:
                 os.utime(f.fileno(), ns=(stamp, stamp))  # the LRU position, for the next restart
             except OSError as e:
