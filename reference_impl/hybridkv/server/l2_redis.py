@@ -24,6 +24,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -69,8 +70,8 @@ class _Known:
 class _Health:
     """Whether the store is believed reachable; failures open a doubling back-off and log rate-limited."""
 
-    def __init__(self, url: str, retry_after_s: float) -> None:
-        self.url, self.retry_after_s = url, retry_after_s
+    def __init__(self, url: str, retry_after_s: float, on_down: Callable[[], None]) -> None:
+        self.url, self.retry_after_s, self.on_down = url, retry_after_s, on_down
         self._lock = threading.Lock()
         self.down_until = 0.0
         self.backoff = 0.0
@@ -83,6 +84,7 @@ class _Health:
 
     def failed(self, what: str, exc: BaseException) -> None:
         """Record a connection failure: everything is a miss until the back-off ends."""
+        self.on_down()
         now = time.monotonic()
         with self._lock:
             self.errors += 1
@@ -122,9 +124,10 @@ class RedisL2(L2Adapter):
         self.capacity_bytes = 0  # the store's maxmemory bounds it, not us
         self._data = _client(spec.url, spec.timeout_s, spec.connect_timeout_s, spec.max_connections)
         self._meta = _client(spec.url, spec.meta_timeout_s, min(spec.connect_timeout_s, spec.meta_timeout_s), 4)
-        self._health = _Health(spec.url, spec.retry_after_s)
         self._lock = threading.Lock()
         self._known: OrderedDict[ObjectKey, _Known] = OrderedDict()
+        # A store that went away may come back empty (a restart): nothing known before it still holds.
+        self._health = _Health(spec.url, spec.retry_after_s, self._forget_all)
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._closed = False
         self._ex = spec.ttl_s or None
@@ -442,6 +445,10 @@ class RedisL2(L2Adapter):
             self._known.move_to_end(okey)
             while len(self._known) > _MAX_INDEX:
                 self._known.popitem(last=False)
+
+    def _forget_all(self) -> None:
+        with self._lock:
+            self._known.clear()
 
     def _forget(self, okey: ObjectKey) -> None:
         with self._lock:
