@@ -52,14 +52,15 @@ class ObjectHeader:
     payload_len: int
     payload_crc: int
 
-    def pack(self) -> bytes:
-        fields = _FIELDS.pack(MAGIC, FORMAT_VERSION, HEADER_BYTES, self.group, self.ns, self.key,
+    def pack(self, data_offset: int = HEADER_BYTES) -> bytes:
+        """The 64 header bytes; `data_offset` (where the payload starts) is recorded in them."""
+        fields = _FIELDS.pack(MAGIC, FORMAT_VERSION, data_offset, self.group, self.ns, self.key,
                               self.payload_len, self.payload_crc)
         return fields + _HEADER_CRC.pack(zlib.crc32(fields))
 
     @classmethod
-    def unpack(cls, raw: bytes | memoryview) -> ObjectHeader:
-        """Parse and check a header; raises BadObject naming the first thing wrong with it."""
+    def unpack(cls, raw: bytes | memoryview, data_offset: int = HEADER_BYTES) -> ObjectHeader:
+        """Parse and check a header written with `data_offset`; raises BadObject naming what is wrong."""
         if len(raw) < HEADER_BYTES:
             raise BadObject(f"header truncated: {len(raw)} of {HEADER_BYTES} bytes")
         fields = bytes(raw[:_FIELDS.size])
@@ -69,9 +70,9 @@ class ObjectHeader:
         (header_crc,) = _HEADER_CRC.unpack_from(raw, _FIELDS.size)
         if zlib.crc32(fields) != header_crc:
             raise BadObject("header checksum mismatch")
-        if version != FORMAT_VERSION or header_len != HEADER_BYTES:
-            raise BadObject(f"format version {version} / header length {header_len}, "
-                            f"this reader knows {FORMAT_VERSION} / {HEADER_BYTES}")
+        if version != FORMAT_VERSION or header_len != data_offset:
+            raise BadObject(f"format version {version} / data offset {header_len}, "
+                            f"this reader knows {FORMAT_VERSION} / {data_offset}")
         return cls(ns, key, group, payload_len, payload_crc)
 
     def check_for(self, key: bytes, group: int, length: int) -> None:
