@@ -280,7 +280,7 @@ class FilesystemL2(L2Adapter):
         """A snapshot of the gauges and counters (also after close)."""
         with self._lock:
             return {"objects": len(self._index), "bytes": self._bytes, "disk_bytes": self._disk,
-                    "capacity_bytes": self.capacity_bytes, **self._counters}
+                    "capacity_bytes": self.capacity_bytes, "syncfs_calls": self._dir.sync_calls, **self._counters}
 
     def close(self) -> None:
         """Release the directory lock; the files stay for the next FilesystemL2 to index."""

@@ -272,6 +272,10 @@ class ObjectDir:
         """Make every write and rename done before this call durable; concurrent callers share one syncfs."""
         self._sync.sync()
 
+    @property
+    def sync_calls(self) -> int:
+        return self._sync.calls
+
     def free_bytes(self) -> int:
         st = os.fstatvfs(self.base_fd)
         return st.f_bavail * st.f_frsize
@@ -286,6 +290,7 @@ class _GroupSync:
         self._asked = 0    # tickets handed out
         self._synced = 0   # every ticket <= this is durable
         self._running = False
+        self.calls = 0     # syncfs calls made: fewer than callers when puts overlap
 
     def sync(self) -> None:
         with self._cv:
@@ -296,6 +301,7 @@ class _GroupSync:
                     self._cv.wait()
                     continue
                 self._running = True
+                self.calls += 1
                 covers = self._asked  # every write of these tickets finished before they asked
                 self._cv.release()
                 try:
