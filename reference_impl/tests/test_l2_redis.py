@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
@@ -281,3 +282,28 @@ def test_l2_adapter_json_specs():
     spec = parse_l2_adapter('{"type":"valkey","url":"redis://10.0.0.1:6379/2","prefix":"t1:","chunk_mb":4,'
                             '"max_capacity_gb":100}')
     assert spec == RedisL2Spec(url="redis://10.0.0.1:6379/2", prefix="t1:", chunk_bytes=4 << 20)
+
+
+def test_stalled_store_costs_a_short_timeout_not_a_stall(store):
+    """A store that stops answering (SIGSTOP): the loop's index query gives up after meta_timeout_s,
+    then everything is a miss at once until the back-off ends; after SIGCONT it serves again."""
+    import signal
+
+    data = payload(11, 300_000)
+    with make(store, timeout_s=0.5, meta_timeout_s=0.05, retry_after_s=0.3) as l2:
+        l2.put(key_of(11), 0, NS_A, data)
+        os.kill(store.proc.pid, signal.SIGSTOP)
+        try:
+            t = time.perf_counter()
+            assert l2.length(key_of(12), 0) is None  # unknown: one query, timed out
+            first = time.perf_counter() - t
+            t = time.perf_counter()
+            for i in range(100):
+                assert l2.length(key_of(13 + i), 0) is None
+            rest = time.perf_counter() - t
+            assert not l2.get_into(key_of(11), 0, memoryview(bytearray(300_000)))
+        finally:
+            os.kill(store.proc.pid, signal.SIGCONT)
+        assert first < 0.5 and rest < 0.2, (first, rest)
+        time.sleep(0.7)  # past the back-off
+        assert read_back(l2, key_of(11), 0) == data
