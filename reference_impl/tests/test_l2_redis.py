@@ -307,3 +307,18 @@ def test_stalled_store_costs_a_short_timeout_not_a_stall(store):
         assert first < 0.5 and rest < 0.2, (first, rest)
         time.sleep(0.7)  # past the back-off
         assert read_back(l2, key_of(11), 0) == data
+
+
+def test_length_of_a_chunk_asks_the_store_once_for_all_its_groups(store):
+    """The server asks length() group by group: after the first group the others come from the index."""
+    with make(store) as a, make(store) as b:
+        for g in range(4):
+            a.put(key_of(20), g, NS_A, payload(g, 1000))
+        b.length(key_of(99), 3)  # learns that chunks have 4 groups
+        probes = b.stats()["probes"]
+        assert [b.length(key_of(20), g) for g in range(4)] == [1000] * 4
+        assert b.stats()["probes"] == probes + 1
+        b.probe([(key_of(21), g) for g in range(4)] + [(key_of(20), 0)])
+        assert b.stats()["probes"] == probes + 2
+        assert [b.length(key_of(21), g) for g in range(4)] == [None] * 4  # known misses: no query
+        assert b.stats()["probes"] == probes + 2

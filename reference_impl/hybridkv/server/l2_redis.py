@@ -50,6 +50,7 @@ _CHUNK = struct.Struct("<I")
 META_BYTES = HEADER_BYTES + _CHUNK.size
 _MAX_INDEX = 1 << 20          # known lengths kept; the oldest are forgotten (and asked again)
 _PROBE_BATCH = 1024           # meta keys per pipeline
+_MAX_GROUP_SPAN = 16          # groups of one chunk probed together by length()
 _MAX_BACKOFF_S = 8.0
 _LOG_EVERY_S = 10.0
 # Connection-level failures: the store is down or unreachable, not the object damaged.
@@ -130,6 +131,7 @@ class RedisL2(L2Adapter):
         self._health = _Health(spec.url, spec.retry_after_s, self._forget_all)
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._closed = False
+        self._group_span = 1  # groups per chunk seen so far (length() probes them together)
         self._ex = spec.ttl_s or None
         try:
             self._data.ping()
@@ -229,7 +231,9 @@ class RedisL2(L2Adapter):
             k = self._known.get(okey)
             if k is not None and time.monotonic() < k.until:
                 return k.length
-        self.probe([okey])
+        # The loop asks for every group of a chunk in turn: one round trip answers them all.
+        self._group_span = min(max(self._group_span, group + 1), _MAX_GROUP_SPAN)
+        self.probe([okey, *((key, g) for g in range(self._group_span) if g != group)])
         with self._lock:
             k = self._known.get(okey)
             return None if k is None else k.length
