@@ -164,6 +164,42 @@ def _redis_counter(url: str, prefix: str) -> Callable[[], int]:
     return lambda: sum(1 for _ in r.scan_iter(match=f"{prefix}m:*", count=10_000))
 
 
+def adapter_rates(adapter, object_bytes: int, count: int, threads: int) -> dict:
+    """put and get_into GB/s of the adapter alone, in this process, from page-aligned memory on
+    `threads` threads: the L2 path without the server around it, to tell its cost from the server's."""
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    slot = -(-object_bytes // 4096) * 4096
+    mem = mmap.mmap(-1, slot * threads)
+    view = memoryview(mem)
+    view[:] = os.urandom(MIB) * (len(mem) // MIB) + os.urandom(len(mem) % MIB)
+    keys = [os.urandom(16) for _ in range(count)]
+    ns = b"l2bench-adapter!"
+
+    def region(i: int) -> memoryview:
+        t = i % threads
+        return view[t * slot:t * slot + object_bytes]
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(lambda i: adapter.put(keys[i], 0, ns, region(i)), range(count)))
+    put_s = time.perf_counter() - t0
+    dropped = drop_page_cache()
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as ex:
+        ok = list(ex.map(lambda i: adapter.get_into(keys[i], 0, region(i)), range(count)))
+    get_s = time.perf_counter() - t0
+    for k in keys:
+        adapter.remove(k, 0)
+    view.release()
+    mem.close()
+    if not all(ok):
+        raise L2BenchError(f"the adapter lost {ok.count(False)} of {count} objects it had just stored")
+    return {"adapter_put_gbps": count * object_bytes / put_s / 1e9,
+            "adapter_get_gbps": count * object_bytes / get_s / 1e9, "adapter_page_cache_dropped": dropped}
+
+
 def run_l2_bench(b: L2Bench, out: Path) -> dict:
     """Run the workload into `out` (l2.json, server logs); returns the result, ceilings included."""
     import numpy as np
@@ -184,7 +220,10 @@ def run_l2_bench(b: L2Bench, out: Path) -> dict:
     redis_srv: _RedisServer | None = None
     shm_dirs: list[Path] = []
     result: dict = {"name": b.name, "l2": b.l2, "preset": b.preset, "docs": b.docs, "chunks": b.chunks,
-                    "stored_bytes": total, "device": device, "io_threads": b.io_threads}
+                    "stored_bytes": total, "device": device, "io_threads": b.io_threads,
+                    "cpus": os.cpu_count(), "load_avg_1m_at_start": os.getloadavg()[0]}
+    object_bytes = layout.chunk_bytes(ct) // len(layout.groups)
+    adapter_count = max(4, min(b.docs * b.chunks * len(layout.groups), (b.probe_mib * MIB) // object_bytes))
     try:
         if b.l2 == "fs":
             base = Path(b.l2_dir) if b.l2_dir else work
@@ -196,6 +235,10 @@ def run_l2_bench(b: L2Bench, out: Path) -> dict:
             result.update(disk_ceiling(l2_dir, b.probe_mib * MIB).as_dict())
             flags = ["--l2-dir", str(l2_dir), "--l2-gib", f"{2 * total / GIB + 0.01:.4f}"]
             flags += ["--l2-fsync"] if b.fsync else []
+            from hybridkv.server.l2_fs import FilesystemL2
+
+            with FilesystemL2(work / "adapter", 4 * adapter_count * object_bytes + GIB, fsync=b.fsync) as fs:
+                result.update(adapter_rates(fs, object_bytes, adapter_count, b.io_threads))
         else:
             url = b.redis_url
             if not url:
@@ -208,6 +251,13 @@ def run_l2_bench(b: L2Bench, out: Path) -> dict:
             spec = {"type": "redis", "url": url, "prefix": prefix, "chunk_mb": b.redis_chunk_mib,
                     "timeout_s": 60.0, "meta_timeout_s": 1.0}
             flags = ["--l2-adapter", json.dumps(spec)]
+            from hybridkv.server.l2 import RedisL2Spec, parse_l2_adapter
+            from hybridkv.server.l2_redis import RedisL2
+
+            rspec = parse_l2_adapter(json.dumps({**spec, "prefix": prefix + "adapter:"}))
+            assert isinstance(rspec, RedisL2Spec)
+            with RedisL2(rspec) as rl2:
+                result.update(adapter_rates(rl2, object_bytes, adapter_count, b.io_threads))
         # Each run's arenas in a private folder of /dev/shm: nothing else sweeping /dev/shm touches them.
         shm = Path(tempfile.mkdtemp(prefix="hkv-l2w-", dir="/dev/shm"))
         shm_dirs.append(shm)
@@ -275,6 +325,7 @@ def run_l2_bench(b: L2Bench, out: Path) -> dict:
         finally:
             bsrv.stop()
             bsrv.close()
+        result["load_avg_1m_at_end"] = os.getloadavg()[0]
         result.update(reload_bytes=reloaded, reload_s=lookup_s,
                       l2_reload_gbps=reloaded / lookup_s / 1e9 if lookup_s else 0.0,
                       hit_chunks=hit_chunks, expected_hit_chunks=b.docs * b.chunks, corrupt_pages=bad)
@@ -306,6 +357,8 @@ def summary(r: dict) -> str:
             f"({r['l2_spill_with_exit_gbps']:.2f} GB/s counting the server's exit)\n"
             f"  L2 reload {r['l2_reload_gbps']:.2f} GB/s = {r['reload_ceiling_ratio']:.2f} of the read ceiling "
             f"(page cache dropped: {r['page_cache_dropped']})\n"
+            f"  the adapter alone (in process, {r['io_threads']} threads): put {r['adapter_put_gbps']:.2f} GB/s, "
+            f"get {r['adapter_get_gbps']:.2f} GB/s; load average {r['load_avg_1m_at_start']:.1f} on {r['cpus']} CPUs\n"
             f"  hit {r['hit_chunks']} of {r['expected_hit_chunks']} chunks"
             f"{' through a second server (cross-host)' if r['l2'] == 'redis' else ' after a restart'}; "
             f"corrupt pages {r['corrupt_pages']}")

@@ -40,6 +40,7 @@ def test_disk_workload_reloads_every_byte_beside_the_disk_ceiling(tmp_path):
     assert r["hit_chunks"] == r["expected_hit_chunks"] == 6 and r["corrupt_pages"] == 0
     assert r["disk_write_gbps"] > 0 and r["disk_read_gbps"] > 0 and r["l2_spill_gbps"] > 0
     assert r["reload_bytes"] == r["spill_bytes"] == r["stored_bytes"]
+    assert r["adapter_put_gbps"] > 0 and r["adapter_get_gbps"] > 0
     assert (tmp_path / "run" / "l2.json").exists() and "of the write ceiling" in summary(r)
 
 
