@@ -322,3 +322,26 @@ def test_length_of_a_chunk_asks_the_store_once_for_all_its_groups(store):
         assert b.stats()["probes"] == probes + 2
         assert [b.length(key_of(21), g) for g in range(4)] == [None] * 4  # known misses: no query
         assert b.stats()["probes"] == probes + 2
+
+
+def test_foreign_value_at_our_key_is_a_miss_and_removed(store):
+    """Someone else's hash at one of our data keys (WRONGTYPE on GET): a miss, the object's keys deleted."""
+    r = store.client()
+    with make(store) as l2:
+        l2.put(key_of(30), 0, NS_A, payload(30, 600_000))
+        dkey = f"hybridkv:d:{key_of(30).hex()}-0:1"
+        r.delete(dkey)
+        r.hset(dkey, "x", "y")
+        assert not l2.get_into(key_of(30), 0, memoryview(bytearray(600_000)))
+        assert r.exists(f"hybridkv:m:{key_of(30).hex()}-0") == 0
+        assert l2.stats()["store_up"] == 1  # one bad key does not take the store down
+
+
+def test_store_refusing_our_credentials_is_down_not_a_crash(store):
+    """A store that requires a password we do not have: misses and failed puts, never an exception out."""
+    store.client().config_set("requirepass", "s3cret")
+    with make(store) as l2:
+        assert l2.length(key_of(40), 0) is None
+        assert not l2.get_into(key_of(40), 0, memoryview(bytearray(10)))
+        with pytest.raises(L2Error):
+            l2.put(key_of(40), 0, NS_A, b"abc")

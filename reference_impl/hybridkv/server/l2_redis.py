@@ -53,8 +53,9 @@ _PROBE_BATCH = 1024           # meta keys per pipeline
 _MAX_GROUP_SPAN = 16          # groups of one chunk probed together by length()
 _MAX_BACKOFF_S = 8.0
 _LOG_EVERY_S = 10.0
-# Connection-level failures: the store is down or unreachable, not the object damaged.
-_DOWN = (redis.ConnectionError, redis.TimeoutError, OSError)
+# Failures of a whole command or connection: the store is down, unreachable, loading, refusing our
+# credentials... not one object damaged (a per-key error inside a read pipeline is that object's).
+_DOWN = (redis.RedisError, OSError)
 _COUNTERS = ("puts", "gets", "hits", "misses", "corrupt_removed", "evicted_seen", "bytes_written",
              "bytes_read", "store_errors", "probes")
 
@@ -357,7 +358,10 @@ class RedisL2(L2Adapter):
         pipe.get(self._mkey(key, group))
         for name in self._dkeys(key, group, size, cb):
             pipe.get(name)
-        meta, *chunks = pipe.execute()
+        meta, *chunks = pipe.execute(raise_on_error=False)
+        if isinstance(meta, Exception) or any(isinstance(c, Exception) for c in chunks):
+            err = next(x for x in (meta, *chunks) if isinstance(x, Exception))
+            raise BadObject(f"the store answered {type(err).__name__}: {err}")
         if meta is None:
             # Chunks without a meta may be a put in flight: left alone (the store's LRU or TTL takes orphans).
             self._forget((key, group))
