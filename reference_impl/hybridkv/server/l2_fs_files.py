@@ -4,7 +4,7 @@ The base directory (the path the operator named) is opened once; its lock file a
 subdirectories are opened relative to it with O_NOFOLLOW, and object files relative to those, so a
 symlink planted inside the directory can neither send a write nor an unlink outside it. Payloads move
 with O_DIRECT when the file system takes it (the arena's slots are page-aligned), so a spill or a
-reload costs one DMA and no page-cache copy; the unaligned tail goes through a small bounce buffer.
+reload costs one DMA and no page-cache copy; the unaligned tail and the header go through the page cache.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
-import mmap
 import os
 import secrets
 import stat
@@ -62,8 +61,6 @@ class ObjectDir:
             self.close()
             raise
         self.direct = bool(direct and _O_DIRECT)
-        self._bounce = mmap.mmap(-1, _ALIGN)  # page-aligned, for O_DIRECT tails and headers
-        self._bounce_lock = threading.Lock()
         self._sync = _GroupSync(self.base_fd)
         self._crc_pool = ThreadPoolExecutor(4, thread_name_prefix="l2-crc")
 
