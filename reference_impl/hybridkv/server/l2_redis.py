@@ -24,13 +24,10 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from hybridkv.server.l2 import (
     HEADER_BYTES,
@@ -43,6 +40,7 @@ from hybridkv.server.l2 import (
     check_key,
     check_ns,
 )
+from hybridkv.server.l2_redis_link import DOWN, StoreHealth, redis_client
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +49,6 @@ META_BYTES = HEADER_BYTES + _CHUNK.size
 _MAX_INDEX = 1 << 20          # known lengths kept; the oldest are forgotten (and asked again)
 _PROBE_BATCH = 1024           # meta keys per pipeline
 _MAX_GROUP_SPAN = 16          # groups of one chunk probed together by length()
-_MAX_BACKOFF_S = 8.0
-_LOG_EVERY_S = 10.0
-# Failures of a whole command or connection: the store is down, unreachable, loading, refusing our
-# credentials... not one object damaged (a per-key error inside a read pipeline is that object's).
-_DOWN = (redis.RedisError, OSError)
 _COUNTERS = ("puts", "gets", "hits", "misses", "corrupt_removed", "evicted_seen", "bytes_written",
              "bytes_read", "store_errors", "probes")
 
@@ -69,74 +62,25 @@ class _Known:
     until: float        # monotonic time after which the store is asked again
 
 
-class _Health:
-    """Whether the store is believed reachable; failures open a doubling back-off and log rate-limited."""
-
-    def __init__(self, url: str, retry_after_s: float, on_down: Callable[[], None]) -> None:
-        self.url, self.retry_after_s, self.on_down = url, retry_after_s, on_down
-        self._lock = threading.Lock()
-        self.down_until = 0.0
-        self.backoff = 0.0
-        self.errors = 0
-        self._unlogged = 0
-        self._last_log = -_LOG_EVERY_S
-
-    def up(self) -> bool:
-        return time.monotonic() >= self.down_until
-
-    def failed(self, what: str, exc: BaseException) -> None:
-        """Record a connection failure: everything is a miss until the back-off ends."""
-        self.on_down()
-        now = time.monotonic()
-        with self._lock:
-            self.errors += 1
-            self.backoff = min(max(self.backoff * 2, self.retry_after_s), _MAX_BACKOFF_S)
-            self.down_until = now + self.backoff
-            if now - self._last_log < _LOG_EVERY_S:
-                self._unlogged += 1
-                return
-            unlogged, self._unlogged, self._last_log = self._unlogged, 0, now
-        log.warning("L2 redis %s unreachable (%s: %s: %s); L2 is misses for %.1f s%s", self.url, what,
-                    type(exc).__name__, exc, self.backoff,
-                    f" ({unlogged} more failures since the last line)" if unlogged else "")
-
-    def ok(self) -> None:
-        if self.backoff:
-            with self._lock:
-                was, self.backoff = self.backoff, 0.0
-            if was:
-                log.warning("L2 redis %s reachable again", self.url)
-
-
-def _client(url: str, timeout_s: float, connect_s: float, conns: int) -> redis.Redis:
-    """A client whose pool blocks at `conns` connections and retries a dead connection once, at once."""
-    if url.startswith("valkey"):
-        url = "redis" + url[len("valkey"):]  # valkey:// and valkeys:// speak the Redis protocol
-    pool = redis.BlockingConnectionPool.from_url(
-        url, max_connections=conns, timeout=timeout_s, socket_timeout=timeout_s,
-        socket_connect_timeout=connect_s, retry=Retry(NoBackoff(), 1), health_check_interval=0)
-    return redis.Redis(connection_pool=pool)
-
-
 class RedisL2(L2Adapter):
     """L2 on a Redis or Valkey server that several hybridkv servers may share (see the module doc)."""
 
     def __init__(self, spec: RedisL2Spec) -> None:
         self.spec = spec
         self.capacity_bytes = 0  # the store's maxmemory bounds it, not us
-        self._data = _client(spec.url, spec.timeout_s, spec.connect_timeout_s, spec.max_connections)
-        self._meta = _client(spec.url, spec.meta_timeout_s, min(spec.connect_timeout_s, spec.meta_timeout_s), 4)
+        self._data = redis_client(spec.url, spec.timeout_s, spec.connect_timeout_s, spec.max_connections)
+        self._meta = redis_client(spec.url, spec.meta_timeout_s, min(spec.connect_timeout_s, spec.meta_timeout_s), 4)
         self._lock = threading.Lock()
         self._known: OrderedDict[ObjectKey, _Known] = OrderedDict()
         # A store that went away may come back empty (a restart): nothing known before it still holds.
-        self._health = _Health(spec.url, spec.retry_after_s, self._forget_all)
+        self._health = StoreHealth(spec.url, spec.retry_after_s, self._forget_all)
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._closed = False
         self._group_span = 1  # groups per chunk seen so far (length() probes them together)
         self._ex = spec.ttl_s or None
         try:
             self._data.ping()
-        except _DOWN as e:
+        except DOWN as e:
             # A store that is down at start is a store that is down: misses until it comes back.
             self._health.failed("ping at start", e)
 
@@ -166,7 +110,7 @@ class RedisL2(L2Adapter):
                 return
         except BadObject:
             pass  # overwritten below
-        except _DOWN as e:
+        except DOWN as e:
             self._down("put", e)
         cb = self.spec.chunk_bytes
         meta = ObjectHeader(ns, key, group, size, zlib.crc32(view)).pack() + _CHUNK.pack(cb)
@@ -177,7 +121,7 @@ class RedisL2(L2Adapter):
         pipe.set(self._mkey(key, group), meta, ex=self._ex)
         try:
             res = pipe.execute(raise_on_error=False)
-        except _DOWN as e:
+        except DOWN as e:
             self._down("put", e)
         errors = [r for r in res if isinstance(r, Exception)]
         if errors:
@@ -203,7 +147,7 @@ class RedisL2(L2Adapter):
             return False
         try:
             ok = self._read(key, group, out, self.spec.chunk_bytes)
-        except _DOWN as e:
+        except DOWN as e:
             self._health.failed("get", e)
             self._count(misses=1, store_errors=1)
             return False
@@ -264,7 +208,7 @@ class RedisL2(L2Adapter):
                         self._remember((k, g), None, b"")
                         continue
                     self._remember((k, g), hdr.payload_len, hdr.ns)
-        except _DOWN as e:
+        except DOWN as e:
             self._health.failed("index query", e)
             self._count(store_errors=1)
             return
@@ -294,7 +238,7 @@ class RedisL2(L2Adapter):
             if length is not None:
                 names += self._dkeys(key, group, length, chunk)
             removed = self._data.delete(*names)
-        except _DOWN as e:
+        except DOWN as e:
             self._down("remove", e)
         self._forget((key, group))
         return raw is not None and removed > 0
@@ -314,7 +258,7 @@ class RedisL2(L2Adapter):
                     count += self._clear_batch(batch, ns)
                     batch = []
             count += self._clear_batch(batch, ns)
-        except _DOWN as e:
+        except DOWN as e:
             self._down("clear", e)
         with self._lock:
             self._known.clear()
@@ -329,7 +273,7 @@ class RedisL2(L2Adapter):
             return
         try:
             self._data.touch(self._mkey(key, group), *self._dkeys(key, group, length, self.spec.chunk_bytes))
-        except _DOWN as e:
+        except DOWN as e:
             self._health.failed("touch", e)
 
     def stats(self) -> dict[str, int]:
