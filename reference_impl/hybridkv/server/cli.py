@@ -77,13 +77,13 @@ def add_l2_and_seed_arguments(p: argparse.ArgumentParser) -> None:
     seed.add_argument("--l1-size-gb", dest="l1_gib", type=float, default=argparse.SUPPRESS,
                       help="= --l1-gib (the seed's GB were GiB)")
     seed.add_argument("--chunk-size", dest="chunk_tokens", type=int, default=argparse.SUPPRESS,
-                      help="= --chunk-tokens")
+                      help="= --chunk-tokens (tokens per chunk)")
     seed.add_argument("--eviction-policy", dest="eviction", type=str.lower, choices=("lru", "fifo"),
                       default=argparse.SUPPRESS, help="= --eviction, LRU or FIFO in any case")
     seed.add_argument("--port", type=int, default=None, help="= --endpoint tcp://127.0.0.1:PORT")
-    for flag in SEED_REPLACED:
-        seed.add_argument(flag, dest=f"seed_{flag[2:].replace('-', '_')}", nargs="?", const="",
-                          default=None, help=argparse.SUPPRESS)
+    for flag, instead in SEED_REPLACED.items():
+        seed.add_argument(flag, dest=f"seed_{flag[2:].replace('-', '_')}", nargs="?", const="", default=None,
+                          metavar="X", help=f"not taken (exits 2): {instead}")
 
 
 def apply_l2_and_seed(args: argparse.Namespace) -> RedisL2Spec | None:
