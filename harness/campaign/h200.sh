@@ -14,8 +14,7 @@ nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width
 case "$part" in
   a)
     python3 -m hybridkv.cli bench scenarios/h200_zero_copy.toml --out "$out/zero_copy"
-    python3 reference_impl/bench/bench_l2.py --docs 6 --chunks 10 --dd-gib 4 --out "$out/l2.json" \
-      2>&1 | tee "$out/l2.log"
+    python3 -m hybridkv.cli l2bench scenarios/l2/h200_disk.toml --out "$out/l2" 2>&1 | tee "$out/l2.log"
     ;;
   b)
     python3 -m hybridkv.cli bench scenarios/h200_seed_formats.toml --out "$out/seed_formats"

@@ -7,4 +7,5 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gate": ("hybridkv_bench.cli_gate", "compare a run with a baseline; non-zero exit on regression"),
     "calibrate": ("hybridkv_bench.cli_calibrate", "measure this machine's copy ceilings"),
     "list": ("hybridkv_bench.cli_list", "list scenarios and model presets"),
+    "l2bench": ("hybridkv_bench.cli_l2bench", "L2 spill and reload (disk or Redis) beside the storage's own ceiling"),
 }

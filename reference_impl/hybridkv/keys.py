@@ -16,6 +16,7 @@ import numpy as np
 from hybridkv.layout import LayoutError, ModelLayout
 
 KEY_BYTES = 16
+ObjectKey = tuple[bytes, int]  # (chunk key, group): one object, in L1, L2 and on the wire
 
 
 def namespace(layout: ModelLayout, tp_rank: int, chunk_tokens: int, salt: str = "") -> bytes:

@@ -20,7 +20,7 @@ import hybridkv
 import numpy as np
 import pytest
 from hybridkv.server.l2 import L2Error
-from hybridkv.server.l2_fs import HEADER_BYTES, MAGIC, TMP_PREFIX, FilesystemL2, ObjectKey
+from hybridkv.server.l2_fs import DATA_OFFSET, MAGIC, TMP_PREFIX, FilesystemL2, ObjectKey
 
 NS_A = b"namespace-a-0001"
 NS_B = b"namespace-b-0002"
@@ -38,6 +38,11 @@ def key_of(i: int) -> bytes:
 
 def payload(i: int, size: int) -> bytes:
     return writer.object_payload(key_of(i), size)
+
+
+def disk(payload_bytes: int) -> int:
+    """What an object takes on disk (capacity counts this): a 4 KiB header block, payload in 4 KiB blocks."""
+    return DATA_OFFSET + -(-payload_bytes // 4096) * 4096
 
 
 def object_path(root: Path, key: bytes, group: int) -> Path:
@@ -95,11 +100,12 @@ def test_file_format_matches_the_documented_header(tmp_path):
     data = payload(3, 1000)
     l2.put(key_of(3), 7, NS_B, memoryview(data))
     raw = object_path(tmp_path, key_of(3), 7).read_bytes()
-    assert len(raw) == HEADER_BYTES + 1000 == 64 + 1000
+    assert len(raw) == DATA_OFFSET + 1000 == 4096 + 1000
     fields = struct.unpack("<8sHHI16s16sQII", raw[:64])
-    magic, version, header_len, group, ns, key, n, crc, header_crc = fields
-    assert (magic, version, header_len, group, ns, key, n) == (MAGIC, 1, 64, 7, NS_B, key_of(3), 1000)
-    assert crc == zlib.crc32(data) and header_crc == zlib.crc32(raw[:60]) and raw[64:] == data
+    magic, version, data_offset, group, ns, key, n, crc, header_crc = fields
+    assert (magic, version, data_offset, group, ns, key, n) == (MAGIC, 1, 4096, 7, NS_B, key_of(3), 1000)
+    assert crc == zlib.crc32(data) and header_crc == zlib.crc32(raw[:60]) and raw[4096:] == data
+    assert raw[64:4096] == bytes(4096 - 64)
     assert (tmp_path / key_of(3).hex()[:2]).stat().st_mode & 0o777 == 0o700
     l2.close()
 
@@ -155,19 +161,19 @@ def test_fsync_mode_round_trip(tmp_path):
 # ---- restart ----
 
 def test_reopen_rebuilds_index_lengths_namespaces_and_lru_order(tmp_path):
-    l2 = FilesystemL2(tmp_path, 4000)
+    l2 = FilesystemL2(tmp_path, 4 * disk(1000))
     for i in range(4):  # put order 0, 1, 2, 3
         l2.put(key_of(i), i, NS_A if i < 2 else NS_B, payload(i, 1000))
     assert read_back(l2, key_of(0), 0) == payload(0, 1000)
     l2.touch(key_of(1), 1)  # LRU order now 2, 3, 0, 1
     l2.close()
 
-    l2 = FilesystemL2(tmp_path, 4000)
+    l2 = FilesystemL2(tmp_path, 4 * disk(1000))
     assert [l2.length(key_of(i), i) for i in range(4)] == [1000] * 4
     assert all(read_back(l2, key_of(i), i) == payload(i, 1000) for i in (2, 3))  # now 0, 1, 2, 3
     l2.close()
 
-    l2 = FilesystemL2(tmp_path, 4000)
+    l2 = FilesystemL2(tmp_path, 4 * disk(1000))
     l2.put(key_of(4), 4, NS_A, payload(4, 1000))
     assert not l2.contains(key_of(0), 0) and l2.contains(key_of(1), 1)
     l2.put(key_of(5), 5, NS_A, payload(5, 1000))
@@ -192,9 +198,9 @@ def test_second_store_on_a_directory_is_refused_until_the_first_closes(tmp_path)
 
 def _flip_payload_at(p: Path, offset: int) -> None:
     with open(p, "r+b") as f:
-        f.seek(HEADER_BYTES + offset)
+        f.seek(DATA_OFFSET + offset)
         b = f.read(1)
-        f.seek(HEADER_BYTES + offset)
+        f.seek(DATA_OFFSET + offset)
         f.write(bytes([b[0] ^ 0x01]))
 
 
@@ -295,32 +301,33 @@ def test_temp_files_are_removed_and_foreign_files_left_alone(tmp_path):
 # ---- capacity ----
 
 def test_lru_eviction_follows_put_get_and_touch(tmp_path):
-    l2 = FilesystemL2(tmp_path, 5 * 1000)
+    cap = 5 * disk(1000)  # 40960
+    l2 = FilesystemL2(tmp_path, cap)
     for i in range(5):
         l2.put(key_of(i), 0, NS_A, payload(i, 1000))
     assert read_back(l2, key_of(0), 0) is not None  # order 1 2 3 4 0
     l2.touch(key_of(1), 0)  # order 2 3 4 0 1
     l2.put(key_of(3), 0, NS_A, payload(3, 1000))  # an idempotent put counts as a use: 2 4 0 1 3
-    l2.put(key_of(5), 0, NS_A, payload(5, 2500))  # needs 2500 bytes: evicts 2, 4, 0
+    l2.put(key_of(5), 0, NS_A, payload(5, 12289))  # 20480 B on disk, 2.5 objects' worth: evicts 2, 4, 0
     held = [i for i in range(6) if l2.contains(key_of(i), 0)]
     assert held == [1, 3, 5]
     s = l2.stats()
-    assert (s["evictions"], s["bytes"], s["objects"]) == (3, 4500, 3)
+    assert (s["evictions"], s["bytes"], s["disk_bytes"], s["objects"]) == (3, 14289, 2 * disk(1000) + 20480, 3)
     assert files_on_disk(tmp_path)[0] == {f"{key_of(i).hex()}-0.obj" for i in held}
-    with pytest.raises(L2Error, match="5001 bytes exceeds L2 capacity 5000"):
-        l2.put(key_of(6), 0, NS_A, payload(6, 5001))
+    with pytest.raises(L2Error, match=r"36865 bytes \(45056 on disk\) exceeds L2 capacity 40960"):
+        l2.put(key_of(6), 0, NS_A, payload(6, 36865))
     assert l2.stats()["objects"] == 3  # a refused put evicts nothing
     l2.close()
 
 
 def test_shrinking_capacity_on_reopen_evicts_least_recent(tmp_path):
     # Thirty puts in a few milliseconds: kernel mtimes would tie, the store's own stamps must not.
-    l2 = FilesystemL2(tmp_path, 30 * 100)
+    l2 = FilesystemL2(tmp_path, 30 * disk(100))
     for i in range(30):
         l2.put(key_of(i), 1, NS_A, payload(i, 100))
     l2.touch(key_of(3), 1)
     l2.close()
-    l2 = FilesystemL2(tmp_path, 10 * 100)
+    l2 = FilesystemL2(tmp_path, 10 * disk(100))
     assert [i for i in range(30) if l2.contains(key_of(i), 1)] == [3, *range(21, 30)]
     assert l2.stats()["evictions"] == 20 and len(files_on_disk(tmp_path)[0]) == 10
     l2.close()
@@ -328,7 +335,7 @@ def test_shrinking_capacity_on_reopen_evicts_least_recent(tmp_path):
 
 def test_disk_error_is_an_l2_error_and_leaves_nothing_behind(tmp_path):
     # A real write failure: a file-size limit makes write() fail with EFBIG past 1 MB.
-    l2 = FilesystemL2(tmp_path, 64 * MB)
+    l2 = FilesystemL2(tmp_path, disk(64 * MB - 1))
     old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
     old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (MB, old_limit[1]))
@@ -487,9 +494,9 @@ def test_same_object_put_by_eight_threads_at_once_is_written_once(tmp_path):
 class _ReplaceWhileReading(FilesystemL2):
     """Replaces the object with a new version after get_into read the old (damaged) file."""
 
-    def _read_verified(self, path, key, group, out, stamp):
+    def _read(self, key, group, out, stamp):
         try:
-            super()._read_verified(path, key, group, out, stamp)
+            super()._read(key, group, out, stamp)
         finally:
             self.put(key, group, NS_A, payload(77, 3000))
 
@@ -517,7 +524,7 @@ class _PutAgainBeforeUnlink(FilesystemL2):
 
 
 def test_evicted_object_put_back_before_its_unlink_keeps_its_file(tmp_path):
-    l2 = _PutAgainBeforeUnlink(tmp_path, 2500)
+    l2 = _PutAgainBeforeUnlink(tmp_path, disk(1000) * 5 // 2)
     l2.put(key_of(0), 0, NS_A, payload(0, 1000))
     l2.put(key_of(1), 0, NS_A, payload(1, 1000))
     l2.put(key_of(2), 0, NS_A, payload(2, 1000))  # evicts 0, which is put straight back, evicting 1

@@ -23,7 +23,7 @@ import pytest
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.presets import preset_layout
-from hybridkv.server.l2_fs import HEADER_BYTES, ObjectHeader
+from hybridkv.server.l2_fs import DATA_OFFSET, ObjectHeader
 from serverkit import Engine
 
 TESTS = Path(__file__).parent
@@ -63,8 +63,8 @@ def l2_files(l2_dir: Path) -> tuple[set[tuple[bytes, int]], list[Path]]:
 def check_file(path: Path) -> None:
     """An L2 file on disk holds exactly the deterministic payload of the object it is named for."""
     raw = path.read_bytes()
-    hdr = ObjectHeader.unpack(raw[:HEADER_BYTES])
-    payload = np.frombuffer(raw, np.uint8, offset=HEADER_BYTES)
+    hdr = ObjectHeader.unpack(raw[:DATA_OFFSET], DATA_OFFSET)
+    payload = np.frombuffer(raw, np.uint8, offset=DATA_OFFSET)
     assert path.name == f"{hdr.key.hex()}-{hdr.group}.obj" and len(payload) == hdr.payload_len
     assert zlib.crc32(payload) == hdr.payload_crc
     assert np.array_equal(payload, Engine.payload(hdr.key, hdr.group, hdr.payload_len)), path
@@ -154,7 +154,7 @@ def test_corrupt_l2_file_shrinks_the_hit_and_is_removed(server_factory, l2_dir, 
         (c, g), want = ((4, 2), 4) if victim == "state" else ((2, 0), 2)
         path = obj_path(l2_dir, keys[c], g)
         raw = bytearray(path.read_bytes())
-        raw[HEADER_BYTES + len(raw) // 2] ^= 0x40  # one payload bit
+        raw[DATA_OFFSET + (len(raw) - DATA_OFFSET) // 2] ^= 0x40  # one payload bit
         path.write_bytes(raw)
         res = lookup_checked(eng, keys, want, policy="boundary")
         assert (c, g) not in [(o.chunk, o.group) for o in res.objects]
@@ -424,7 +424,7 @@ def test_object_restored_while_lookup_waits_after_a_failed_prefetch_is_served_fr
         x = (7, 2)  # chunk 7's state of group 2: its loss makes the hit fall back to chunk 6's states
         path = obj_path(l2_dir, keys[x[0]], x[1])
         raw = bytearray(path.read_bytes())
-        raw[HEADER_BYTES + 12345] ^= 1
+        raw[DATA_OFFSET + 12345] ^= 1
         path.write_bytes(raw)
         c_keys = c.keys(1, seed=22)
         c.store(c_keys)

@@ -66,25 +66,51 @@ def copy_tensor_into(t, out: memoryview) -> None:
     torch.frombuffer(out, dtype=torch.uint8).copy_(flat)
 
 
+# How the legacy format names the storage of a tensor pickled by _rebuild_tensor_v3 (fp8 and other
+# dtypes without a typed storage class), and the uint8 storage class that holds the same bytes.
+_UNTYPED_GLOBAL = b"ctorch.storage\nUntypedStorage\n"
+_BYTE_GLOBAL = b"ctorch\nByteStorage\n"
+
+
 def _load_storage_weights_only(data: bytes):
-    """torch.storage._load_from_bytes without its weights_only=False: the nested torch.save is data only."""
+    """torch.storage._load_from_bytes without its weights_only=False: the nested torch.save is data only.
+
+    torch's weights-only loader cannot rebuild an UntypedStorage (it asks it for a dtype), so the one
+    global naming it is read as ByteStorage: one byte per element, the same bytes.
+    """
+    if data.count(_UNTYPED_GLOBAL) == 1:
+        data = data.replace(_UNTYPED_GLOBAL, _BYTE_GLOBAL)
     return _torch().load(io.BytesIO(data), weights_only=True, map_location="cpu")
+
+
+def _rebuild_tensor_v3(storage, offset, size, stride, requires_grad, hooks, dtype, metadata=None):
+    """torch._utils._rebuild_tensor_v3 for a storage from torch.load(weights_only=True), untyped there."""
+    torch = _torch()
+    untyped = getattr(storage, "_untyped_storage", storage)
+    if not isinstance(untyped, torch.UntypedStorage) or not isinstance(dtype, torch.dtype):
+        raise pickle.UnpicklingError(f"tensor v3 needs a storage and a dtype, got {type(storage).__name__} "
+                                     f"and {type(dtype).__name__}")
+    return torch.empty((0,), dtype=dtype).set_(untyped, offset, size, stride)
 
 
 class _TensorUnpickler(pickle.Unpickler):
     """Unpickles exactly what pickle.dumps(tensor) produces and nothing that could run code.
 
-    A pickled tensor names three globals; every other name is refused (a frame from the network must
-    never pick a callable), and the nested storage is loaded with torch.load(weights_only=True).
+    A pickled tensor names three globals (four for dtypes the v2 rebuild cannot express, such as fp8:
+    `_rebuild_tensor_v3` and the dtype itself); every other name is refused (a frame from the network
+    must never pick a callable), and the nested storage is loaded with torch.load(weights_only=True).
     """
 
     def find_class(self, module: str, name: str):
         torch = _torch()
         allowed = {
             ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
+            ("torch._utils", "_rebuild_tensor_v3"): _rebuild_tensor_v3,
             ("torch.storage", "_load_from_bytes"): _load_storage_weights_only,
             ("collections", "OrderedDict"): __import__("collections").OrderedDict,
         }
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)  # a dtype is data, not a callable that could run code
         try:
             return allowed[(module, name)]
         except KeyError:

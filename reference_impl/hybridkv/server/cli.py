@@ -10,6 +10,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from hybridkv.server.l2 import RedisL2Spec
     from hybridkv.server.loop import CacheServer
 
 GIB = 1 << 30
@@ -67,8 +68,70 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     p.add_argument("--max-pending", type=int, default=256,
                    help="requests per client waiting for an answer (parked or on a worker) (default: %(default)s)")
+    add_l2_and_seed_arguments(p)
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                    help="log level (default: %(default)s)")
+
+
+# The seed's server flags we do not take, and what replaces each (one line each, exit status 2).
+SEED_REPLACED = {
+    "--host": "the server binds loopback or an ipc socket only (no authentication); use --endpoint",
+    "--device": "the server holds no device memory; each engine moves its own pages (wire format shm)",
+    "--serde": "serialization is chosen per engine (TransferConfig.wire_format), not by the server",
+    "--remote-serde": "serialization is chosen per engine (TransferConfig.wire_format), not by the server",
+    "--max-local-disk-size": "use --l2-gib (or --l2-adapter '{\"type\":\"fs\",...}')",
+    "--local-disk": "use --l2-dir (or --l2-adapter '{\"type\":\"fs\",...}')",
+    "--remote-url": "use --l2-adapter '{\"type\":\"redis\",\"url\":\"redis://HOST:PORT/DB\"}'",
+}
+
+
+def add_l2_and_seed_arguments(p: argparse.ArgumentParser) -> None:
+    """--l2-adapter, and the seed's flags: those whose meaning matches ours as aliases, the rest refused."""
+    p.add_argument("--l2-adapter", default=None, metavar="JSON",
+                   help='L2 as the seed wrote it: \'{"type":"fs","base_path":DIR,"max_capacity_gb":N}\' or '
+                        '\'{"type":"redis"|"valkey","url":"redis://HOST:PORT/DB","prefix":"tenant:"}\' '
+                        "(a Redis shared by the servers of several hosts); see reference_impl/L2.md")
+    seed = p.add_argument_group("the seed's flags (see the README's table)")
+    seed.add_argument("--l1-size-gb", dest="l1_gib", type=float, default=argparse.SUPPRESS,
+                      help="= --l1-gib (the seed's GB were GiB)")
+    seed.add_argument("--chunk-size", dest="chunk_tokens", type=int, default=argparse.SUPPRESS,
+                      help="= --chunk-tokens (tokens per chunk)")
+    seed.add_argument("--eviction-policy", dest="eviction", type=str.lower, choices=("lru", "fifo"),
+                      default=argparse.SUPPRESS, help="= --eviction, LRU or FIFO in any case")
+    seed.add_argument("--port", type=int, default=None, help="= --endpoint tcp://127.0.0.1:PORT")
+    for flag, instead in SEED_REPLACED.items():
+        seed.add_argument(flag, dest=f"seed_{flag[2:].replace('-', '_')}", nargs="?", const="", default=None,
+                          metavar="X", help=f"not taken (exits 2): {instead}")
+
+
+def apply_l2_and_seed(args: argparse.Namespace) -> RedisL2Spec | None:
+    """Fold --port and --l2-adapter into args (endpoint, l2_dir, l2_gib, l2_fsync); the Redis spec if any."""
+    from hybridkv.cli import UserError
+    from hybridkv.server.config import default_endpoint
+    from hybridkv.server.l2 import FsL2Spec, L2ConfigError, parse_l2_adapter
+
+    for flag, instead in SEED_REPLACED.items():
+        if getattr(args, f"seed_{flag[2:].replace('-', '_')}") is not None:
+            raise UserError(f"{flag} is a seed flag hybridkv does not take: {instead}")
+    if args.port is not None:
+        if args.endpoint != default_endpoint():
+            raise UserError(f"--port {args.port} and --endpoint {args.endpoint}: give one")
+        if not 0 < args.port < 65536:
+            raise UserError(f"--port must be in 1..65535, got {args.port}")
+        args.endpoint = f"tcp://127.0.0.1:{args.port}"
+    if args.l2_adapter is None:
+        return None
+    if args.l2_dir is not None:
+        raise UserError(f"--l2-adapter and --l2-dir {args.l2_dir}: give one")
+    try:
+        spec = parse_l2_adapter(args.l2_adapter)
+    except L2ConfigError as e:
+        raise UserError(str(e)) from None
+    if isinstance(spec, FsL2Spec):
+        args.l2_dir, args.l2_gib = spec.base_path, spec.capacity_bytes / GIB
+        args.l2_fsync = args.l2_fsync or spec.fsync
+        return None
+    return spec
 
 
 def run(args: argparse.Namespace) -> int:
@@ -94,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, terminate)
     server: CacheServer | None = None
     try:
+        l2_redis = apply_l2_and_seed(args)
         cfg = ServerConfig(
             endpoint=args.endpoint, l1_bytes=int(args.l1_gib * GIB), l1_dir=args.l1_dir, l2_dir=args.l2_dir,
             l2_bytes=int(args.l2_gib * GIB), l2_fsync=args.l2_fsync, chunk_tokens=args.chunk_tokens,
@@ -102,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
             cuda_ipc=args.cuda_ipc, admin=args.admin, max_keys=args.max_keys,
             max_message_bytes=args.max_message_bytes, max_frame_bytes=args.max_frame_bytes,
             max_engines=args.max_engines, max_leases=args.max_leases, max_reservations=args.max_reservations,
-            max_queued_replies=args.max_queued_replies, max_pending=args.max_pending)
+            max_queued_replies=args.max_queued_replies, max_pending=args.max_pending, l2_redis=l2_redis)
         server = CacheServer(cfg)
         try:
             endpoint = server.bind()
@@ -111,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
         running = server
         signal.signal(signal.SIGTERM, lambda *_: running.stop())
         signal.signal(signal.SIGINT, lambda *_: running.stop())
-        l2 = f"{cfg.l2_dir} ({args.l2_gib:g} GiB)" if cfg.has_l2 else "none"
+        l2 = (f"redis {cfg.l2_redis.url} prefix {cfg.l2_redis.prefix}" if cfg.l2_redis is not None
+              else f"{cfg.l2_dir} ({args.l2_gib:g} GiB)" if cfg.has_l2 else "none")
 
         def ready() -> None:
             print(f"hybridkv server ready: endpoint={endpoint} l1={args.l1_gib:g}GiB arena={running.arena.path} "

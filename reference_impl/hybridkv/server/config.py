@@ -7,6 +7,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridkv.server.l2 import FsL2Spec, L2Spec, RedisL2Spec
+
 EVICTION_POLICIES = ("lru", "fifo")
 
 
@@ -59,6 +61,7 @@ class ServerConfig:
     l2_dir: str | None = None
     l2_bytes: int = 0
     l2_fsync: bool = False
+    l2_redis: RedisL2Spec | None = None  # an L2 shared between hosts, instead of l2_dir
     chunk_tokens: int = 0           # 0: each engine chooses; otherwise engines must register with it
     eviction: str = "lru"
     client_timeout_s: float = 30.0  # an engine silent this long is gone: its reservations and pins are reclaimed
@@ -90,6 +93,8 @@ class ServerConfig:
             raise ConfigError("an L2 size needs an L2 directory (--l2-dir)")
         if self.l2_dir and not self.l2_bytes:
             raise ConfigError(f"L2 directory {self.l2_dir} given without a size: set --l2-gib")
+        if self.l2_redis is not None and self.l2_dir:
+            raise ConfigError(f"choose one L2: a directory ({self.l2_dir}) or redis ({self.l2_redis.url}), not both")
         if self.chunk_tokens < 0:
             raise ConfigError(f"chunk tokens must be >= 0, got {self.chunk_tokens}")
         if self.eviction not in EVICTION_POLICIES:
@@ -107,4 +112,13 @@ class ServerConfig:
 
     @property
     def has_l2(self) -> bool:
-        return bool(self.l2_dir) and self.l2_bytes > 0
+        return self.l2_spec is not None
+
+    @property
+    def l2_spec(self) -> L2Spec | None:
+        """The L2 adapter to build (`hybridkv.server.l2.make_l2`), or None without L2."""
+        if self.l2_redis is not None:
+            return self.l2_redis
+        if self.l2_dir and self.l2_bytes > 0:
+            return FsL2Spec(self.l2_dir, self.l2_bytes, self.l2_fsync)
+        return None

@@ -19,8 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from hybridkv.arena import Arena, ExtentAllocator
-
-ObjectKey = tuple[bytes, int]  # (chunk key, group): one object
+from hybridkv.keys import ObjectKey
 
 
 class State(enum.Enum):

@@ -4,21 +4,83 @@ An object is one (chunk key, group) pair: 16 key bytes and a group index, plus t
 the engine family it belongs to (kept for clear-by-namespace and statistics; the key already hashes
 the namespace in, so it takes no part in identity). Payloads are opaque bytes.
 
-`L2Adapter` is the interface the server's worker threads call, concurrently. `FilesystemL2`
-(in `l2_fs`) is the first implementation; an adapter on a distributed store comes later.
+`L2Adapter` is the interface the server's worker threads call, concurrently: `FilesystemL2` (in
+`l2_fs`) on a local directory, `RedisL2` (in `l2_redis`) on a Redis/Valkey shared between hosts. Both
+store the same checksummed `ObjectHeader` in front of every payload. `make_l2` builds the configured one.
 """
 
 from __future__ import annotations
 
 import abc
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hybridkv.server.config import ServerConfig
 
 KEY_BYTES = 16
 NS_BYTES = 16
 MAX_GROUP = 0xFFFFFFFF  # groups are stored as u32
 
 
+MAGIC = b"HKVL2OBJ"
+FORMAT_VERSION = 1
+# magic, version, header length, group, namespace, key, payload length, payload crc32; then the
+# crc32 of those 60 bytes, so a torn or scribbled header is caught before its fields are trusted.
+_FIELDS = struct.Struct("<8sHHI16s16sQI")
+_HEADER_CRC = struct.Struct("<I")
+HEADER_BYTES = _FIELDS.size + _HEADER_CRC.size  # 64
+
+
 class L2Error(Exception):
     """The L2 tier cannot do what was asked: no room, a disk error, an unusable directory, closed."""
+
+
+class BadObject(Exception):
+    """A stored object that must not be served: the message says what is wrong with it."""
+
+
+@dataclass(slots=True, frozen=True)
+class ObjectHeader:
+    """The fixed 64-byte header in front of every object's payload, in every adapter."""
+
+    ns: bytes
+    key: bytes
+    group: int
+    payload_len: int
+    payload_crc: int
+
+    def pack(self, data_offset: int = HEADER_BYTES) -> bytes:
+        """The 64 header bytes; `data_offset` (where the payload starts) is recorded in them."""
+        fields = _FIELDS.pack(MAGIC, FORMAT_VERSION, data_offset, self.group, self.ns, self.key,
+                              self.payload_len, self.payload_crc)
+        return fields + _HEADER_CRC.pack(zlib.crc32(fields))
+
+    @classmethod
+    def unpack(cls, raw: bytes | memoryview, data_offset: int = HEADER_BYTES) -> ObjectHeader:
+        """Parse and check a header written with `data_offset`; raises BadObject naming what is wrong."""
+        if len(raw) < HEADER_BYTES:
+            raise BadObject(f"header truncated: {len(raw)} of {HEADER_BYTES} bytes")
+        fields = bytes(raw[:_FIELDS.size])
+        magic, version, header_len, group, ns, key, payload_len, payload_crc = _FIELDS.unpack(fields)
+        if magic != MAGIC:
+            raise BadObject(f"bad magic {magic!r}")
+        (header_crc,) = _HEADER_CRC.unpack_from(raw, _FIELDS.size)
+        if zlib.crc32(fields) != header_crc:
+            raise BadObject("header checksum mismatch")
+        if version != FORMAT_VERSION or header_len != data_offset:
+            raise BadObject(f"format version {version} / data offset {header_len}, "
+                            f"this reader knows {FORMAT_VERSION} / {data_offset}")
+        return cls(ns, key, group, payload_len, payload_crc)
+
+    def check_for(self, key: bytes, group: int, length: int) -> None:
+        """Raise BadObject unless this header is for (key, group) with `length` payload bytes."""
+        if self.key != key or self.group != group:
+            raise BadObject(f"header is for {self.key.hex()}-{self.group}, not {key.hex()}-{group}")
+        if self.payload_len != length:
+            raise BadObject(f"header says {self.payload_len} payload bytes, expected {length}")
 
 
 def check_key(key: bytes, group: int) -> None:
@@ -91,6 +153,14 @@ class L2Adapter(abc.ABC):
         """Counters and gauges: objects, bytes, capacity_bytes, puts, gets, hits, misses,
         corrupt_removed, evictions, bytes_written, bytes_read (adapters may add more)."""
 
+    def probe(self, oids: list[tuple[bytes, int]]) -> None:
+        """Warm the index for these objects in one round trip, so the `length` calls after it do no I/O.
+
+        A no-op for adapters whose index is local; the server calls it before a lookup or a store walks
+        its objects one by one.
+        """
+        return None
+
     @abc.abstractmethod
     def close(self) -> None:
         """Release the store's resources; later calls other than stats() raise `L2Error`. Idempotent."""
@@ -100,3 +170,152 @@ class L2Adapter(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+class L2ConfigError(ValueError):
+    """An L2 adapter setting that cannot work; the message names the setting and the value."""
+
+
+@dataclass(frozen=True, slots=True)
+class FsL2Spec:
+    """A filesystem L2: `base_path`, a payload capacity, and whether every file is fsynced."""
+
+    base_path: str
+    capacity_bytes: int
+    fsync: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.base_path:
+            raise L2ConfigError("fs L2 needs a base_path (a directory)")
+        if self.capacity_bytes <= 0:
+            raise L2ConfigError(f"fs L2 capacity must be positive, got {self.capacity_bytes} B")
+
+
+@dataclass(frozen=True, slots=True)
+class RedisL2Spec:
+    """A Redis/Valkey L2 shared between hosts; capacity and eviction are the store's own (maxmemory)."""
+
+    url: str
+    prefix: str = "hybridkv:"        # every key starts with it: one deployment or tenant per prefix
+    chunk_bytes: int = 8 * MIB       # a larger value is split into keys of this size (one request each)
+    timeout_s: float = 5.0           # one object's SET/GET pipeline, on a worker thread
+    meta_timeout_s: float = 0.05     # one index query, on the server loop: a slow store costs hits, not a stall
+    connect_timeout_s: float = 0.5
+    max_connections: int = 16
+    ttl_s: int = 0                   # 0: keys never expire (use allkeys-lru); else SET EX, for volatile-* policies
+    index_ttl_s: float = 2.0         # how long a known length is trusted before the store is asked again
+    miss_ttl_s: float = 0.25         # how long a known miss is trusted (another host may store it meanwhile)
+    retry_after_s: float = 0.5       # after a connection failure, everything is a miss this long (doubling, <= 8 s)
+
+    def __post_init__(self) -> None:
+        from urllib.parse import urlsplit
+
+        try:
+            u = urlsplit(self.url)
+            port = u.port
+        except ValueError as e:
+            raise L2ConfigError(f"redis L2 url {self.url!r} does not parse: {e}") from None
+        if u.scheme not in ("redis", "rediss", "unix", "valkey", "valkeys"):
+            raise L2ConfigError(f"redis L2 url must be redis://HOST:PORT/DB (or rediss://, unix://), got {self.url!r}")
+        if u.scheme != "unix" and not u.hostname:
+            raise L2ConfigError(f"redis L2 url {self.url!r} has no host")
+        if u.scheme != "unix" and u.path.strip("/") and not u.path.strip("/").isdigit():
+            raise L2ConfigError(f"redis L2 url {self.url!r}: the path must be a database number")
+        del port  # parsed above only to reject a bad port with this message
+        if not self.prefix or any(c.isspace() for c in self.prefix):
+            raise L2ConfigError(f"redis L2 prefix must be non-empty without spaces, got {self.prefix!r}")
+        if not 64 * 1024 <= self.chunk_bytes <= 512 * MIB:
+            raise L2ConfigError(f"redis L2 chunk_bytes must be in [64 KiB, 512 MiB], got {self.chunk_bytes}")
+        for name in ("timeout_s", "meta_timeout_s", "connect_timeout_s", "retry_after_s"):
+            if not getattr(self, name) > 0:
+                raise L2ConfigError(f"redis L2 {name} must be > 0, got {getattr(self, name)!r}")
+        if self.index_ttl_s < 0 or self.miss_ttl_s < 0 or self.ttl_s < 0:
+            raise L2ConfigError("redis L2 index_ttl_s, miss_ttl_s and ttl_s must be >= 0")
+        if not 1 <= self.max_connections <= 1024:
+            raise L2ConfigError(f"redis L2 max_connections must be in 1..1024, got {self.max_connections}")
+
+
+L2Spec = FsL2Spec | RedisL2Spec
+
+# The seed's --l2-adapter JSON keys and ours, per type; values are checked by the spec classes.
+_FS_KEYS = {"base_path", "max_capacity_gb", "fsync"}
+_REDIS_KEYS = {"url", "prefix", "max_capacity_gb", "chunk_mb", "timeout_s", "meta_timeout_s",
+               "connect_timeout_s", "max_connections", "ttl_s", "index_ttl_s", "miss_ttl_s", "retry_after_s"}
+
+
+def parse_l2_adapter(text: str) -> L2Spec:
+    """Parse the seed's `--l2-adapter` JSON: {"type":"fs",...} or {"type":"redis"|"valkey","url":...}."""
+    import json
+
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise L2ConfigError(f"--l2-adapter is not JSON ({e.msg} at character {e.pos}): {text!r:.200}") from None
+    if not isinstance(d, dict):
+        raise L2ConfigError(f"--l2-adapter must be a JSON object, got {type(d).__name__}: {text!r:.200}")
+    kind = d.pop("type", None)
+    if kind == "fs":
+        _no_unknown(kind, d, _FS_KEYS)
+        for need in ("base_path", "max_capacity_gb"):
+            if need not in d:
+                raise L2ConfigError(f'--l2-adapter type "fs" needs "{need}"')
+        return FsL2Spec(str(_typed(d, "base_path", str)), int(_number(d, "max_capacity_gb") * GIB),
+                        bool(_typed(d, "fsync", bool, False)))
+    if kind in ("redis", "valkey"):
+        _no_unknown(kind, d, _REDIS_KEYS)
+        if "url" not in d:
+            raise L2ConfigError(f'--l2-adapter type "{kind}" needs "url" (redis://HOST:PORT/DB)')
+        kw: dict[str, object] = {"url": _typed(d, "url", str)}
+        if "prefix" in d:
+            kw["prefix"] = _typed(d, "prefix", str)
+        if "chunk_mb" in d:
+            kw["chunk_bytes"] = int(_number(d, "chunk_mb") * MIB)
+        for name in ("timeout_s", "meta_timeout_s", "connect_timeout_s", "index_ttl_s", "miss_ttl_s",
+                     "retry_after_s"):
+            if name in d:
+                kw[name] = float(_number(d, name))
+        for name in ("max_connections", "ttl_s"):
+            if name in d:
+                kw[name] = _typed(d, name, int)
+        if "max_capacity_gb" in d:
+            _number(d, "max_capacity_gb")  # accepted for the seed's sake; the store's maxmemory bounds it
+        return RedisL2Spec(**kw)  # type: ignore[arg-type]
+    raise L2ConfigError(f'--l2-adapter "type" must be "fs", "redis" or "valkey", got {kind!r}')
+
+
+def _no_unknown(kind: str, d: dict, known: set[str]) -> None:
+    extra = sorted(set(d) - known)
+    if extra:
+        raise L2ConfigError(f"--l2-adapter type {kind!r} does not take {extra}; it takes {sorted(known)}")
+
+
+def _typed(d: dict, name: str, typ: type, default: object = None) -> object:
+    v = d.get(name, default)
+    if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+        raise L2ConfigError(f"--l2-adapter {name!r} must be {typ.__name__}, got {v!r}")
+    return v
+
+
+def _number(d: dict, name: str) -> float:
+    v = d[name]
+    if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
+        raise L2ConfigError(f"--l2-adapter {name!r} must be a positive number, got {v!r}")
+    return float(v)
+
+
+def make_l2(config: ServerConfig) -> L2Adapter | None:
+    """The L2 adapter a server configuration asks for, or None without L2."""
+    spec = config.l2_spec
+    if isinstance(spec, RedisL2Spec):
+        from hybridkv.server.l2_redis import RedisL2
+
+        return RedisL2(spec)
+    if isinstance(spec, FsL2Spec):
+        from hybridkv.server.l2_fs import FilesystemL2
+
+        return FilesystemL2(spec.base_path, spec.capacity_bytes, fsync=spec.fsync)
+    return None

@@ -38,6 +38,7 @@ def lookup(ctx: Context, ident: bytes, msg: P.Lookup, frames: Frames) -> Answer:
         raise RequestError(E.BAD_REQUEST, f"skip_chunks must be >= 0, got {msg.skip_chunks}")
     ctx.counters.lookups += 1
     ctx.counters.lookup_chunks += len(keys)
+    ctx.objects.probe_l2(keys, len(eng.layout.groups))
     if not msg.pin:
         n = hit_length(ctx, eng, keys, msg.policy, set())
         ctx.counters.hit_chunks += n

@@ -21,7 +21,7 @@ from hybridkv.server.config import ServerConfig
 from hybridkv.server.context import Answer, Context, Frames, RequestError
 from hybridkv.server.counters import Counters
 from hybridkv.server.formats import Formats
-from hybridkv.server.l2 import L2Adapter
+from hybridkv.server.l2 import L2Adapter, make_l2
 from hybridkv.server.lifecycle import claim_ipc_path
 from hybridkv.server.objects import ObjectStore
 from hybridkv.server.sessions import SessionLimits, Sessions
@@ -41,12 +41,7 @@ class CacheServer:
             log.info("removed the arena of a dead server: %s", path)
         self.arena = Arena(config.l1_bytes, config.l1_dir)
         try:  # from here on, any failure (a bad --l2-dir, SIGTERM during start) must remove the arena
-            l2: L2Adapter | None = None
-            if config.has_l2:
-                from hybridkv.server.l2_fs import FilesystemL2
-
-                assert config.l2_dir is not None
-                l2 = FilesystemL2(config.l2_dir, config.l2_bytes, fsync=config.l2_fsync)
+            l2: L2Adapter | None = make_l2(config)
             self.workers = Workers(config.io_threads)
             self.counters = Counters()
             self.objects = ObjectStore(config, self.arena, l2, self.workers, self.counters)

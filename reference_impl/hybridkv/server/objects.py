@@ -50,6 +50,13 @@ class ObjectStore:
     def get(self, oid: ObjectKey) -> Entry | None:
         return self.l1.get(oid)
 
+    def probe_l2(self, keys: list[bytes], groups: int) -> None:
+        """Let a remote L2 learn, in one round trip, which of these objects it holds before a lookup or a
+        store asks for them one by one (a no-op for adapters whose index is local)."""
+        if self.l2 is None or type(self.l2).probe is L2Adapter.probe:
+            return
+        self.l2.probe([(k, g) for k in keys for g in range(groups) if self.l1.get((k, g)) is None])
+
     def available(self, oid: ObjectKey, length: int) -> bool:
         """Whether a lookup may count this object as present (READY or LOADING in L1, or in L2)."""
         e = self.l1.get(oid)

@@ -1,0 +1,427 @@
+"""Redis / Valkey L2: objects shared between hosts through one store, checked on every read.
+
+Keys (all under the configured prefix, one deployment or tenant per prefix):
+
+    <prefix>m:<key hex>-<group>      the 64-byte ObjectHeader (as in FilesystemL2) + u32 chunk size
+    <prefix>d:<key hex>-<group>:<i>  payload bytes [i * chunk, (i + 1) * chunk)
+
+A put writes the data keys, then the meta key, in one pipeline: a reader that finds the meta finds a
+whole object or a damaged one (a missing or short chunk, a checksum mismatch), which is a miss and is
+deleted, never served. The store's own maxmemory policy evicts keys; an object with a key gone is a
+miss. While the store is unreachable every call is a miss (puts raise `L2Error`) without touching the
+network, for a back-off that doubles up to 8 s, with one log line per 10 s.
+
+The server loop asks `length` for every object of a lookup, so lengths are cached in a local index
+(trusted for `index_ttl_s`, misses for `miss_ttl_s`) and `probe` fills it for many objects in one
+round trip; queries from the loop use their own connections with a short timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import redis
+
+from hybridkv.keys import ObjectKey
+from hybridkv.server.l2 import (
+    HEADER_BYTES,
+    BadObject,
+    L2Adapter,
+    L2Error,
+    ObjectHeader,
+    RedisL2Spec,
+    byte_view,
+    check_key,
+    check_ns,
+)
+from hybridkv.server.l2_redis_link import DOWN, StoreHealth, redis_client
+
+log = logging.getLogger(__name__)
+
+_CHUNK = struct.Struct("<I")
+META_BYTES = HEADER_BYTES + _CHUNK.size
+_MAX_INDEX = 1 << 20          # known lengths kept; the oldest are forgotten (and asked again)
+_PROBE_BATCH = 1024           # meta keys per pipeline
+_MAX_GROUP_SPAN = 16          # groups of one chunk probed together by length()
+_COUNTERS = ("puts", "gets", "hits", "misses", "corrupt_removed", "evicted_seen", "bytes_written",
+             "bytes_read", "store_errors", "probes")
+
+
+
+@dataclass(slots=True)
+class _Known:
+    length: int | None  # None: known to be missing
+    ns: bytes
+    until: float        # monotonic time after which the store is asked again
+
+
+class RedisL2(L2Adapter):
+    """L2 on a Redis or Valkey server that several hybridkv servers may share (see the module doc)."""
+
+    def __init__(self, spec: RedisL2Spec) -> None:
+        self.spec = spec
+        self.capacity_bytes = 0  # the store's maxmemory bounds it, not us
+        self._data = redis_client(spec.url, spec.timeout_s, spec.connect_timeout_s, spec.max_connections)
+        self._meta = redis_client(spec.url, spec.meta_timeout_s, min(spec.connect_timeout_s, spec.meta_timeout_s), 4)
+        self._lock = threading.Lock()
+        self._known: OrderedDict[ObjectKey, _Known] = OrderedDict()
+        # A store that went away may come back empty (a restart): nothing known before it still holds.
+        self._health = StoreHealth(spec.url, spec.retry_after_s, self._forget_all)
+        self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._closed = False
+        self._group_span = 1  # groups per chunk seen so far (length() probes them together)
+        self._ex = spec.ttl_s or None
+        try:
+            self._data.ping()
+        except DOWN as e:
+            # A store that is down at start is a store that is down: misses until it comes back.
+            self._health.failed("ping at start", e)
+
+    def __repr__(self) -> str:
+        return f"RedisL2({self.spec.url!r}, prefix={self.spec.prefix!r})"
+
+    # ---- the L2Adapter interface ----
+
+    def put(self, key: bytes, group: int, ns: bytes, data: memoryview | bytes) -> None:
+        """Write the data keys then the meta key in one pipeline; skipped when the store has the object."""
+        check_key(key, group)
+        check_ns(ns)
+        view = byte_view(data, writable=False)
+        size = view.nbytes
+        self._check_open()
+        okey = (key, group)
+        if self._fresh_length(okey) == size:
+            self._count(puts=1)
+            return
+        self._check_up("put")
+        try:
+            old: Any = self._data.get(self._mkey(key, group))
+            if old is not None and self._parse_meta(old, key, group)[0].payload_len == size:
+                self._remember(okey, size, ns)  # another host stored it: same key, same bytes
+                self._count(puts=1)
+                self._health.ok()
+                return
+        except BadObject:
+            pass  # overwritten below
+        except DOWN as e:
+            self._down("put", e)
+        cb = self.spec.chunk_bytes
+        meta = ObjectHeader(ns, key, group, size, zlib.crc32(view)).pack() + _CHUNK.pack(cb)
+        names = self._dkeys(key, group, size, cb)
+        pipe = self._data.pipeline(transaction=False)
+        for i, name in enumerate(names):
+            pipe.set(name, view[i * cb:(i + 1) * cb], ex=self._ex)  # memoryview slices: sent without a copy
+        pipe.set(self._mkey(key, group), meta, ex=self._ex)
+        try:
+            res = pipe.execute(raise_on_error=False)
+        except DOWN as e:
+            self._down("put", e)
+        errors = [r for r in res if isinstance(r, Exception)]
+        if errors:
+            self._delete_quietly([self._mkey(key, group), *names])
+            self._count(store_errors=1)
+            raise L2Error(f"redis L2 {self.spec.url} refused object {key.hex()}-{group} ({size} B): {errors[0]}")
+        self._health.ok()
+        self._remember(okey, size, ns)
+        self._count(puts=1, bytes_written=size)
+
+    def get_into(self, key: bytes, group: int, out: memoryview) -> bool:
+        """Read meta and chunks in one pipeline, check header, sizes and the payload crc32 into `out`."""
+        check_key(key, group)
+        out = byte_view(out, writable=True)
+        self._check_open()
+        okey = (key, group)
+        known = self._fresh_length(okey)
+        if known is not None and known != out.nbytes:
+            raise ValueError(f"out is {out.nbytes} bytes but object {key.hex()}-{group} is {known} bytes")
+        self._count(gets=1)
+        if not self._health.up():
+            self._count(misses=1)
+            return False
+        try:
+            ok = self._read(key, group, out, self.spec.chunk_bytes)
+        except DOWN as e:
+            self._health.failed("get", e)
+            self._count(misses=1, store_errors=1)
+            return False
+        except BadObject as e:
+            log.warning("L2 redis: removed bad object %s-%d: %s", key.hex(), group, e)
+            self._drop(key, group, out.nbytes)
+            self._count(misses=1, corrupt_removed=1)
+            return False
+        self._health.ok()
+        if not ok:
+            self._count(misses=1)
+            return False
+        self._count(hits=1, bytes_read=out.nbytes)
+        return True
+
+    def contains(self, key: bytes, group: int) -> bool:
+        """Whether the store holds the object (the local index, else one short query)."""
+        return self.length(key, group) is not None
+
+    def length(self, key: bytes, group: int) -> int | None:
+        """The object's payload length, from the local index or one short query; None when missing or down."""
+        check_key(key, group)
+        self._check_open()
+        okey = (key, group)
+        with self._lock:
+            k = self._known.get(okey)
+            if k is not None and time.monotonic() < k.until:
+                return k.length
+        # The loop asks for every group of a chunk in turn: one round trip answers them all.
+        self._group_span = min(max(self._group_span, group + 1), _MAX_GROUP_SPAN)
+        self.probe([okey, *((key, g) for g in range(self._group_span) if g != group)])
+        with self._lock:
+            k = self._known.get(okey)
+            return None if k is None else k.length
+
+    def probe(self, oids: list[tuple[bytes, int]]) -> None:
+        """Fetch the meta keys of the objects not freshly known, in pipelines, into the index."""
+        self._check_open()
+        now = time.monotonic()
+        with self._lock:
+            todo = [o for o in dict.fromkeys(oids) if (kn := self._known.get(o)) is None or now >= kn.until]
+        if not todo or not self._health.up():
+            return
+        self._count(probes=1)
+        bad: list[ObjectKey] = []
+        try:
+            for i in range(0, len(todo), _PROBE_BATCH):
+                batch = todo[i:i + _PROBE_BATCH]
+                metas: list[Any] = self._meta.mget([self._mkey(k, g) for k, g in batch])
+                for (k, g), raw in zip(batch, metas, strict=True):
+                    if raw is None:
+                        self._remember((k, g), None, b"")
+                        continue
+                    try:
+                        hdr, _ = self._parse_meta(raw, k, g)
+                    except BadObject:
+                        bad.append((k, g))
+                        self._remember((k, g), None, b"")
+                        continue
+                    self._remember((k, g), hdr.payload_len, hdr.ns)
+        except DOWN as e:
+            self._health.failed("index query", e)
+            self._count(store_errors=1)
+            return
+        self._health.ok()
+        for k, g in bad:
+            log.warning("L2 redis: removed object %s-%d with a bad header", k.hex(), g)
+            self._delete_quietly([self._mkey(k, g)])
+            self._count(corrupt_removed=1)
+
+    def remove(self, key: bytes, group: int) -> bool:
+        """Delete the object's meta and data keys; True if the meta key existed."""
+        check_key(key, group)
+        self._check_open()
+        self._check_up("remove")
+        length = self._fresh_length((key, group))
+        try:
+            raw: Any = self._data.get(self._mkey(key, group))
+            if raw is not None:
+                try:
+                    hdr, cb = self._parse_meta(raw, key, group)
+                    length, chunk = hdr.payload_len, cb
+                except BadObject:
+                    chunk = self.spec.chunk_bytes
+            else:
+                chunk = self.spec.chunk_bytes
+            names = [self._mkey(key, group)]
+            if length is not None:
+                names += self._dkeys(key, group, length, chunk)
+            removed = self._data.delete(*names)
+        except DOWN as e:
+            self._down("remove", e)
+        self._forget((key, group))
+        return raw is not None and removed > 0
+
+    def clear(self, ns: bytes | None = None) -> int:
+        """Delete every object of namespace `ns` under our prefix (every object under it when None)."""
+        if ns is not None:
+            check_ns(ns)
+        self._check_open()
+        self._check_up("clear")
+        count = 0
+        try:
+            batch: list[bytes] = []
+            for name in self._data.scan_iter(match=self._glob(self.spec.prefix) + b"m:*", count=1000):
+                batch.append(name)
+                if len(batch) >= _PROBE_BATCH:
+                    count += self._clear_batch(batch, ns)
+                    batch = []
+            count += self._clear_batch(batch, ns)
+        except DOWN as e:
+            self._down("clear", e)
+        with self._lock:
+            self._known.clear()
+        return count
+
+    def touch(self, key: bytes, group: int) -> None:
+        """Refresh the keys' LRU clock in the store (TOUCH); a no-op when missing or down."""
+        check_key(key, group)
+        self._check_open()
+        length = self._fresh_length((key, group))
+        if length is None or not self._health.up():
+            return
+        try:
+            self._data.touch(self._mkey(key, group), *self._dkeys(key, group, length, self.spec.chunk_bytes))
+        except DOWN as e:
+            self._health.failed("touch", e)
+
+    def stats(self) -> dict[str, int]:
+        """Counters, the objects this server knows the store holds, and whether the store is up."""
+        with self._lock:
+            held = [k for k in self._known.values() if k.length is not None]
+            return {"objects": len(held), "bytes": sum(k.length or 0 for k in held),
+                    "capacity_bytes": self.capacity_bytes, "store_up": int(self._health.up()),
+                    **self._counters}
+
+    def close(self) -> None:
+        """Close the connections; the store keeps the objects for other servers and restarts."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for c in (self._data, self._meta):
+            c.connection_pool.disconnect()
+
+    # ---- internals ----
+
+    def _read(self, key: bytes, group: int, out: memoryview, cb: int) -> bool:
+        """Fill `out` from the store; False for a missing object, BadObject for a damaged one."""
+        size = out.nbytes
+        pipe = self._data.pipeline(transaction=False)
+        pipe.get(self._mkey(key, group))
+        for name in self._dkeys(key, group, size, cb):
+            pipe.get(name)
+        meta, *chunks = pipe.execute(raise_on_error=False)
+        if isinstance(meta, Exception) or any(isinstance(c, Exception) for c in chunks):
+            err = next(x for x in (meta, *chunks) if isinstance(x, Exception))
+            raise BadObject(f"the store answered {type(err).__name__}: {err}")
+        if meta is None:
+            # Chunks without a meta may be a put in flight: left alone (the store's LRU or TTL takes orphans).
+            self._forget((key, group))
+            return False
+        hdr, their_cb = self._parse_meta(meta, key, group)
+        hdr.check_for(key, group, size)
+        if their_cb != cb:  # written by a server with another chunk size: read its keys
+            return self._read(key, group, out, their_cb)
+        pos = 0
+        for i, c in enumerate(chunks):
+            want = min(cb, size - pos)
+            if c is None:
+                self._count(evicted_seen=1)
+                raise BadObject(f"chunk {i} of {len(chunks)} is gone (evicted by the store?)")
+            if len(c) != want:
+                raise BadObject(f"chunk {i} is {len(c)} bytes, expected {want}")
+            out[pos:pos + want] = c
+            pos += want
+        if zlib.crc32(out) != hdr.payload_crc:
+            raise BadObject("payload checksum mismatch")
+        self._remember((key, group), size, hdr.ns)
+        return True
+
+    def _parse_meta(self, raw: bytes, key: bytes, group: int) -> tuple[ObjectHeader, int]:
+        if len(raw) != META_BYTES:
+            raise BadObject(f"meta value is {len(raw)} bytes, expected {META_BYTES}")
+        hdr = ObjectHeader.unpack(raw[:HEADER_BYTES])
+        if hdr.key != key or hdr.group != group:
+            raise BadObject(f"meta is for {hdr.key.hex()}-{hdr.group}")
+        (cb,) = _CHUNK.unpack_from(raw, HEADER_BYTES)
+        if cb == 0:
+            raise BadObject("chunk size 0")
+        return hdr, cb
+
+    def _clear_batch(self, metas: list[bytes], ns: bytes | None) -> int:
+        if not metas:
+            return 0
+        names: list[bytes | str] = []
+        count = 0
+        values: list[Any] = self._data.mget(metas)
+        for name, raw in zip(metas, values, strict=True):
+            if raw is None:
+                continue
+            try:
+                hdr = ObjectHeader.unpack(raw[:HEADER_BYTES])
+                (cb,) = _CHUNK.unpack_from(raw, HEADER_BYTES)
+            except (BadObject, struct.error):
+                names.append(name)  # damaged: gone in any clear
+                continue
+            if ns is not None and hdr.ns != ns:
+                continue
+            names += [name, *self._dkeys(hdr.key, hdr.group, hdr.payload_len, max(cb, 1))]
+            count += 1
+        if names:
+            self._data.unlink(*names)
+        return count
+
+    def _drop(self, key: bytes, group: int, size: int) -> None:
+        self._forget((key, group))
+        self._delete_quietly([self._mkey(key, group), *self._dkeys(key, group, size, self.spec.chunk_bytes)])
+
+    def _delete_quietly(self, names: list) -> None:
+        try:
+            self._data.unlink(*names)
+        except (redis.RedisError, OSError) as e:
+            log.debug("L2 redis: cannot delete %d keys: %s", len(names), e)
+
+    def _mkey(self, key: bytes, group: int) -> str:
+        return f"{self.spec.prefix}m:{key.hex()}-{group}"
+
+    def _dkeys(self, key: bytes, group: int, size: int, cb: int) -> list[str]:
+        base = f"{self.spec.prefix}d:{key.hex()}-{group}:"
+        return [f"{base}{i}" for i in range(-(-size // cb))]
+
+    @staticmethod
+    def _glob(prefix: str) -> bytes:
+        """The prefix with glob metacharacters escaped, for SCAN MATCH."""
+        return "".join("\\" + c if c in "*?[]\\" else c for c in prefix).encode()
+
+    def _fresh_length(self, okey: ObjectKey) -> int | None:
+        with self._lock:
+            k = self._known.get(okey)
+            return k.length if k is not None and time.monotonic() < k.until else None
+
+    def _remember(self, okey: ObjectKey, length: int | None, ns: bytes) -> None:
+        ttl = self.spec.index_ttl_s if length is not None else self.spec.miss_ttl_s
+        with self._lock:
+            self._known[okey] = _Known(length, ns, time.monotonic() + ttl)
+            self._known.move_to_end(okey)
+            while len(self._known) > _MAX_INDEX:
+                self._known.popitem(last=False)
+
+    def _forget_all(self) -> None:
+        with self._lock:
+            self._known.clear()
+
+    def _forget(self, okey: ObjectKey) -> None:
+        with self._lock:
+            self._known.pop(okey, None)
+
+    def _count(self, **inc: int) -> None:
+        with self._lock:
+            for name, n in inc.items():
+                self._counters[name] += n
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise L2Error(f"{self!r} is closed")
+
+    def _check_up(self, what: str) -> None:
+        if not self._health.up():
+            raise L2Error(f"redis L2 {self.spec.url} is unreachable: {what} refused for "
+                          f"{self._health.down_until - time.monotonic():.1f} s more")
+
+    def _down(self, what: str, exc: BaseException) -> NoReturn:
+        """Record a connection failure and raise L2Error for it."""
+        self._health.failed(what, exc)
+        self._count(store_errors=1)
+        raise L2Error(f"redis L2 {self.spec.url} unreachable during {what}: {type(exc).__name__}: {exc}") from exc

@@ -1,0 +1,82 @@
+"""Real redis-server processes on loopback with random ports, for the Redis L2 tests."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+REDIS_BIN = shutil.which("redis-server") or shutil.which("valkey-server")
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (the kernel picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisProcess:
+    """One redis-server without persistence; `kill` and `start` again reuse the same port (a restart)."""
+
+    def __init__(self, maxmemory: str = "0", policy: str = "allkeys-lru") -> None:
+        assert REDIS_BIN is not None
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="hkv-redis-")
+        self.maxmemory, self.policy = maxmemory, policy
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        """Start (or restart) the server on our port and wait until it answers PING."""
+        import redis
+
+        self.proc = subprocess.Popen(
+            [REDIS_BIN, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self.dir, "--maxmemory", self.maxmemory, "--maxmemory-policy", self.policy,
+             "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        client = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server on port {self.port} did not start "
+                                       f"(exit {self.proc.poll()})") from None
+                time.sleep(0.02)
+        client.close()
+
+    def client(self):
+        import redis
+
+        return redis.Redis(port=self.port, socket_timeout=5)
+
+    def kill(self) -> None:
+        """SIGKILL the server: every key is gone (no persistence)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def close(self) -> None:
+        self.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def skip_reason() -> str | None:
+    """Why the Redis tests cannot run here, or None when they can."""
+    if REDIS_BIN is None:
+        return "redis-server (or valkey-server) is not installed: apt-get install -y redis-server"
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        return "the redis client is not installed: pip install -e '.[redis]'"
+    return None
