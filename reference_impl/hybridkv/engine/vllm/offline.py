@@ -7,6 +7,7 @@ from the token prefix, so every loaded byte can be checked.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 from collections.abc import Iterable
@@ -73,27 +74,29 @@ def write_config(shape: HybridShape, directory: str | Path) -> Path:
     return path
 
 
-def vllm_config(model_dir: str | Path, shape: HybridShape, *, tp: int = 1, max_num_batched_tokens: int = 8192,
-                max_num_seqs: int = 8, max_model_len: int = 65536, kv_transfer: dict[str, Any] | None = None):
-    """A VllmConfig as `vllm serve` builds it, with the hybrid block size aligned for FlashAttention."""
+def model_config(model_dir: str | Path, max_model_len: int = 65536):
+    """vLLM's ModelConfig of a local config directory (slow: vLLM inspects the architecture in a subprocess)."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from vllm.config import (
-        CacheConfig,
-        KVTransferConfig,
-        ModelConfig,
-        ParallelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
+    from vllm.config import ModelConfig
+
+    return ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_model_len)
+
+
+def vllm_config(mc, shape: HybridShape, *, tp: int = 1, max_num_batched_tokens: int = 8192, max_num_seqs: int = 8,
+                kv_transfer: dict[str, Any] | None = None, retention_interval: int | None = 0):
+    """A VllmConfig as `vllm serve` builds it around ModelConfig `mc` (copied), with the hybrid block size aligned
+    for FlashAttention. `retention_interval`: vLLM keeps (and offers the connector) a GDN state every that many
+    tokens; 0 keeps only the prompt's last boundary and shared-prefix junctions."""
+    from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig, SchedulerConfig, VllmConfig
     from vllm.platforms.interface import Platform
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 
-    mc = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_model_len)
+    mc = copy.deepcopy(mc)
     cc = CacheConfig(enable_prefix_caching=True, mamba_cache_mode="align", mamba_ssm_cache_dtype=shape.ssm_dtype,
-                     block_size=16)
+                     block_size=16, prefix_cache_retention_interval=retention_interval)
     sc = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                         max_model_len=max_model_len, is_encoder_decoder=False, enable_chunked_prefill=True)
+                         max_model_len=mc.max_model_len, is_encoder_decoder=False, enable_chunked_prefill=True)
     kt = KVTransferConfig(**kv_transfer) if kv_transfer else None
     vc = VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc, kv_transfer_config=kt,
                     parallel_config=ParallelConfig(tensor_parallel_size=tp))
@@ -248,11 +251,14 @@ class OfflineEngine:
                     report.verified_pages += ok
                     report.corrupt_pages += not ok
 
-    def step(self, before_forward=None):
+    def step(self, after_schedule=None):
         """One scheduler step: schedule, connector loads, verify loaded prefixes, forward, stores, update."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.request import RequestStatus
 
         so = self.scheduler.schedule()
+        if after_schedule is not None:  # an abort or preemption arriving while the step is in flight
+            after_schedule(so)
         report = StepReport()
         meta = so.kv_connector_metadata
         w = self.worker
@@ -265,11 +271,11 @@ class OfflineEngine:
             if nr.num_computed_tokens and not failed:
                 self.verify(nr.req_id, tuple(nr.block_ids), nr.num_computed_tokens, report)
                 report.loaded_requests.append(nr.req_id)
-        if before_forward is not None:
-            before_forward(so)
         req_ids, sampled = [], []
         for rid, n in so.num_scheduled_tokens.items():
-            req = self.scheduler.requests[rid]
+            req = self.scheduler.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran: vLLM drops its output
             blocks = tuple(list(b) for b in self.scheduler.kv_cache_manager.get_block_ids(rid))
             end = req.num_computed_tokens  # schedule() already advanced it past this step's tokens
             start = end - n
