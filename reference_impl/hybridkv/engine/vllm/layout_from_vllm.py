@@ -42,11 +42,11 @@ def layer_index(name: str) -> int:
     raise LayoutError(f"no layer index in layer name {name!r}")
 
 
-def layout_signature(layout: ModelLayout) -> list[tuple[str, tuple[int, ...], int, int]]:
-    """What decides where a byte lives, independent of group order and layer naming: (kind, layer
-    indices, page bytes, block tokens) per group, sorted."""
-    return sorted((g.kind, tuple(layer_index(n) for n in g.layer_names), g.page_bytes, g.block_tokens)
-                  for g in layout.groups)
+def layout_signature(layout: ModelLayout) -> list[tuple[str, int, int, int]]:
+    """What decides object sizes, independent of group order and layer naming: (kind, layers, page bytes,
+    block tokens) per group, sorted. Which layers share a group is not compared: vLLM puts GDN layer i of
+    every attention period in group i, `hybridkv.presets` puts consecutive GDN layers together."""
+    return sorted((g.kind, g.num_layers, g.page_bytes, g.block_tokens) for g in layout.groups)
 
 
 def check_matches_preset(layout: ModelLayout, preset: str) -> None:

@@ -161,9 +161,6 @@ class SchedulerSide:
         state = scheduler_output.kv_connector_block_state
         if state is None:
             return meta
-        import os
-        if os.environ.get("HKV_DEBUG"):
-            print("OFFERS", state.boundary_state_offloads, state.req_ids)
         for rid, offers in state.boundary_state_offloads.items():
             req = requests.get(rid)
             blocks = state.get_block_ids(rid)
