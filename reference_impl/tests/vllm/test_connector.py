@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
+# "vllm.config", not "vllm": without vLLM, this folder would import as a namespace package named vllm
+pytest.importorskip("vllm.config", reason="vLLM is not installed here; `nox -s vllm` builds an environment with it")
 from hybridkv.layout import LayoutError
 
 C = 80  # the tiny hybrid's unified block = chunk

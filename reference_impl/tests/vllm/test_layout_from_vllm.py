@@ -4,6 +4,9 @@ equals hybridkv's presets (block tokens, page bytes, groups)."""
 from __future__ import annotations
 
 import pytest
+
+# "vllm.config", not "vllm": without vLLM, this folder would import as a namespace package named vllm
+pytest.importorskip("vllm.config", reason="vLLM is not installed here; `nox -s vllm` builds an environment with it")
 from hybridkv.engine.vllm import offline
 from hybridkv.engine.vllm.layout_from_vllm import (
     check_matches_preset,

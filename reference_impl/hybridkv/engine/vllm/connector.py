@@ -60,8 +60,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                              f"keeps a GDN state per block boundary (got prefix caching {cache.enable_prefix_caching}, "
                              f"mamba_cache_mode {cache.mamba_cache_mode!r})")
         if tc.kv_load_failure_policy != "recompute":
-            raise ValueError("HybridKVConnector needs kv_load_failure_policy 'recompute' in --kv-transfer-config: a "
-                             f"lost load must cost a recompute, not fail the request (got {tc.kv_load_failure_policy!r})")
+            raise ValueError("HybridKVConnector needs kv_load_failure_policy 'recompute' in --kv-transfer-config: "
+                             "a lost load must cost a recompute, not fail the request "
+                             f"(got {tc.kv_load_failure_policy!r})")
         parallel = vllm_config.parallel_config
         self.layout = layout_from_kv_cache_config(kv_cache_config, vllm_config.model_config.model,
                                                   parallel.tensor_parallel_size)
