@@ -281,6 +281,8 @@ class Scenario(_Strict):
     warmup: int = 0
     device: Device = "auto"
     matrix: Matrix = Matrix()
+    # sim: the simulated engine; vllm: vLLM's own scheduler and allocator through the connector (engine_vllm)
+    engine: Literal["sim", "vllm"] = "sim"
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):

@@ -161,3 +161,5 @@ def test_bad_extra_config_names_the_key(serve, make_engine):
         make_engine("ipc:///tmp/x.sock", wire_fromat="shm")
     with pytest.raises(ValueError, match="store_policy"):
         make_engine("ipc:///tmp/x.sock", store_policy="sometimes")
+    with pytest.raises(ValueError, match="retrieve_policy 'all' is not supported"):
+        make_engine("ipc:///tmp/x.sock", retrieve_policy="all")

@@ -156,6 +156,7 @@ class StepReport:
 
     verified_pages: int = 0
     corrupt_pages: int = 0
+    corrupt_blocks: set[int] = field(default_factory=set)  # block positions (in the request) with a bad page
     loaded_requests: list[str] = field(default_factory=list)
 
 
@@ -250,6 +251,8 @@ class OfflineEngine:
                     ok = np.array_equal(v, page_bytes_for(tokens[:hi], layer, v.size))
                     report.verified_pages += ok
                     report.corrupt_pages += not ok
+                    if not ok:
+                        report.corrupt_blocks.add(j)
 
     def step(self, after_schedule=None):
         """One scheduler step: schedule, connector loads, verify loaded prefixes, forward, stores, update."""

@@ -41,6 +41,7 @@ class SchedulerStats:
 
     lookups: int = 0
     lookup_failures: int = 0
+    lookup_s: float = 0.0
     hit_tokens: int = 0
     loads_planned: int = 0
     stores_planned: int = 0
@@ -125,6 +126,7 @@ class SchedulerSide:
         assert self._client is not None
         tokens = list(request.all_token_ids[:limit])
         self.stats.lookups += 1
+        t0 = time.perf_counter()
         try:
             r, _ = self._client.call(
                 P.Lookup(engine=self._engine, request=rid, keys=chunk_keys(self._namespace, tokens, self.chunk_tokens),
@@ -134,6 +136,8 @@ class SchedulerSide:
             self.stats.lookup_failures += 1
             self._drop_connection(e)
             return 0, False
+        finally:
+            self.stats.lookup_s += time.perf_counter() - t0
         hit = r.hit_chunks * self.chunk_tokens
         if hit <= num_computed_tokens:
             return 0, False

@@ -18,8 +18,8 @@ class ConnectorSettings:
     wire_format: str = "shm"        # the engine's GPU writes straight into the server's arena
     copy_engine: str = "auto"
     streams: str = "single"
-    store_policy: str = "boundary"  # attention of every chunk, the recurrent state where vLLM offers it
-    retrieve_policy: str = "boundary"
+    store_policy: str = "boundary"  # attention of every chunk, the recurrent state wherever vLLM offers one
+    retrieve_policy: str = "boundary"  # attention of every hit chunk, the recurrent state at the hit's end
     chunk_tokens: int = 0           # 0: vLLM's block size (the unified hybrid block)
     lookup_timeout_s: float = 2.0   # a lookup slower than this counts as a miss
     timeout_s: float = 30.0         # stores, loads and registration
@@ -33,6 +33,12 @@ class ConnectorSettings:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"kv_connector_extra_config {name} must be one of {allowed}, "
                                  f"got {getattr(self, name)!r}")
+        for name in ("store_policy", "retrieve_policy"):
+            if getattr(self, name) != "boundary":
+                # vLLM's block table holds one GDN state block per request, at the hit's end (align mode), and
+                # keeps states only where a scheduler step ended: there is nowhere to load, or to take, others
+                raise ValueError(f"kv_connector_extra_config {name} {getattr(self, name)!r} is not supported under "
+                                 "vLLM: only 'boundary' (attention of every chunk, the GDN state at the hit's end)")
         if self.wire_format == "cuda_ipc":
             raise ValueError("kv_connector_extra_config wire_format cuda_ipc is a baseline the connector does not "
                              "offer: the server would hold a CUDA context")

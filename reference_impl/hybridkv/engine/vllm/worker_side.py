@@ -122,8 +122,8 @@ class WorkerSide:
                 self.stats.load_failures += 1
                 self._failed_blocks.update(self._job_blocks(job))
                 log.warning("hybridkv: load of %s failed (%s); vLLM recomputes it", job.request_id, e)
-                if not isinstance(e, LookupError):
-                    self._drop(e)
+                if isinstance(e, (TimeoutError, ConnectionError, ServerError)):
+                    self._drop(e)  # the server is gone or refusing: reconnect later
             self.stats.load_s += time.perf_counter() - t0
 
     def _load(self, job: LoadJob) -> None:
