@@ -99,6 +99,7 @@ def gpu_bench(session: nox.Session) -> None:
 # with the requirements it needs to import and to run its scheduler on CPU. torchvision stays out: PyPI has
 # only CUDA builds of it, which fail to load over the CPU torch.
 VLLM = "vllm==0.33.0"
+VLLM_SCENARIO = "scenarios/vllm_connector.toml"
 VLLM_REQUIREMENTS = [
     "packaging", "regex", "cachetools", "psutil", "sentencepiece", "numpy", "requests>=2.33.0", "certifi", "tqdm",
     "blake3", "py-cpuinfo", "transformers>=5.16.1,<5.21", "huggingface_hub>=1.31.0", "tokenizers>=0.23.2",
@@ -127,3 +128,6 @@ def vllm(session: nox.Session) -> None:
     session.run("python", "-c", "import torch, vllm.config; assert '+cpu' in torch.__version__, torch.__version__",
                 env=env)
     session.run("pytest", "-q", "reference_impl/tests/vllm", *session.posargs, env=env)
+    # the reduced vLLM-driven scenario: shm cases only; exit 1 (a case failed, e.g. a corrupt chunk) fails CI
+    out = f"results/runs/vllm_connector-{time.strftime('%Y%m%d-%H%M%S')}"
+    session.run("hybridkv", "bench", VLLM_SCENARIO, "--cases", "*/shm-*", "--out", out, env=env)

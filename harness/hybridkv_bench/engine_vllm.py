@@ -45,9 +45,9 @@ class VllmEngine:
             _MODEL_CONFIGS[key] = offline.model_config(offline.write_config(shape_of(cfg), folder),
                                                        max_model_len=max_tokens + 16)
         shape = shape_of(cfg)
+        # the store policy is the oracle's: vLLM keeps a state at every chunk here, the connector stores each
         extra = {"endpoint": endpoint, "salt": salt, "timeout_s": timeout_s, "lookup_timeout_s": timeout_s,
-                 "chunk_tokens": chunk_tokens, **{k: v for k, v in axes.items() if k not in ("store_policy", "retrieve_policy")},
-                 "retrieve_policy": axes["retrieve_policy"]}
+                 "chunk_tokens": chunk_tokens, **{k: v for k, v in axes.items() if k != "store_policy"}}
         transfer = dict(kv_connector="HybridKVConnector", kv_connector_module_path="hybridkv.engine.vllm.connector",
                         kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
         vc = offline.vllm_config(_MODEL_CONFIGS[key], shape, max_num_batched_tokens=chunk_tokens,
@@ -59,8 +59,8 @@ class VllmEngine:
         self.chunk_tokens = chunk_tokens
         self.prefill = prefill
         self.timeout_s = timeout_s
-        self._sched = self.engine.scheduler.connector.scheduler_side  # type: ignore[union-attr]
-        self._worker = self.engine.worker.worker_side  # type: ignore[union-attr]
+        self._sched = self.engine.scheduler.connector.scheduler_side
+        self._worker = self.engine.worker.worker_side
         if self._worker.transfer is None:
             raise ConnectionError(f"the connector could not reach the cache server at {endpoint}")
 

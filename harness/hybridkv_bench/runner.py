@@ -307,7 +307,8 @@ class Runner:
                     from .engine_vllm import VllmEngine  # imports vLLM: only for scenarios that ask for it
 
                     engines.append(VllmEngine(  # type: ignore[arg-type]
-                        self.cfg, endpoint, axes, self.chunk, salt, self._prefill, plan.max_tokens(e), CLIENT_TIMEOUT_S))
+                        self.cfg, endpoint, axes, self.chunk, salt, self._prefill, plan.max_tokens(e),
+                        CLIENT_TIMEOUT_S))
                     continue
                 client = CacheClient(endpoint, timeout_s=CLIENT_TIMEOUT_S)
                 clients.append(client)

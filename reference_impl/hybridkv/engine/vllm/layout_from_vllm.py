@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hybridkv.layout import GroupLayout, LayoutError, ModelLayout
+from hybridkv.layout import GroupKind, GroupLayout, LayoutError, ModelLayout
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -17,6 +17,7 @@ def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig, model: str, tp_s
     groups = []
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
         spec = g.kv_cache_spec
+        kind: GroupKind
         if isinstance(spec, UniformTypeKVCacheSpecs):
             spec = next(iter(spec.kv_cache_specs.values()))
         if isinstance(spec, MambaSpec):

@@ -64,7 +64,9 @@ def write_config(shape: HybridShape, directory: str | Path) -> Path:
         head_dim=shape.head_dim, linear_num_key_heads=shape.linear_num_key_heads,
         linear_num_value_heads=shape.linear_num_value_heads, linear_key_head_dim=shape.linear_key_head_dim,
         linear_value_head_dim=shape.linear_value_head_dim, linear_conv_kernel_dim=shape.linear_conv_kernel_dim,
-        full_attention_interval=shape.full_attention_interval, vocab_size=1024, intermediate_size=256,
+        layer_types=["full_attention" if (i + 1) % shape.full_attention_interval == 0 else "linear_attention"
+                     for i in range(shape.num_layers)],
+        vocab_size=1024, intermediate_size=256,
         max_position_embeddings=1 << 20,
     )
     cfg.architectures = [ARCHITECTURE]
@@ -188,7 +190,7 @@ class OfflineEngine:
                                    structured_output_manager=StructuredOutputManager(vc),
                                    block_size=block, hash_block_size=hash_block)
         self.kv_caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), KVCacheLayout.LBHNC)
-        self.worker = None
+        self.worker: Any = None  # the worker-role connector (vLLM types it as KVConnectorBase)
         if vc.kv_transfer_config is not None:
             self.worker = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, self.kv_cache_config)
             self.worker.register_kv_caches(self.kv_caches)
@@ -201,7 +203,7 @@ class OfflineEngine:
     @property
     def layout(self) -> ModelLayout:
         assert self.worker is not None
-        return self.worker.layout  # type: ignore[attr-defined]
+        return self.worker.layout
 
     def add_request(self, rid: str, token_ids: Iterable[int], max_tokens: int = 1) -> None:
         from vllm import SamplingParams
@@ -268,7 +270,7 @@ class OfflineEngine:
         if w is not None and meta is not None:
             w.handle_preemptions(meta)
             w.bind_connector_metadata(meta)
-            w.start_load_kv(None)  # type: ignore[arg-type]
+            w.start_load_kv(None)
         failed = w.get_block_ids_with_load_errors() if w is not None else set()
         for nr in so.scheduled_new_reqs:
             if nr.num_computed_tokens and not failed:

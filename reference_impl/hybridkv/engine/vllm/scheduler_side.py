@@ -18,6 +18,7 @@ from hybridkv.engine.vllm.plan import HybridKVMetadata, LoadJob, StoreJob
 from hybridkv.engine.vllm.settings import ConnectorSettings
 from hybridkv.keys import chunk_keys
 from hybridkv.layout import LayoutError, ModelLayout
+from hybridkv.policy import check_policy
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -130,7 +131,7 @@ class SchedulerSide:
         try:
             r, _ = self._client.call(
                 P.Lookup(engine=self._engine, request=rid, keys=chunk_keys(self._namespace, tokens, self.chunk_tokens),
-                         policy=self.settings.retrieve_policy, skip_chunks=num_computed_tokens // self.chunk_tokens),
+                         policy=check_policy(self.settings.retrieve_policy), skip_chunks=num_computed_tokens // self.chunk_tokens),
                 timeout=self.settings.lookup_timeout_s)
         except Exception as e:  # slow or gone: a miss
             self.stats.lookup_failures += 1
