@@ -95,7 +95,8 @@ def vllm_config(mc, shape: HybridShape, *, tp: int = 1, max_num_batched_tokens: 
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 
     mc = copy.deepcopy(mc)
-    cc = CacheConfig(enable_prefix_caching=True, mamba_cache_mode="align", mamba_ssm_cache_dtype=shape.ssm_dtype,
+    # prefix caching alone selects the GDN "align" mode, as under `vllm serve --enable-prefix-caching`
+    cc = CacheConfig(enable_prefix_caching=True, mamba_ssm_cache_dtype=shape.ssm_dtype,
                      block_size=16, prefix_cache_retention_interval=retention_interval)
     sc = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                          max_model_len=mc.max_model_len, is_encoder_decoder=False, enable_chunked_prefill=True)

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from hybridkv.engine.transfer import COPY_ENGINES, STREAM_MODES, WIRE_FORMATS
 from hybridkv.policy import POLICIES
+from hybridkv.server.config import default_endpoint
 
 
 @dataclass(frozen=True, slots=True)
 class ConnectorSettings:
     """Extra-config keys of HybridKVConnector; the defaults are the fast path."""
 
-    endpoint: str = "ipc:///tmp/hybridkv/server.sock"
+    endpoint: str = field(default_factory=default_endpoint)  # where `hybridkv serve` listens by default
     salt: str = ""                  # tenant / namespace salt: engines with different salts never share chunks
     wire_format: str = "shm"        # the engine's GPU writes straight into the server's arena
     copy_engine: str = "auto"
