@@ -3,6 +3,10 @@ real `hybridkv serve`, and every loaded page is checked against what the simulat
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import numpy as np
 import pytest
 
@@ -141,6 +145,24 @@ def test_server_killed_midway_costs_hits_not_requests(serve, make_engine):
     eng.add_request("B", a)
     eng.run()
     assert sched_stats(eng).hit_tokens == 0
+    assert not eng.scheduler.has_requests()
+
+
+def test_stalled_server_costs_hits_not_requests(serve, make_engine):
+    srv = serve()
+    eng = make_engine(srv.endpoint, lookup_timeout_s=0.3, timeout_s=1.0, retry_s=60.0)
+    a = tokens(3 * C + 3, 12)
+    run(eng, "A", a)
+    settle(eng)
+    os.kill(srv.pid, signal.SIGSTOP)  # alive but answering nothing: a slow server, at its limit
+    try:
+        t0 = time.monotonic()
+        eng.add_request("B", a)
+        eng.run()
+        assert time.monotonic() - t0 < 10  # one lookup timeout, then no further tries for retry_s
+    finally:
+        os.kill(srv.pid, signal.SIGCONT)
+    assert sched_stats(eng).hit_tokens == 0 and sched_stats(eng).lookup_failures == 1
     assert not eng.scheduler.has_requests()
 
 
