@@ -12,6 +12,7 @@ import pytest
 
 # "vllm.config", not "vllm": without vLLM, this folder would import as a namespace package named vllm
 pytest.importorskip("vllm.config", reason="vLLM is not installed here; `nox -s vllm` builds an environment with it")
+from hybridkv.engine.vllm import offline
 from hybridkv.layout import LayoutError
 
 C = 80  # the tiny hybrid's unified block = chunk
@@ -51,9 +52,19 @@ def test_prefix_hit_loads_a_s_exact_bytes(serve, make_engine):
     eng.add_request("B", b)
     so, rep = eng.step()
     assert so.scheduled_new_reqs[0].num_computed_tokens == 5 * C  # the external hit, whole chunks
+    # the 5 attention blocks and 3 state blocks were zeroed before the load: what verify found, the load wrote
+    assert eng.zeroed_blocks == 5 + 3
     assert sched_stats(eng).hit_tokens == 5 * C
     # 5 attention blocks x 2 layers, plus the state of token 400 in block (400-1)//80 of 3 GDN groups x 2 layers
     assert (rep.verified_pages, rep.corrupt_pages) == (16, 0)
+    # the check can fail: the state of token 400 one block early (where a positional off-by-one would put it)
+    new = so.scheduled_new_reqs[0]
+    gdn = eng.layout.recurrent_groups[0]
+    wrong = [list(ids) for ids in new.block_ids]
+    wrong[gdn][4], wrong[gdn][3] = wrong[gdn][3], wrong[gdn][4]
+    bad = offline.StepReport()
+    eng.verify("B", tuple(wrong), 5 * C, bad)
+    assert bad.corrupt_pages == 2  # both layers of that GDN group
     assert eng.run().corrupt_pages == 0
     assert worker_stats(eng).loads == 1 and worker_stats(eng).load_failures == 0
 

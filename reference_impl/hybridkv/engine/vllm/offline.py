@@ -200,6 +200,7 @@ class OfflineEngine:
         self._page = {i: g.kv_cache_spec.page_size_bytes for i, g in enumerate(groups)}
         self._tokens: dict[str, np.ndarray] = {}
         self.reports: list[StepReport] = []
+        self.zeroed_blocks = 0
 
     @property
     def layout(self) -> ModelLayout:
@@ -266,7 +267,19 @@ class OfflineEngine:
         if after_schedule is not None:  # an abort or preemption arriving while the step is in flight
             after_schedule(so)
         report = StepReport()
+        # vLLM's worker zeroes newly allocated blocks before any load: stale bytes of an earlier request in a
+        # reused block can then never pass for a load that did not happen
+        for block_id in so.new_block_ids_to_zero or ():
+            for t in self.kv_caches.values():
+                t[block_id].zero_()
         meta = so.kv_connector_metadata
+        # and every block a load is to write is zeroed here too (vLLM leaves reused attention blocks as they
+        # are): bytes an earlier request left there can never pass for a load that did not happen
+        for job in getattr(meta, "loads", ()):
+            for block_id in self.worker.worker_side.job_blocks(job):
+                for t in self.kv_caches.values():
+                    t[block_id].zero_()
+                self.zeroed_blocks += 1
         w = self.worker
         if w is not None and meta is not None:
             w.handle_preemptions(meta)

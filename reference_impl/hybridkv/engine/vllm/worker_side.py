@@ -120,7 +120,7 @@ class WorkerSide:
                 self._load(job)
             except Exception as e:
                 self.stats.load_failures += 1
-                self._failed_blocks.update(self._job_blocks(job))
+                self._failed_blocks.update(self.job_blocks(job))
                 log.warning("hybridkv: load of %s failed (%s); vLLM recomputes it", job.request_id, e)
                 if isinstance(e, (TimeoutError, ConnectionError, ServerError)):
                     self._drop(e)  # the server is gone or refusing: reconnect later
@@ -138,7 +138,7 @@ class WorkerSide:
         self.stats.loads += 1
         self.stats.loaded_bytes += h.nbytes
 
-    def _job_blocks(self, job: LoadJob) -> set[int]:
+    def job_blocks(self, job: LoadJob) -> set[int]:
         """The blocks a load writes: the hit's attention blocks past the local hit, and the state block."""
         out: set[int] = set()
         first, n = job.skip_tokens // self.chunk_tokens, len(job.token_ids) // self.chunk_tokens
