@@ -129,9 +129,10 @@ class SchedulerSide:
         self.stats.lookups += 1
         t0 = time.perf_counter()
         try:
+            keys = chunk_keys(self._namespace, tokens, self.chunk_tokens)
             r, _ = self._client.call(
-                P.Lookup(engine=self._engine, request=rid, keys=chunk_keys(self._namespace, tokens, self.chunk_tokens),
-                         policy=check_policy(self.settings.retrieve_policy), skip_chunks=num_computed_tokens // self.chunk_tokens),
+                P.Lookup(engine=self._engine, request=rid, keys=keys, policy=check_policy(self.settings.retrieve_policy),
+                         skip_chunks=num_computed_tokens // self.chunk_tokens),
                 timeout=self.settings.lookup_timeout_s)
         except Exception as e:  # slow or gone: a miss
             self.stats.lookup_failures += 1
