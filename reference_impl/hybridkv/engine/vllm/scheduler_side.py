@@ -131,7 +131,8 @@ class SchedulerSide:
         try:
             keys = chunk_keys(self._namespace, tokens, self.chunk_tokens)
             r, _ = self._client.call(
-                P.Lookup(engine=self._engine, request=rid, keys=keys, policy=check_policy(self.settings.retrieve_policy),
+                P.Lookup(engine=self._engine, request=rid, keys=keys,
+                         policy=check_policy(self.settings.retrieve_policy),
                          skip_chunks=num_computed_tokens // self.chunk_tokens),
                 timeout=self.settings.lookup_timeout_s)
         except Exception as e:  # slow or gone: a miss
