@@ -8,6 +8,8 @@ chunk, as the simulated engine's `all` store policy does.
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -42,6 +44,7 @@ class VllmEngine:
         key = (cfg, max_tokens)
         if key not in _MODEL_CONFIGS:
             folder = Path(tempfile.mkdtemp(prefix="hkv-vllm-model-"))
+            atexit.register(shutil.rmtree, folder, True)  # vLLM may read the config again while it is cached
             _MODEL_CONFIGS[key] = offline.model_config(offline.write_config(shape_of(cfg), folder),
                                                        max_model_len=max_tokens + 16)
         shape = shape_of(cfg)
