@@ -102,3 +102,41 @@ def gpu_tests(session: nox.Session) -> None:
 def gpu_bench(session: nox.Session) -> None:
     """Kernel gather/scatter benchmark against the pinned-copy ceiling (not default)."""
     session.run("python", "kernels/bench/bench_gather_scatter.py", *session.posargs)
+
+
+# vLLM 0.33.0 pins torch==2.14.0 (a CUDA build) and GPU-only packages: it goes in --no-deps over the CPU torch,
+# with the requirements it needs to import and to run its scheduler on CPU. torchvision stays out: PyPI has
+# only CUDA builds of it, which fail to load over the CPU torch.
+VLLM = "vllm==0.33.0"
+VLLM_SCENARIO = "scenarios/vllm_connector.toml"
+VLLM_REQUIREMENTS = [
+    "packaging", "regex", "cachetools", "psutil", "sentencepiece", "numpy", "requests>=2.33.0", "certifi", "tqdm",
+    "blake3", "py-cpuinfo", "transformers>=5.16.1,<5.21", "huggingface_hub>=1.31.0", "tokenizers>=0.23.2",
+    "safetensors>=0.6.2", "protobuf>=5.29.6", "fastapi[standard]>=0.133.0,<0.137.0", "aiohttp>=3.14.4",
+    "openai>=2.25.0", "pydantic>=2.12.0", "orjson>=3.11.6", "prometheus_client>=0.18.0", "pillow",
+    "prometheus-fastapi-instrumentator>=8.0.0", "tiktoken>=0.6.0", "partial-json-parser", "jsonschema>=4.23.0",
+    "pyzmq>=25.0.0", "msgspec", "pyyaml", "einops", "depyf==0.20.0", "cloudpickle", "watchfiles",
+    "python-json-logger", "pybase64", "cbor2", "ijson", "setproctitle", "oss-harmony>=0.0.11", "mcp>=2.2.0,<3",
+    "anthropic>=0.71.0", "llguidance>=1.7.0,<1.8.0", "outlines_core==0.2.14", "lark==1.2.2",
+    "lm-format-enforcer==0.11.3", "mistral_common[image]>=1.11.6", "opencv-python-headless>=4.13.0", "loguru",
+]
+# these two require torch (any version would do): --no-deps keeps the CPU build in place
+VLLM_NO_DEPS = ["xgrammar==0.2.8", "apache-tvm-ffi==0.1.11", "compressed-tensors==0.17.0"]
+
+
+@nox.session
+def vllm(session: nox.Session) -> None:
+    """The vLLM connector's tests with vLLM 0.33's real scheduler on CPU, and the reduced vLLM-driven scenario."""
+    session.install(*CPU_TORCH)
+    session.install("--no-deps", VLLM, *VLLM_NO_DEPS)
+    session.install(*VLLM_REQUIREMENTS)
+    session.install("--no-deps", "-e", ".")
+    session.install("pytest>=8", "pytest-timeout>=2.2", "pytest-benchmark>=4", "triton>=3.0", "matplotlib>=3.7",
+                    "pandas")
+    env = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
+    session.run("python", "-c", "import torch, vllm.config; assert '+cpu' in torch.__version__, torch.__version__",
+                env=env)
+    session.run("pytest", "-q", "reference_impl/tests/vllm", *session.posargs, env=env)
+    # the reduced vLLM-driven scenario: shm cases only; exit 1 (a case failed, e.g. a corrupt chunk) fails CI
+    out = f"results/runs/vllm_connector-{time.strftime('%Y%m%d-%H%M%S')}"
+    session.run("hybridkv", "bench", VLLM_SCENARIO, "--cases", "*/shm-*", "--out", out, env=env)

@@ -185,8 +185,6 @@ class Runner:
         self.status = _Status()
         self._pools: dict[int, EnginePools] = {}
         self._hf: HFModel | None = None  # the transformers engine's model, built at its first case
-        if scenario.engine not in ("sim", "transformers"):
-            raise BenchError(f"engine {scenario.engine!r} is not run by this runner (it runs sim, transformers)")
         self._tmp: list[Path] = []
         self._servers: list[ServerProcess] = []
         self._nonce = f"{os.getpid()}-{time.time_ns()}"
@@ -322,6 +320,13 @@ class Runner:
             clients.append(control)
             before, _ = control.call(P.Stats())
             for e, rank in enumerate(plan.ranks):
+                if self.scenario.engine == "vllm":
+                    from .engine_vllm import VllmEngine  # imports vLLM: only for scenarios that ask for it
+
+                    engines.append(VllmEngine(  # type: ignore[arg-type]
+                        self.cfg, endpoint, axes, self.chunk, salt, self._prefill, plan.max_tokens(e),
+                        CLIENT_TIMEOUT_S))
+                    continue
                 client = CacheClient(endpoint, timeout_s=CLIENT_TIMEOUT_S)
                 clients.append(client)
                 cfg = TransferConfig(**axes, chunk_tokens=self.chunk, tp_rank=rank, salt=salt,
@@ -364,7 +369,8 @@ class Runner:
             if watch:
                 watch.stop()
             for eng in engines:
-                eng.kv.close()
+                close = getattr(eng, "close", None)  # the vllm engine closes its connector; SimEngine its KVTransfer
+                (close or eng.kv.close)()
             for c in clients:
                 c.close()
             if server is not None:

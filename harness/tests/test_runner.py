@@ -39,6 +39,7 @@ SHIPPED = {
     "h200_seed_formats": (0.05, "torch_save-dma-per_group-all-all"),
     "hf_oracle": (1.0, "long_doc_qa/pickle-*"),  # test_hf_engine runs its shm case
     "h200_hf_oracle": (0.05, "*"),  # a 27B-parameter model: skipped without CUDA
+    "vllm_connector": (1.0, "shm-*"),  # needs vLLM: runs in `nox -s vllm`, skipped elsewhere
 }
 
 
@@ -55,6 +56,8 @@ def test_shipped_scenario_runs_verified(name: str, tmp_path: Path, capsys):
     factor, cases = SHIPPED[name]
     if load_scenario(SCENARIOS / f"{name}.toml").scenario.device == "cuda" and not torch.cuda.is_available():
         pytest.skip(f"{name} needs a CUDA device")
+    if load_scenario(SCENARIOS / f"{name}.toml").scenario.engine == "vllm":
+        pytest.importorskip("vllm.config", reason="vLLM is not installed here; `nox -s vllm` runs this scenario")
     assert bench(name, tmp_path / "run", "--quick", str(factor), "--cases", cases) == 0
     err = capsys.readouterr().err
     run = load_run(tmp_path / "run").require_complete()

@@ -1,0 +1,156 @@
+"""HybridKVConnector: vLLM 0.33's KV-connector interface (KVConnectorBase_V1 + SupportsHMA) over hybridkv.
+
+Load it without patching vLLM:
+    --kv-transfer-config '{"kv_connector": "HybridKVConnector",
+                           "kv_connector_module_path": "hybridkv.engine.vllm.connector",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"endpoint": "ipc:///tmp/hybridkv/server.sock"}}'
+The scheduler half (`SchedulerSide`) keeps the books; the worker half (`WorkerSide`) moves bytes with KVTransfer.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from hybridkv.engine.vllm.layout_from_vllm import check_matches_preset, layout_from_kv_cache_config
+from hybridkv.engine.vllm.plan import HybridKVMetadata
+from hybridkv.engine.vllm.scheduler_side import SchedulerSide
+from hybridkv.engine.vllm.settings import ConnectorSettings
+from hybridkv.engine.vllm.worker_side import WorkerSide
+from hybridkv.layout import LayoutError
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.attention.backends.abstract import AttentionMetadata
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
+    """Offloads every KV-cache group of a hybrid model (attention blocks and GDN boundary states) to hybridkv."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped store is a later miss, never a lost request
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config, role, kv_cache_config)
+        tc = self._kv_transfer_config
+        self.settings = ConnectorSettings.from_extra(tc.kv_connector_extra_config)
+        cache = vllm_config.cache_config
+        if not cache.enable_prefix_caching or cache.mamba_cache_mode != "align":
+            raise ValueError("HybridKVConnector needs --enable-prefix-caching and --mamba-cache-mode align: vLLM then "
+                             f"keeps a GDN state per block boundary (got prefix caching {cache.enable_prefix_caching}, "
+                             f"mamba_cache_mode {cache.mamba_cache_mode!r})")
+        if tc.kv_load_failure_policy != "recompute":
+            raise ValueError("HybridKVConnector needs kv_load_failure_policy 'recompute' in --kv-transfer-config: "
+                             "a lost load must cost a recompute, not fail the request "
+                             f"(got {tc.kv_load_failure_policy!r})")
+        parallel = vllm_config.parallel_config
+        self.layout = layout_from_kv_cache_config(kv_cache_config, vllm_config.model_config.model,
+                                                  parallel.tensor_parallel_size)
+        if self.settings.expect_preset:
+            check_matches_preset(self.layout, self.settings.expect_preset)
+        block = min(g.block_tokens for g in self.layout.groups)
+        self.chunk_tokens = self.settings.chunk_tokens or self.layout.default_chunk_tokens()
+        if self.chunk_tokens % block:
+            raise LayoutError(f"chunk_tokens {self.chunk_tokens} is not a multiple of vLLM's block size {block}")
+        self.layout.check_chunk_tokens(self.chunk_tokens)
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
+        self._requests: dict[str, Request] = {}
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler_side = SchedulerSide(self.settings, self.layout, self.chunk_tokens)
+        else:
+            self.worker_side = WorkerSide(self.settings, self.layout, self.chunk_tokens, parallel.rank % max(
+                1, parallel.tensor_parallel_size))
+
+    # ---- worker side ------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.worker_side is not None:
+            self.worker_side.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self.worker_side is not None:
+            self.worker_side.start_load(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass  # every load finished in start_load_kv: GDN layers never call this
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        pass  # stores run after the whole forward, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.save(self._meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.worker_side is not None:
+            self.worker_side.request_finished(finished_req_ids)
+        return None, None  # loads are synchronous and stores never hold vLLM's blocks
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_side.take_failed_blocks() if self.worker_side is not None else set()
+
+    def _meta(self) -> HybridKVMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HybridKVMetadata)
+        return meta
+
+    # ---- scheduler side ---------------------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.scheduler_side is None:
+            return 0, False
+        self._requests.setdefault(request.request_id, request)
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if self.scheduler_side is not None:
+            self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if self.scheduler_side is None:
+            return HybridKVMetadata()
+        return self.scheduler_side.build_connector_meta(scheduler_output, self._requests)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._finished(request)
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return self._finished(request)
+
+    def _finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        if self.scheduler_side is not None:
+            self.scheduler_side.request_finished(request)
+        return False, None  # stores copied their pages inside the step: the blocks are free now
+
+    def shutdown(self) -> None:
+        if self.scheduler_side is not None:
+            self.scheduler_side.close()
+        if self.worker_side is not None:
+            self.worker_side.close()

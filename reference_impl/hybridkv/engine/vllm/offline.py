@@ -1,0 +1,337 @@
+"""vLLM's own scheduler, KV-cache planner and cache tensors on CPU, with a simulated forward: what the
+connector's tests and the harness's `vllm` engine drive. The model is never built; its KV-cache specs come
+from the model class's own state-shape rules, the block size from vLLM's hybrid alignment for a named
+attention backend (FlashAttention on Hopper by default), and the pages a forward would write are derived
+from the token prefix, so every loaded byte can be checked.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridkv.layout import ModelLayout
+
+# GDN layers of Qwen3.5/3.6 and Qwen3-Next share one state-shape rule; vLLM's Qwen3.5 module also imports a
+# vision tower that needs torchvision, which has no CPU build for this torch on PyPI, so the planner reads
+# both through Qwen3-Next's class (Qwen3.6's float32 SSM state is passed as mamba_ssm_cache_dtype, as its
+# config's mamba_ssm_dtype would set it).
+ARCHITECTURE = "Qwen3NextForCausalLM"
+
+
+@dataclass(frozen=True, slots=True)
+class HybridShape:
+    """The config fields that decide a Qwen3.5/3.6/Next KV cache."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    full_attention_interval: int = 4
+    num_attention_heads: int = 16
+    hidden_size: int = 1024
+    ssm_dtype: str = "float32"
+
+
+QWEN36_27B = HybridShape(num_layers=64, num_kv_heads=4, head_dim=256, linear_num_key_heads=16,
+                         linear_num_value_heads=48, num_attention_heads=24, hidden_size=5120)
+QWEN3_NEXT_80B = HybridShape(num_layers=48, num_kv_heads=2, head_dim=256, linear_num_key_heads=16,
+                             linear_num_value_heads=32, hidden_size=2048, ssm_dtype="bfloat16")
+TINY = HybridShape(num_layers=8, num_kv_heads=2, head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8,
+                   linear_key_head_dim=16, linear_value_head_dim=16, num_attention_heads=4, hidden_size=64)
+SHAPES = {"qwen3.6-27b": QWEN36_27B, "qwen3-next-80b-a3b": QWEN3_NEXT_80B, "tiny-hybrid": TINY}
+
+
+def write_config(shape: HybridShape, directory: str | Path) -> Path:
+    """A local model directory holding only a config.json written by transformers (nothing downloaded)."""
+    from transformers import Qwen3_5TextConfig
+
+    cfg = Qwen3_5TextConfig(
+        num_hidden_layers=shape.num_layers, hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim, linear_num_key_heads=shape.linear_num_key_heads,
+        linear_num_value_heads=shape.linear_num_value_heads, linear_key_head_dim=shape.linear_key_head_dim,
+        linear_value_head_dim=shape.linear_value_head_dim, linear_conv_kernel_dim=shape.linear_conv_kernel_dim,
+        layer_types=["full_attention" if (i + 1) % shape.full_attention_interval == 0 else "linear_attention"
+                     for i in range(shape.num_layers)],
+        vocab_size=1024, intermediate_size=256,
+        max_position_embeddings=1 << 20,
+    )
+    cfg.architectures = [ARCHITECTURE]
+    cfg.mamba_ssm_dtype = shape.ssm_dtype
+    path = Path(directory)
+    cfg.save_pretrained(path)
+    return path
+
+
+def model_config(model_dir: str | Path, max_model_len: int = 65536):
+    """vLLM's ModelConfig of a local config directory (slow: vLLM inspects the architecture in a subprocess)."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from vllm.config import ModelConfig
+
+    return ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_model_len)
+
+
+def vllm_config(mc, shape: HybridShape, *, tp: int = 1, max_num_batched_tokens: int = 8192, max_num_seqs: int = 8,
+                kv_transfer: dict[str, Any] | None = None, retention_interval: int | None = 0):
+    """A VllmConfig as `vllm serve` builds it around ModelConfig `mc` (copied), with the hybrid block size aligned
+    for FlashAttention. `retention_interval`: vLLM keeps (and offers the connector) a GDN state every that many
+    tokens; 0 keeps only the prompt's last boundary and shared-prefix junctions."""
+    from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig, SchedulerConfig, VllmConfig
+    from vllm.platforms.interface import Platform
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+    mc = copy.deepcopy(mc)
+    # prefix caching alone selects the GDN "align" mode, as under `vllm serve --enable-prefix-caching`
+    cc = CacheConfig(enable_prefix_caching=True, mamba_ssm_cache_dtype=shape.ssm_dtype,
+                     block_size=16, prefix_cache_retention_interval=retention_interval)
+    sc = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                         max_model_len=mc.max_model_len, is_encoder_decoder=False, enable_chunked_prefill=True)
+    kt = KVTransferConfig(**kv_transfer) if kv_transfer else None
+    vc = VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc, kv_transfer_config=kt,
+                    parallel_config=ParallelConfig(tensor_parallel_size=tp))
+    # What update_block_size_for_backend does on a GPU once the layers exist: FlashAttention's kernel
+    # alignment (16 tokens), the attention block raised until its page holds a GDN state, the state padded.
+    Platform._align_hybrid_block_size(vc, FlashAttentionBackend)
+    return vc
+
+
+def kv_cache_specs(vc) -> dict[str, Any]:
+    """Per-layer KV-cache specs as the model's layers report them (attention: FullAttentionSpec, GDN: MambaSpec)."""
+    from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM as Model
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    mc, cc = vc.model_config, vc.cache_config
+    specs: dict[str, Any] = {}
+    for i, kind in enumerate(mc.hf_text_config.layer_types):
+        if kind == "full_attention":
+            specs[f"model.layers.{i}.self_attn.attn"] = FullAttentionSpec(
+                block_size=cc.block_size, num_kv_heads=mc.get_num_kv_heads(vc.parallel_config),
+                head_size=mc.get_head_size(), dtype=mc.dtype)
+        else:
+            specs[f"model.layers.{i}.linear_attn"] = MambaSpec(
+                shapes=Model.get_mamba_state_shape_from_config(vc), dtypes=Model.get_mamba_state_dtype_from_config(vc),
+                block_size=cc.mamba_block_size, page_size_padded=cc.mamba_page_size_padded,
+                mamba_type=MambaAttentionBackendEnum.GDN_ATTN, mamba_cache_mode=cc.mamba_cache_mode)
+    return specs
+
+
+def plan_kv_cache(vc, num_blocks: int):
+    """vLLM's planner for one worker with memory for `num_blocks` blocks: (worker config, scheduler config)."""
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+
+    specs = kv_cache_specs(vc)
+    resolve_kv_cache_layout(vc, [["LBHNC"]], specs.values())
+    groups = get_global_kv_cache_groups(vc, [specs])
+    page = max(s.page_size_bytes for s in specs.values())
+    layers_per_group = max(len(g.layer_names) for g in groups)
+    configs = get_kv_cache_configs(vc, [specs], [num_blocks * page * layers_per_group], groups)
+    sched = generate_scheduler_kv_cache_config(configs)
+    vc.cache_config.num_gpu_blocks = sched.num_blocks
+    return configs[0], sched
+
+
+def page_bytes_for(prefix: np.ndarray, layer: str, nbytes: int) -> np.ndarray:
+    """The bytes a forward 'writes' for a page that depends on the token prefix and the layer."""
+    h = hashlib.blake2b(prefix.astype(np.int64).tobytes(), digest_size=32, person=layer.encode()[-16:])
+    return np.resize(np.frombuffer(h.digest(), dtype=np.uint8), nbytes)
+
+
+@dataclass(slots=True)
+class StepReport:
+    """What one engine step did: loads verified, corrupt pages found."""
+
+    verified_pages: int = 0
+    corrupt_pages: int = 0
+    corrupt_blocks: set[int] = field(default_factory=set)  # block positions (in the request) with a bad page
+    loaded_requests: list[str] = field(default_factory=list)
+
+
+class OfflineEngine:
+    """vLLM's Scheduler with the connector on both sides and a simulated forward over real cache tensors."""
+
+    def __init__(self, vc, num_blocks: int = 256):
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import (
+            get_request_block_hasher,
+            init_none_hash,
+            resolve_kv_cache_block_sizes,
+        )
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+        from vllm.v1.structured_output import StructuredOutputManager
+        from vllm.v1.worker.utils import allocate_kv_cache
+
+        self.vc = vc
+        self.kv_cache_config, sched_cfg = plan_kv_cache(vc, num_blocks)
+        block, hash_block = resolve_kv_cache_block_sizes(sched_cfg, vc)
+        self.block_size = block
+        hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self._hasher = get_request_block_hasher(hash_block, hash_fn)
+        self.scheduler = Scheduler(vllm_config=vc, kv_cache_config=sched_cfg,
+                                   structured_output_manager=StructuredOutputManager(vc),
+                                   block_size=block, hash_block_size=hash_block)
+        self.kv_caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), KVCacheLayout.LBHNC)
+        self.worker: Any = None  # the worker-role connector (vLLM types it as KVConnectorBase)
+        if vc.kv_transfer_config is not None:
+            self.worker = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, self.kv_cache_config)
+            self.worker.register_kv_caches(self.kv_caches)
+        groups = self.kv_cache_config.kv_cache_groups
+        self._recurrent = [i for i, g in enumerate(groups) if type(g.kv_cache_spec).__name__ == "MambaSpec"]
+        self._page = {i: g.kv_cache_spec.page_size_bytes for i, g in enumerate(groups)}
+        self._tokens: dict[str, np.ndarray] = {}
+        self.reports: list[StepReport] = []
+        self.zeroed_blocks = 0
+
+    @property
+    def layout(self) -> ModelLayout:
+        assert self.worker is not None
+        return self.worker.layout
+
+    def add_request(self, rid: str, token_ids: Iterable[int], max_tokens: int = 1) -> None:
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        tokens = [int(t) for t in token_ids]
+        self._tokens[rid] = np.asarray(tokens, dtype=np.int64)
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        self.scheduler.add_request(Request(rid, tokens, sp, None, block_hasher=self._hasher))
+
+    def abort(self, rid: str) -> None:
+        from vllm.v1.request import RequestStatus
+
+        self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+
+    def _page_view(self, layer: str, group: int, block_id: int) -> torch.Tensor:
+        t = self.kv_caches[layer]
+        return t[block_id].view(-1).view(torch.uint8)
+
+    def _write_pages(self, rid: str, blocks: tuple[list[int], ...], start: int, end: int) -> None:
+        """The simulated forward over tokens [start, end): attention pages of the blocks it completes or
+        touches, and the GDN state after token `end` in the block vLLM keeps it in."""
+        tokens = self._tokens[rid]
+        for g, grp in enumerate(self.kv_cache_config.kv_cache_groups):
+            if g in self._recurrent:
+                idx = (end - 1) // self.block_size
+                if idx < len(blocks[g]) and blocks[g][idx] != 0:
+                    for layer in grp.layer_names:
+                        v = self._page_view(layer, g, blocks[g][idx])
+                        v.copy_(torch.from_numpy(page_bytes_for(tokens[:end], layer, v.numel())))
+                continue
+            for j in range(start // self.block_size, (end - 1) // self.block_size + 1):
+                hi = min((j + 1) * self.block_size, end)
+                for layer in grp.layer_names:
+                    v = self._page_view(layer, g, blocks[g][j])
+                    v.copy_(torch.from_numpy(page_bytes_for(tokens[:hi], layer, v.numel())))
+
+    def verify(self, rid: str, blocks: tuple[list[int], ...], h: int, report: StepReport) -> None:
+        """Check a request's first h tokens: every attention page and the state of token h."""
+        tokens = self._tokens[rid]
+        for g, grp in enumerate(self.kv_cache_config.kv_cache_groups):
+            idxs = [(h - 1) // self.block_size] if g in self._recurrent else range(h // self.block_size)
+            for j in idxs:
+                hi = h if g in self._recurrent else (j + 1) * self.block_size
+                for layer in grp.layer_names:
+                    v = self._page_view(layer, g, blocks[g][j]).numpy()
+                    ok = np.array_equal(v, page_bytes_for(tokens[:hi], layer, v.size))
+                    report.verified_pages += ok
+                    report.corrupt_pages += not ok
+                    if not ok:
+                        report.corrupt_blocks.add(j)
+
+    def step(self, after_schedule=None):
+        """One scheduler step: schedule, connector loads, verify loaded prefixes, forward, stores, update."""
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.request import RequestStatus
+
+        so = self.scheduler.schedule()
+        if after_schedule is not None:  # an abort or preemption arriving while the step is in flight
+            after_schedule(so)
+        report = StepReport()
+        # vLLM's worker zeroes newly allocated blocks before any load: stale bytes of an earlier request in a
+        # reused block can then never pass for a load that did not happen
+        for block_id in so.new_block_ids_to_zero or ():
+            for t in self.kv_caches.values():
+                t[block_id].zero_()
+        meta = so.kv_connector_metadata
+        # and every block a load is to write is zeroed here too (vLLM leaves reused attention blocks as they
+        # are): bytes an earlier request left there can never pass for a load that did not happen
+        for job in getattr(meta, "loads", ()):
+            for block_id in self.worker.worker_side.job_blocks(job):
+                for t in self.kv_caches.values():
+                    t[block_id].zero_()
+                self.zeroed_blocks += 1
+        w = self.worker
+        if w is not None and meta is not None:
+            w.handle_preemptions(meta)
+            w.bind_connector_metadata(meta)
+            w.start_load_kv(None)
+        failed = w.get_block_ids_with_load_errors() if w is not None else set()
+        for nr in so.scheduled_new_reqs:
+            if nr.num_computed_tokens and not failed:
+                self.verify(nr.req_id, tuple(nr.block_ids), nr.num_computed_tokens, report)
+                report.loaded_requests.append(nr.req_id)
+        req_ids, sampled = [], []
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.scheduler.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran: vLLM drops its output
+            blocks = tuple(list(b) for b in self.scheduler.kv_cache_manager.get_block_ids(rid))
+            end = req.num_computed_tokens  # schedule() already advanced it past this step's tokens
+            start = end - n
+            if end <= len(self._tokens[rid]):
+                self._write_pages(rid, blocks, start, end)
+            req_ids.append(rid)
+            sampled.append([7] if end >= req.num_tokens else [])
+        out = KVConnectorOutput()
+        if w is not None and meta is not None:
+            w.wait_for_save()
+            sending, recving = w.get_finished(so.finished_req_ids)
+            out.finished_sending, out.finished_recving = sending, recving
+            out.invalid_block_ids = failed | w.get_block_ids_with_load_errors()
+            w.clear_connector_metadata()
+        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                sampled_token_ids=sampled, kv_connector_output=out)
+        self.scheduler.update_from_output(so, mro)
+        self.reports.append(report)
+        return so, report
+
+    def run(self, max_steps: int = 1000) -> StepReport:
+        """Step until no request is left; the sum of the steps' reports."""
+        total = StepReport()
+        for _ in range(max_steps):
+            if not self.scheduler.has_requests():
+                break
+            _, r = self.step()
+            total.verified_pages += r.verified_pages
+            total.corrupt_pages += r.corrupt_pages
+            total.loaded_requests += r.loaded_requests
+        else:
+            raise RuntimeError(f"requests still running after {max_steps} steps")
+        return total
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+        conn = self.scheduler.connector
+        if conn is not None:
+            conn.shutdown()

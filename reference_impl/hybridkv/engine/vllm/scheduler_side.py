@@ -1,0 +1,230 @@
+"""The connector's scheduler half: turns lookups into external hits, plans loads into the blocks vLLM
+allocated and stores of the chunks whose boundary state vLLM offers. It never moves a byte.
+
+A server that is down, slow or refusing costs hits: every call here has a short timeout, and any failure
+is a miss, logged, with the next attempt after `retry_s`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hybridkv import protocol as P
+from hybridkv.engine.client import CacheClient, ServerError
+from hybridkv.engine.vllm.plan import HybridKVMetadata, LoadJob, StoreJob
+from hybridkv.engine.vllm.settings import ConnectorSettings
+from hybridkv.keys import chunk_keys
+from hybridkv.layout import LayoutError, ModelLayout
+from hybridkv.policy import check_policy
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A hit reported to vLLM, waiting for its blocks."""
+
+    token_ids: list[int]
+    skip_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Counters of what the scheduler side decided (hits in tokens)."""
+
+    lookups: int = 0
+    lookup_failures: int = 0
+    lookup_s: float = 0.0
+    hit_tokens: int = 0
+    loads_planned: int = 0
+    stores_planned: int = 0
+
+
+@dataclass(slots=True)
+class _Request:
+    """What the scheduler side remembers of a live request."""
+
+    stored_chunks: int = 0
+    looked_up: bool = False
+
+
+class SchedulerSide:
+    """Lookups and transfer plans for one vLLM scheduler; rank 0's namespace decides hits."""
+
+    def __init__(self, settings: ConnectorSettings, layout: ModelLayout, chunk_tokens: int):
+        self.settings = settings
+        self.layout = layout
+        self.chunk_tokens = chunk_tokens
+        self.stats = SchedulerStats()
+        self._client: CacheClient | None = None
+        self._engine = 0
+        self._namespace = b""
+        self._next_try = 0.0
+        self._pending: dict[str, _Pending] = {}
+        self._requests: dict[str, _Request] = {}
+        self._loads: list[LoadJob] = []
+        self._connect()
+
+    # ---- the server connection ------------------------------------------------------------------
+
+    def _connect(self) -> bool:
+        """Register with the server; False (a miss for now) when it is unreachable, LayoutError when it refuses."""
+        if self._client is not None:
+            return True
+        if time.monotonic() < self._next_try:
+            return False
+        client = CacheClient(self.settings.endpoint, timeout_s=self.settings.lookup_timeout_s)
+        try:
+            reg, _ = client.call(P.Register(layout=self.layout, chunk_tokens=self.chunk_tokens, tp_rank=0,
+                                            salt=self.settings.salt, name="vllm-scheduler"))
+        except ServerError as e:
+            client.close()
+            if e.code == P.ErrorCode.LAYOUT:
+                raise LayoutError(f"cache server {self.settings.endpoint} refused vLLM's layout: {e.message}") from None
+            return self._unreachable(e)
+        except Exception as e:  # timeout, bad endpoint: the server is down
+            client.close()
+            return self._unreachable(e)
+        expect = [self.layout.object_bytes(g, self.chunk_tokens) for g in range(len(self.layout.groups))]
+        if reg.object_bytes != expect:
+            client.close()
+            raise LayoutError(f"cache server sizes objects {reg.object_bytes}, vLLM's layout {expect}")
+        client.keepalive(reg.engine, reg.heartbeat_s)
+        self._client, self._engine, self._namespace = client, reg.engine, reg.namespace
+        return True
+
+    def _unreachable(self, e: BaseException) -> bool:
+        log.warning("hybridkv: cache server %s unreachable (%s); no external hits for %.0f s",
+                    self.settings.endpoint, e, self.settings.retry_s)
+        self._next_try = time.monotonic() + self.settings.retry_s
+        return False
+
+    def _drop_connection(self, e: BaseException) -> None:
+        if self._client is not None:
+            self._client.close()
+        self._client = None
+        self._unreachable(e)
+
+    # ---- vLLM's scheduler calls -----------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """External hit beyond the local one: whole chunks, at most N-1 tokens (vLLM computes >= 1 token)."""
+        rid = request.request_id
+        self._requests.setdefault(rid, _Request()).looked_up = True
+        self._pending.pop(rid, None)
+        n_tokens = request.num_tokens
+        limit = (n_tokens - 1) // self.chunk_tokens * self.chunk_tokens
+        if limit <= num_computed_tokens or not self._connect():
+            return 0, False
+        assert self._client is not None
+        tokens = list(request.all_token_ids[:limit])
+        self.stats.lookups += 1
+        t0 = time.perf_counter()
+        try:
+            keys = chunk_keys(self._namespace, tokens, self.chunk_tokens)
+            r, _ = self._client.call(
+                P.Lookup(engine=self._engine, request=rid, keys=keys,
+                         policy=check_policy(self.settings.retrieve_policy),
+                         skip_chunks=num_computed_tokens // self.chunk_tokens),
+                timeout=self.settings.lookup_timeout_s)
+        except Exception as e:  # slow or gone: a miss
+            self.stats.lookup_failures += 1
+            self._drop_connection(e)
+            return 0, False
+        finally:
+            self.stats.lookup_s += time.perf_counter() - t0
+        hit = r.hit_chunks * self.chunk_tokens
+        if hit <= num_computed_tokens:
+            return 0, False
+        self._pending[rid] = _Pending(tokens[:hit], num_computed_tokens)
+        return hit - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """vLLM allocated the request's blocks: plan the load of the hit it accepted."""
+        pending = self._pending.pop(request.request_id, None)
+        if num_external_tokens <= 0 or pending is None:
+            return
+        if pending.skip_tokens + num_external_tokens != len(pending.token_ids):
+            # vLLM trimmed the hit (e.g. a local sub-block tail); load only what it accepted, in whole chunks
+            hit = (pending.skip_tokens + num_external_tokens) // self.chunk_tokens * self.chunk_tokens
+            pending.token_ids = pending.token_ids[:hit]
+        self._loads.append(LoadJob(request.request_id, pending.token_ids, pending.skip_tokens,
+                                   tuple(list(b) for b in blocks.get_block_ids())))
+        self.stats.hit_tokens += num_external_tokens
+        self.stats.loads_planned += 1
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> HybridKVMetadata:
+        """This step's loads, and stores of the chunks up to each boundary state vLLM offers."""
+        meta = HybridKVMetadata(loads=self._loads)
+        self._loads = []
+        state = scheduler_output.kv_connector_block_state
+        if state is None:
+            return meta
+        for rid, offers in state.boundary_state_offloads.items():
+            req = requests.get(rid)
+            blocks = state.get_block_ids(rid)
+            if req is None or blocks is None:
+                continue
+            meta.stores.extend(self._plan_stores(rid, req, offers, blocks))
+        return meta
+
+    def _plan_stores(self, rid: str, req: Request, offers: list[tuple[int, int, int]],
+                     blocks: tuple[list[int], ...]) -> list[StoreJob]:
+        """One store per offered boundary that ends a chunk and has a state for every recurrent group."""
+        track = self._requests.setdefault(rid, _Request())
+        recurrent = set(self.layout.recurrent_groups)
+        by_boundary: dict[int, dict[int, int]] = {}
+        for group, block_id, boundary in offers:
+            if boundary % self.chunk_tokens == 0 and group in recurrent:
+                by_boundary.setdefault(boundary, {})[group] = block_id
+        jobs = []
+        for boundary in sorted(by_boundary):
+            states = by_boundary[boundary]
+            n = boundary // self.chunk_tokens
+            if set(states) != recurrent or n <= track.stored_chunks or boundary > req.num_tokens:
+                continue
+            ids = tuple(list(b) for b in blocks)
+            for g, block_id in states.items():
+                # the state is where vLLM says it is, not where its position would put it
+                bpc = self.chunk_tokens // self.layout.groups[g].block_tokens
+                at = n * bpc - 1
+                if len(ids[g]) <= at:
+                    ids[g].extend([0] * (at + 1 - len(ids[g])))
+                ids[g][at] = block_id
+            if any(len(ids[g]) < n * (self.chunk_tokens // self.layout.groups[g].block_tokens)
+                   for g in self.layout.attention_groups):
+                continue
+            jobs.append(StoreJob(rid, list(req.all_token_ids[:boundary]), track.stored_chunks, ids))
+            track.stored_chunks = max(track.stored_chunks, n)
+            self.stats.stores_planned += 1
+        return jobs
+
+    def request_finished(self, request: Request) -> None:
+        """The request is done: drop the scheduler's pins for it on the server."""
+        rid = request.request_id
+        self._pending.pop(rid, None)
+        track = self._requests.pop(rid, None)
+        if self._client is None or track is None or not track.looked_up:
+            return
+        try:
+            self._client.submit(P.EndSession(engine=self._engine, request=rid))  # no need to wait for the reply
+        except Exception as e:
+            self._drop_connection(e)
+
+    def close(self) -> None:
+        if self._client is not None:
+            try:
+                self._client.forget(self._engine)
+                self._client.call(P.Unregister(engine=self._engine), timeout=2)
+            except Exception:
+                pass  # the server reclaims silent engines anyway
+            self._client.close()
+            self._client = None

@@ -1,0 +1,70 @@
+"""The connector's settings, read once from `kv_connector_extra_config` and validated at the door."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from hybridkv.engine.transfer import COPY_ENGINES, STREAM_MODES, WIRE_FORMATS
+from hybridkv.policy import POLICIES
+from hybridkv.server.config import default_endpoint
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    """Extra-config keys of HybridKVConnector; the defaults are the fast path."""
+
+    endpoint: str = field(default_factory=default_endpoint)  # where `hybridkv serve` listens by default
+    salt: str = ""                  # tenant / namespace salt: engines with different salts never share chunks
+    wire_format: str = "shm"        # the engine's GPU writes straight into the server's arena
+    copy_engine: str = "auto"
+    streams: str = "single"
+    store_policy: str = "boundary"  # attention of every chunk, the recurrent state wherever vLLM offers one
+    retrieve_policy: str = "boundary"  # attention of every hit chunk, the recurrent state at the hit's end
+    chunk_tokens: int = 0           # 0: vLLM's block size (the unified hybrid block)
+    lookup_timeout_s: float = 2.0   # a lookup slower than this counts as a miss
+    timeout_s: float = 30.0         # stores, loads and registration
+    retry_s: float = 10.0           # how long to wait before trying an unreachable server again
+    expect_preset: str = ""         # a hybridkv preset name: refuse to start when vLLM's layout differs
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("wire_format", WIRE_FORMATS), ("copy_engine", COPY_ENGINES),
+                              ("streams", STREAM_MODES), ("store_policy", POLICIES),
+                              ("retrieve_policy", POLICIES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"kv_connector_extra_config {name} must be one of {allowed}, "
+                                 f"got {getattr(self, name)!r}")
+        for name in ("store_policy", "retrieve_policy"):
+            if getattr(self, name) != "boundary":
+                # vLLM's block table holds one GDN state block per request, at the hit's end (align mode), and
+                # keeps states only where a scheduler step ended: there is nowhere to load, or to take, others
+                raise ValueError(f"kv_connector_extra_config {name} {getattr(self, name)!r} is not supported under "
+                                 "vLLM: only 'boundary' (attention of every chunk, the GDN state at the hit's end)")
+        if self.wire_format == "cuda_ipc":
+            raise ValueError("kv_connector_extra_config wire_format cuda_ipc is a baseline the connector does not "
+                             "offer: the server would hold a CUDA context")
+        if not self.endpoint.startswith(("ipc://", "tcp://")):
+            raise ValueError(f"kv_connector_extra_config endpoint must be ipc:// or tcp://, got {self.endpoint!r}")
+        for name in ("lookup_timeout_s", "timeout_s", "retry_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"kv_connector_extra_config {name} must be > 0, got {getattr(self, name)!r}")
+        if self.chunk_tokens < 0:
+            raise ValueError(f"kv_connector_extra_config chunk_tokens must be >= 0, got {self.chunk_tokens}")
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
+        """Settings from vLLM's extra-config dict; an unknown key or a wrong type is an error naming it."""
+        extra = dict(extra or {})
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ValueError(f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
+        kwargs: dict[str, Any] = {}
+        for key, value in extra.items():
+            want = type(getattr(cls(), key))
+            if want is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, want) or isinstance(value, bool):
+                raise ValueError(f"kv_connector_extra_config {key} must be {want.__name__}, got {value!r}")
+            kwargs[key] = value
+        return cls(**kwargs)

@@ -1,0 +1,86 @@
+"""Fixtures for the vLLM connector tests: vLLM's real scheduler, planner and cache tensors on CPU, and real
+`hybridkv serve` processes. Each test module skips itself where vLLM is not installed (`nox -s vllm` installs it)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from hybridkv.engine.vllm import offline  # noqa: E402
+from hybridkv.server.launch import ServerProcess, start_server  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="hkv-vllm-models-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(model_dir):
+    """vLLM's ModelConfig of the tiny hybrid (built once: vLLM inspects the architecture in a subprocess)."""
+    return offline.model_config(offline.write_config(offline.TINY, model_dir / "tiny"), max_model_len=4096)
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[str]:
+    d = tempfile.mkdtemp(prefix="hkv-", dir="/tmp")  # short: ipc paths are limited to ~100 characters
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def serve(sock_dir) -> Iterator:
+    """Start real cache servers; each gets its own arena folder so no other server's start-up sweep sees it."""
+    procs: list[ServerProcess] = []
+    dirs: list[str] = []
+
+    def start(*args: str, l1_gib: float = 0.05) -> ServerProcess:
+        l1 = tempfile.mkdtemp(prefix="hkv-", dir="/dev/shm")
+        dirs.append(l1)
+        s = start_server(f"ipc://{sock_dir}/s{len(procs)}.sock", "--l1-dir", l1, *args, l1_gib=l1_gib)
+        procs.append(s)
+        return s
+
+    yield start
+    for s in procs:
+        s.close()
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def kv_transfer(endpoint: str, **extra) -> dict:
+    return dict(kv_connector="HybridKVConnector", kv_connector_module_path="hybridkv.engine.vllm.connector",
+                kv_role="kv_both", kv_load_failure_policy="recompute",
+                kv_connector_extra_config={"endpoint": endpoint, **extra})
+
+
+@pytest.fixture
+def make_engine(tiny_model) -> Iterator:
+    """An OfflineEngine on the tiny hybrid, one chunk per step (a GDN state exists only at the end of a step);
+    vLLM keeps (and offers) a state every `retention` tokens (one
+    chunk by default; 0 is vLLM's default: the prompt's last boundary only)."""
+    engines: list[offline.OfflineEngine] = []
+
+    def make(endpoint: str, *, step_tokens: int = 80, num_blocks: int = 128, retention: int | None = 80,
+             **extra) -> offline.OfflineEngine:
+        vc = offline.vllm_config(tiny_model, offline.TINY, max_num_batched_tokens=step_tokens,
+                                 kv_transfer=kv_transfer(endpoint, **extra), retention_interval=retention)
+        e = offline.OfflineEngine(vc, num_blocks=num_blocks)
+        engines.append(e)
+        return e
+
+    yield make
+    for e in engines:
+        e.close()
+

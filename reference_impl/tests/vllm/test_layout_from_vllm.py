@@ -1,0 +1,56 @@
+"""vLLM's own KV-cache planner on the real model shapes: the layout the connector derives from its KVCacheConfig
+equals hybridkv's presets (block tokens, page bytes, groups)."""
+
+from __future__ import annotations
+
+import pytest
+
+# "vllm.config", not "vllm": without vLLM, this folder would import as a namespace package named vllm
+pytest.importorskip("vllm.config", reason="vLLM is not installed here; `nox -s vllm` builds an environment with it")
+from hybridkv.engine.vllm import offline
+from hybridkv.engine.vllm.layout_from_vllm import (
+    check_matches_preset,
+    layer_index,
+    layout_from_kv_cache_config,
+    layout_signature,
+)
+from hybridkv.layout import LayoutError
+from hybridkv.presets import preset_layout
+
+
+@pytest.fixture(scope="module")
+def qwen_models(model_dir):
+    return {name: offline.model_config(offline.write_config(offline.SHAPES[name], model_dir / name), max_model_len=4096)
+            for name in ("qwen3.6-27b", "qwen3-next-80b-a3b")}
+
+
+@pytest.mark.parametrize("name,tp,block", [("qwen3.6-27b", 1, 784), ("qwen3.6-27b", 8, 400),
+                                           ("qwen3-next-80b-a3b", 1, 544)])
+def test_vllm_planner_layout_equals_preset(qwen_models, name, tp, block):
+    vc = offline.vllm_config(qwen_models[name], offline.SHAPES[name], tp=tp)
+    kv_cache_config, _ = offline.plan_kv_cache(vc, num_blocks=64)
+    got = layout_from_kv_cache_config(kv_cache_config, name, tp)
+    want = preset_layout(name, tp)
+    assert {g.block_tokens for g in got.groups} == {block}
+    assert layout_signature(got) == layout_signature(want)
+    assert len(got.groups) == 4 and [g.kind for g in got.groups].count("attention") == 1
+    check_matches_preset(got, name)
+    # vLLM's grouping: attention layers together, and GDN layer k of every attention period in one group
+    interval = offline.SHAPES[name].full_attention_interval
+    for g in got.groups:
+        idx = [layer_index(n) for n in g.layer_names]
+        if g.kind == "attention":
+            assert all(i % interval == interval - 1 for i in idx)
+        else:
+            assert len({i % interval for i in idx}) == 1 and idx == sorted(idx)
+    # the connector's objects are the preset's: same bytes per (chunk, group) object, same chunk
+    assert got.default_chunk_tokens() == want.default_chunk_tokens() == block
+    assert got.chunk_bytes(block) == want.chunk_bytes(block)
+
+
+def test_a_different_model_is_refused(qwen_models):
+    vc = offline.vllm_config(qwen_models["qwen3-next-80b-a3b"], offline.SHAPES["qwen3-next-80b-a3b"])
+    kv_cache_config, _ = offline.plan_kv_cache(vc, num_blocks=64)
+    got = layout_from_kv_cache_config(kv_cache_config, "next", 1)
+    with pytest.raises(LayoutError, match="qwen3.6-27b"):
+        check_matches_preset(got, "qwen3.6-27b")
