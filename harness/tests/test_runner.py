@@ -209,15 +209,18 @@ def test_interrupt_stops_servers_and_leaves_an_incomplete_run(tmp_path: Path):
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(REPO / p) for p in ("reference_impl", "kernels",
                                                                                  "harness"))}
+    # A suite started in the background (`pytest &`) inherits SIGINT ignored, and Python keeps it ignored:
+    # the child puts the default back before exec so that its Ctrl-C handling is what this test sees.
     proc = subprocess.Popen([sys.executable, "-m", "hybridkv.cli", "bench", str(SCENARIOS / "smoke.toml"),
-                             "--out", str(out)], stderr=subprocess.PIPE, text=True, env=env)
+                             "--out", str(out)], stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines = []
     for line in proc.stderr:  # wait until a case finished, so that one is recorded and another runs
         lines.append(line)
         if line.startswith("[1/"):
             break
     servers: set[int] = set()
-    deadline = time.monotonic() + 30  # the next case's server may take a while to start (CUDA machines)
+    deadline = time.monotonic() + 90  # the next case's server may take a while to start (CUDA machines)
     while not servers and time.monotonic() < deadline:
         time.sleep(0.1)
         servers = {c.pid for c in psutil.Process(proc.pid).children() if _is_server(c)}
