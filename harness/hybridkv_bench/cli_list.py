@@ -17,14 +17,14 @@ def run(args: argparse.Namespace) -> int:
     from hybridkv.layout import LayoutError
     from hybridkv.presets import preset_layout, preset_names
 
-    from .scenario import ScenarioError, expand_matrix, find_scenarios, load_scenario
+    from .scenario import Scenario, ScenarioError, expand_matrix, find_scenarios, load_scenario
 
     folder = Path(args.scenarios)
     print(f"scenarios in {folder}/:")
     files = find_scenarios(folder) if folder.is_dir() else []
     if not files:
         print("  (none)")
-    loaded = []
+    loaded: list[tuple[str, Scenario | None, str]] = []
     for path in files:
         try:
             loaded.append((path.stem, load_scenario(path).scenario, ""))

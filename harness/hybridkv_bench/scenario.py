@@ -453,10 +453,11 @@ def toml_error(source: str, text: str, e: tomllib.TOMLDecodeError) -> str:
 def decode_scenario(data: dict | str, source: str = "<string>") -> Scenario:
     """Decode a scenario from TOML text or an already-parsed table, and validate it."""
     if isinstance(data, str):
+        text = data
         try:
-            data = tomllib.loads(data)
+            data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
-            raise ScenarioError(toml_error(source, data, e)) from None
+            raise ScenarioError(toml_error(source, text, e)) from None
     try:
         scenario = msgspec.convert(data, type=Scenario)
     except msgspec.ValidationError as e:

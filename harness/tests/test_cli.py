@@ -43,7 +43,11 @@ def test_gate_exit_codes(run_folder: Path, tmp_path: Path, smoke, capsys):
     assert main(["gate", str(slow), "--baseline", str(baseline)]) == 1
     out = capsys.readouterr().out
     assert re.search(r"FAIL +long_doc_qa +shm-kernel-single-all-all +ttft_speedup +1 +>= ", out)
-    assert "gate: FAIL (2 of 256 checks failed)" in out  # ttft_speedup of both workloads
+    assert re.search(r"gate: FAIL \(2 of 268 checks failed\); every check in .*slow/gate.txt", out)
+    assert "pass " not in out  # only the failures are printed ...
+    assert len((slow / "gate.txt").read_text().splitlines()) == 268 + 4  # ... the whole table is in the run
+    assert main(["gate", str(slow), "--baseline", str(baseline), "--verbose"]) == 1
+    assert len(capsys.readouterr().out.splitlines()) == 268 + 3
 
     partial = write_fake_run(tmp_path / "partial", smoke, finish=False, max_cases=4)
     assert main(["gate", str(partial), "--baseline", str(baseline)]) == 1
@@ -72,12 +76,15 @@ def test_list_command(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "seed_56k" in out and "Qwen3.6-27B TP1, one 55,664-token document" in out
     assert re.search(r"qwen3\.6-27b +1 +4 \(ARRR\) +784 +3,211,264 +205,520,896\n", out)
+    # names longer than the usual column keep the columns aligned; one case is "1 case"
+    assert re.search(r"\n  h200_seed_formats  qwen3\.6-27b tp=1, 4 cases: ", out)
+    assert re.search(r"\n  l1_pressure +qwen3\.6-27b tp=1, 1 case: ", out)
 
 
 def test_list_shows_a_broken_scenario(tmp_path: Path, capsys):
     (tmp_path / "bad.toml").write_text("name = 'bad'\n")
     assert main(["list", "--scenarios", str(tmp_path)]) == 0
-    assert "bad            INVALID: " in capsys.readouterr().out
+    assert re.search(r"\n  bad +INVALID: ", capsys.readouterr().out)
 
 
 @pytest.mark.parametrize("module", ["cli_report", "cli_gate", "cli_list", "cli_calibrate", "report", "gate",
