@@ -92,3 +92,19 @@ def test_list_shows_a_broken_scenario(tmp_path: Path, capsys):
 def test_light_commands_do_not_import_torch(module: str):
     code = f"import sys, hybridkv_bench.{module}; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ}, cwd=REPO)
+
+
+def test_report_compare(run_folder: Path, tmp_path: Path, smoke, capsys):
+    other = write_fake_run(tmp_path / "other", smoke)
+    assert main(["report", "--compare", str(run_folder), str(other), "--out", str(tmp_path / "cmp")]) == 0
+    out = capsys.readouterr().out
+    assert (tmp_path / "cmp" / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    # one row per wire format the runs hold, each its fastest case; raw is not part of the picture
+    assert "| hybridkv shm | shm-" in out and "| pickle (seed) |" in out and "| torch.save (seed) |" in out
+    assert "raw" not in out and "CUDA-IPC" not in out
+    assert main(["report", "--compare", str(run_folder), "--workload", "fan_out", "--out", str(tmp_path)]) == 0
+    capsys.readouterr()
+    assert main(["report", "--compare", str(run_folder), "--workload", "nope", "--out", str(tmp_path)]) == 2
+    assert "no run holds measured cases of workload 'nope'" in capsys.readouterr().err
+    assert main(["report", str(run_folder), "--compare", str(other)]) == 2
+    assert main(["report"]) == 2
