@@ -5,9 +5,11 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import nox
@@ -32,8 +34,9 @@ def _install(session: nox.Session) -> None:
         return
     bin_dir = SHARED / "bin"
     stamp = SHARED / "installed.txt"
-    # reinstall when what is asked for or the project's dependencies change
-    want = " ".join([*CPU_TORCH, EXTRAS, hashlib.sha256(Path("pyproject.toml").read_bytes()).hexdigest()[:16]])
+    # reinstall when what is asked for or the project's table (dependencies, entry points) changes
+    project = json.dumps(tomllib.loads(Path("pyproject.toml").read_text())["project"], sort_keys=True)
+    want = " ".join([*CPU_TORCH, EXTRAS, hashlib.sha256(project.encode()).hexdigest()[:16]])
     if not (bin_dir / "python").exists():
         session.log(f"creating the shared environment {SHARED}")
         session.run(sys.executable, "-m", "venv", str(SHARED), external=True)
