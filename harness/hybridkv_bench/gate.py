@@ -11,8 +11,8 @@ Baseline file (TOML, kept under results/baselines/<scenario>.toml):
     case = "shm-*"                # glob over case names (default "*")
     metric = "ttft_speedup"       # a name from hybridkv_bench.metrics.METRICS
     direction = "higher"          # higher: pass if actual >= value * (1 - tol); lower: <= value * (1 + tol);
-    value = 8.0                   # equal: a count that must be exactly value (tolerance must be 0)
-    tolerance = 0.1               # the least tolerance
+    value = 1.0                   # equal: a count that must be exactly value (tolerance must be 0)
+    tolerance = 0.0               # the least tolerance
     spread = 3.0                  # optional: tol = max(tolerance, spread x the case's own repeat spread)
 
     [[order]]                     # an ordering inside the run, judged on medians over the matched cases
@@ -47,12 +47,14 @@ from .metrics import METRICS, case_metrics
 from .results import CaseResult, Run
 from .scenario import SERVER_HOLDS_CUDA_CONTEXT, SERVER_IMPORTS_TORCH, toml_error
 
-# --write-baseline gates counts exactly, ratios to a same-run ceiling or to the cold path with the run's
-# own repeat spread, and orderings inside the run; never absolute times (CI machines differ).
+# --write-baseline gates counts exactly, orderings inside the run, and timing ratios against a floor with the
+# case's own repeat spread as tolerance; never absolute times (CI machines differ, and so does their load).
 COUNT_METRICS = ("hit_tokens", "verified_chunks", "bytes_stored", "bytes_loaded")
-SPREAD_METRICS: dict[str, tuple[float, float]] = {  # metric: (least tolerance, x repeat spread)
-    "ttft_speedup": (0.6, 3.0),
-}
+# (case glob, metric, floor, x repeat spread): a warm hit of the zero-copy paths must beat a cold prefill.
+# The seed's formats are judged by the orderings only: on a loaded CPU their warm path can exceed the
+# modeled prefill (as it does on the H200: that is the finding, not a regression).
+SPREAD_CHECKS: tuple[tuple[str, str, float, float], ...] = (
+    ("shm-*", "ttft_speedup", 1.0, 3.0), ("raw-*", "ttft_speedup", 1.0, 3.0))
 # (better, worse) case globs, and the metrics on which the better one must win in every workload: the
 # zero-copy path against the seed's serialising formats.
 ORDERS: tuple[tuple[str, str], ...] = (("shm-*", "pickle-*"), ("shm-*", "torch_save-*"))
@@ -329,7 +331,7 @@ def _toml_str(s: str) -> str:
 
 
 def baseline_from_run(run: Run) -> str:
-    """TOML text of a baseline from this run: counts exactly, SPREAD_METRICS with spread tolerances, ORDERS."""
+    """TOML text of a baseline from this run: COUNT_METRICS exactly, SPREAD_CHECKS, ORDERS."""
     broken = [c for c in invariant_checks(run) if c.status == "FAIL"]
     if broken:
         first = broken[0]
@@ -339,26 +341,26 @@ def baseline_from_run(run: Run) -> str:
     sc = run.record.scenario
     lines = [f"# Baseline for scenario {sc.get('name')}, written by `hybridkv gate --write-baseline`",
              f"# from {run.folder} (git {run.record.context.get('git_sha')}).",
-             "# Counts are exact; timing ratios get the case's own repeat spread as tolerance; orderings",
-             "# compare cases of one run. Absolute times are not gated: machines differ.",
+             "# Counts are exact; timing ratios are held to a floor with the case's own repeat spread as",
+             "# tolerance; orderings compare cases of one run. Absolute times are not gated: machines differ.",
              f"scenario = {_toml_str(run.scenario_name)}",
              f"scale = {float(sc.get('scale', 1.0))!r}"]
     if sc.get("sha256"):
         lines.append(f"scenario_sha256 = {_toml_str(sc['sha256'])}")
     for c in run.cases:
-        checks = [(m, "equal", 0.0, 0.0) for m in COUNT_METRICS]
-        checks += [(m, "higher", tol, k) for m, (tol, k) in SPREAD_METRICS.items()]
-        for metric, direction, tolerance, spread in checks:
+        for metric in COUNT_METRICS:
             v = c.metrics.get(metric)
             if v is None or isinstance(v, bool):
                 lines += ["", f"# {c.workload}/{c.name} {metric}: not measured in this run, not gated"]
                 continue
             lines += ["", "[[check]]", f"workload = {_toml_str(c.workload)}", f"case = {_toml_str(c.name)}",
-                      f"metric = {_toml_str(metric)}", f"direction = {_toml_str(direction)}",
-                      f"tolerance = {tolerance!r}", f"value = {float(v)!r}"]
-            if spread:
-                lines.append(f"spread = {spread!r}")
+                      f"metric = {_toml_str(metric)}", 'direction = "equal"', "tolerance = 0.0",
+                      f"value = {float(v)!r}"]
     names = [c.name for c in run.cases]
+    for glob, metric, floor, spread in SPREAD_CHECKS:
+        if fnmatch.filter(names, glob):
+            lines += ["", "[[check]]", f"case = {_toml_str(glob)}", f"metric = {_toml_str(metric)}",
+                      'direction = "higher"', "tolerance = 0.0", f"value = {floor!r}", f"spread = {spread!r}"]
     for better, worse in ORDERS:
         if not (fnmatch.filter(names, better) and fnmatch.filter(names, worse)):
             continue

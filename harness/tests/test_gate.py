@@ -124,7 +124,8 @@ def test_write_baseline_round_trip(run_folder: Path, tmp_path: Path):
     assert {c.metric for c in baseline.check} == {"ttft_speedup", "hit_tokens", "verified_chunks",
                                                   "bytes_stored", "bytes_loaded"}
     assert all(c.direction == "equal" for c in baseline.check if c.metric != "ttft_speedup")
-    assert all(c.spread > 0 for c in baseline.check if c.metric == "ttft_speedup")
+    speedups = [c for c in baseline.check if c.metric == "ttft_speedup"]
+    assert {c.case for c in speedups} == {"shm-*", "raw-*"} and all(c.value == 1.0 and c.spread for c in speedups)
     assert not any(c.metric.endswith("_s") for c in baseline.check), "absolute times are never gated"
     assert {(o.better, o.worse) for o in baseline.order} == {("shm-*", "pickle-*"), ("shm-*", "torch_save-*")}
     result = gate(run, baseline)
