@@ -50,8 +50,18 @@ def _install(session: nox.Session) -> None:
         stamp.write_text(want)
     else:
         session.log(f"using the shared environment {SHARED} ({want.rsplit(' ', 1)[0]})")
+    os.environ.pop("PYTHONPATH", None)  # the editable install maps the packages to this checkout
     session.env["VIRTUAL_ENV"] = str(SHARED.resolve())
     session.env["PATH"] = os.pathsep.join([str(bin_dir.resolve()), os.environ.get("PATH", "")])
+
+
+def _run(session: nox.Session, *args: str, **kwargs) -> None:
+    """session.run, the command taken from the shared environment when it is there: nox looks a command up
+    on its own PATH, not on the session's."""
+    exe = SHARED / "bin" / args[0]
+    if session.venv_backend == "none" and exe.exists():
+        args = (str(exe.resolve()), *args[1:])
+    session.run(*args, external=True, **kwargs)
 
 
 @nox.session(venv_backend="none")
@@ -59,30 +69,30 @@ def tests(session: nox.Session) -> None:
     """The default test suite on CPU, without the long end-to-end tests (`tests_slow` runs those)."""
     _install(session)
     # exit 5 (no test collected, e.g. a -k that matches nothing) is not a failure of the suite
-    session.run("pytest", "-q", "-m", "not slow", *session.posargs, success_codes=[0, 5], external=True)
+    _run(session, "pytest", "-q", "-m", "not slow", *session.posargs, success_codes=[0, 5])
 
 
 @nox.session(venv_backend="none")
 def tests_slow(session: nox.Session) -> None:
     """The long end-to-end tests (marked slow), a separate CI step."""
     _install(session)
-    session.run("pytest", "-q", "-m", "slow", *session.posargs, success_codes=[0, 5], external=True)
+    _run(session, "pytest", "-q", "-m", "slow", *session.posargs, success_codes=[0, 5])
 
 
 @nox.session(venv_backend="none")
 def lint(session: nox.Session) -> None:
     """ruff over every package, the tests and scripts."""
     _install(session)
-    session.run("ruff", "check", ".", external=True)
+    _run(session, "ruff", "check", ".")
 
 
 def _bench_and_gate(session: nox.Session) -> None:
     """Run the smoke scenario into a new run folder, write its report (verdict first), then gate it."""
     out = f"results/runs/smoke-{time.strftime('%Y%m%d-%H%M%S')}"
     # exit 1 (a case failed) still leaves a complete run folder: the gate reads it and names the failure
-    session.run("hybridkv", "bench", SMOKE, "--out", out, "--no-report", success_codes=[0, 1], external=True)
-    session.run("hybridkv", "report", out, "--baseline", SMOKE_BASELINE, external=True)
-    session.run("hybridkv", "gate", out, "--baseline", SMOKE_BASELINE, external=True)
+    _run(session, "hybridkv", "bench", SMOKE, "--out", out, "--no-report", success_codes=[0, 1])
+    _run(session, "hybridkv", "report", out, "--baseline", SMOKE_BASELINE)
+    _run(session, "hybridkv", "gate", out, "--baseline", SMOKE_BASELINE)
 
 
 @nox.session(venv_backend="none")
@@ -91,7 +101,7 @@ def bench(session: nox.Session) -> None:
     `nox -s bench -- SCENARIO [flags]` runs another scenario (no gate)."""
     _install(session)
     if session.posargs:
-        session.run("hybridkv", "bench", *session.posargs, external=True)
+        _run(session, "hybridkv", "bench", *session.posargs)
     else:
         _bench_and_gate(session)
 
@@ -100,7 +110,7 @@ def bench(session: nox.Session) -> None:
 def report(session: nox.Session) -> None:
     """Write plots and report.md for a run folder: nox -s report -- RUN_DIR [--baseline FILE]."""
     _install(session)
-    session.run("hybridkv", "report", *session.posargs, external=True)
+    _run(session, "hybridkv", "report", *session.posargs)
 
 
 @nox.session(venv_backend="none")
@@ -120,8 +130,8 @@ def microbench(session: nox.Session) -> None:
     storage = "results/runs/benchmarks"  # per machine; results of one machine say nothing of another
     saved = glob.glob(f"{storage}/*/*.json")
     args = ["--benchmark-autosave"] if not saved else ["--benchmark-compare", "--benchmark-compare-fail=mean:25%"]
-    session.run("pytest", "-q", "-m", "benchmark", "harness/tests/test_microbench.py", "--benchmark-enable",
-                "--benchmark-only", f"--benchmark-storage={storage}", *args, *session.posargs, external=True)
+    _run(session, "pytest", "-q", "-m", "benchmark", "harness/tests/test_microbench.py", "--benchmark-enable",
+                "--benchmark-only", f"--benchmark-storage={storage}", *args, *session.posargs)
 
 
 @nox.session(venv_backend="none")
