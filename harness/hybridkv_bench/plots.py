@@ -165,10 +165,12 @@ def plot_ttft(df: pd.DataFrame, path: Path, setting: Setting) -> Path | None:
                        "warm (hit: lookup + load + prefill of the tail)":
                            _samples(sub, ["wire_format"], keys, "ttft_warm_s")},
                       "TTFT p50 (seconds)", annotate=True)
-        scale = "log scale" if log_if_wide(ax, drawn) else "linear scale"
+        wide = log_if_wide(ax, drawn)
+        lo, hi = ax.get_ylim()
+        ax.set_ylim(lo, hi * (4 if wide else 1.35))  # headroom: the legend sits above the bars
         ax.set_title(f"{wl}: time to first token, {setting.device}\n(median over cases, whisker min-max; "
-                     f"{scale})", fontsize=10)
-        ax.legend(fontsize=8)
+                     f"{'log' if wide else 'linear'} scale)", fontsize=10)
+        ax.legend(fontsize=8, loc="upper center", ncol=2)
     fig.text(0.01, 0.005, "prefill is modeled, lookup and load measured (report.md: how each TTFT is composed)",
              fontsize=7, color="dimgray")
     return _save(plt, fig, path)
