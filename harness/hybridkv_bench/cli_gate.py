@@ -17,7 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--baseline", metavar="FILE", help="baseline TOML to compare with")
     mode.add_argument("--write-baseline", metavar="FILE",
-                      help="write a baseline from this run (ratios and counts, generous tolerances)")
+                      help="write a baseline from this run: counts exact, orderings inside the run, speed-up floors "
+                           "with the repeat spread as tolerance")
     parser.add_argument("--force", action="store_true", help="with --write-baseline: overwrite FILE")
     parser.add_argument("--verbose", "-v", action="store_true",
                         help="print every check, not only the failed ones (the run folder's gate.txt holds them)")
