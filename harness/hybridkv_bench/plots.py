@@ -264,6 +264,8 @@ def plot_policies(df: pd.DataFrame, path: Path) -> Path | None:
         else:
             div, unit = byte_unit(max((max(_clean(x), default=0) for s in per_wl.values() for x in s), default=0))
         _bars(ax, values, {wl: [[v / div for v in x] for x in s] for wl, s in per_wl.items()}, unit, annotate=True)
+        lo, hi = ax.get_ylim()
+        ax.set_ylim(lo, hi * 1.3)  # headroom: the legend sits above the bars
         ax.set_title(f"{title}\n(all repeats of a case; bar: median over cases)", fontsize=9)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper center", ncol=2)
     return _save(plt, fig, path)
