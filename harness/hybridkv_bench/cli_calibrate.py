@@ -8,7 +8,9 @@ from hybridkv.cli import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="cuda: pinned host <-> GPU copies; cpu: host memcpy; auto: cuda when a GPU is "
+                             "visible, else cpu (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the calibration as JSON")
 
 

@@ -1,4 +1,8 @@
-"""`hybridkv gate RUN --baseline FILE | --write-baseline FILE`: exit 0 pass, 1 regression, 2 usage."""
+"""`hybridkv gate RUN --baseline FILE | --write-baseline FILE`: exit 0 pass, 1 regression, 2 usage.
+
+Prints the failed checks and a one-line verdict; the whole table goes to RUN/gate.txt (and to stdout
+with --verbose).
+"""
 
 from __future__ import annotations
 
@@ -13,12 +17,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--baseline", metavar="FILE", help="baseline TOML to compare with")
     mode.add_argument("--write-baseline", metavar="FILE",
-                      help="write a baseline from this run (ratios and counts, generous tolerances)")
+                      help="write a baseline from this run: counts exact, orderings inside the run, speed-up floors "
+                           "with the repeat spread as tolerance")
     parser.add_argument("--force", action="store_true", help="with --write-baseline: overwrite FILE")
+    parser.add_argument("--verbose", "-v", action="store_true",
+                        help="print every check, not only the failed ones (the run folder's gate.txt holds them)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from .gate import BaselineError, baseline_from_run, format_table, gate, load_baseline
+    from .gate import GATE_TXT, BaselineError, baseline_from_run, format_table, gate, load_baseline
     from .results import RunFolderError, load_run
 
     try:
@@ -36,11 +43,22 @@ def run(args: argparse.Namespace) -> int:
         result = gate(loaded, load_baseline(args.baseline))
     except (RunFolderError, BaselineError) as e:
         raise UserError(str(e)) from None
-    print(format_table(result))
+    table = format_table(result)
+    path = Path(args.run) / GATE_TXT
+    saved: Path | None = path
+    try:
+        path.write_text(f"baseline: {args.baseline}\n{table}\n{result.verdict()}\n")
+    except OSError as e:  # a read-only run folder (a published one) still gets its verdict
+        print(f"note: cannot write {path}: {e.strerror}")
+        saved = None
+    if args.verbose:
+        print(table)
+    elif result.failed:
+        print(format_table(result, only_failed=True))
     for note in result.notes:
         print(f"note: {note}")
     if not loaded.complete:
         print(f"incomplete run: {args.run} ({loaded.incomplete_detail()})")
-    n = len(result.failed)
-    print(f"gate: {'FAIL' if n else 'pass'} ({n} of {len(result.checks)} checks failed)")
+    where = f"; every check in {saved}" if saved else ""
+    print(f"{result.verdict()}{where}")
     return result.exit_code

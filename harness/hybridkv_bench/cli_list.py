@@ -17,21 +17,27 @@ def run(args: argparse.Namespace) -> int:
     from hybridkv.layout import LayoutError
     from hybridkv.presets import preset_layout, preset_names
 
-    from .scenario import ScenarioError, expand_matrix, find_scenarios, load_scenario
+    from .scenario import Scenario, ScenarioError, expand_matrix, find_scenarios, load_scenario
 
     folder = Path(args.scenarios)
     print(f"scenarios in {folder}/:")
     files = find_scenarios(folder) if folder.is_dir() else []
     if not files:
         print("  (none)")
+    loaded: list[tuple[str, Scenario | None, str]] = []
     for path in files:
         try:
-            s = load_scenario(path).scenario
+            loaded.append((path.stem, load_scenario(path).scenario, ""))
         except ScenarioError as e:
-            print(f"  {path.stem:<14} INVALID: {e}")
+            loaded.append((path.stem, None, str(e)))
+    width = max([len(stem) for stem, _, _ in loaded] + [len(s.name) for _, s, _ in loaded if s] + [8])
+    for stem, s, error in loaded:
+        if s is None:
+            print(f"  {stem:<{width}}  INVALID: {error}")
             continue
         n = len(expand_matrix(s)) * len(s.workloads)
-        print(f"  {s.name:<14} {s.model.preset} tp={s.model.tp}, {n} case runs: {s.description}")
+        cases = f"{n} case{'s' if n != 1 else ''}"
+        print(f"  {s.name:<{width}}  {s.model.preset} tp={s.model.tp}, {cases}: {s.description}")
     print("\nmodel presets (per rank; chunk = the unified block):")
     print(f"  {'preset':<22} {'tp':>2}  {'groups':<12} {'block tok':>9} {'page bytes':>11} "
           f"{'chunk bytes':>12}")

@@ -3,7 +3,7 @@ Kept free of imports: `hybridkv --help` reads this table without loading torch."
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("hybridkv_bench.cli_bench", "run a scenario and write a run folder"),
-    "report": ("hybridkv_bench.cli_report", "write plots and a Markdown report for a run folder"),
+    "report": ("hybridkv_bench.cli_report", "write plots and a Markdown report for a run folder, or compare runs"),
     "gate": ("hybridkv_bench.cli_gate", "compare a run with a baseline; non-zero exit on regression"),
     "calibrate": ("hybridkv_bench.cli_calibrate", "measure this machine's copy ceilings"),
     "list": ("hybridkv_bench.cli_list", "list scenarios and model presets"),

@@ -16,10 +16,12 @@ import pandas as pd
 
 from . import plots
 from .metrics import RATIO_METRICS, REQUEST_METRICS, SERVER_METRICS, case_metrics
-from .results import Run, load_run
+from .results import CaseResult, Run, load_run
 from .scenario import AXES
+from .verdict import verdict_lines
 
 REPORT_MD = "report.md"
+MIB = 1 << 20
 
 
 # ---- formatting ------------------------------------------------------------------------------------
@@ -61,6 +63,17 @@ def _differs(a, b) -> bool:
     return not math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=1e-12)
 
 
+ARENA_COLUMNS = ("arena_used_mib", "arena_capacity_mib")
+
+
+def _arena(c: CaseResult) -> dict[str, float | None]:
+    """The server's L1 arena after the case (its counters), in MiB; None where the run did not record them."""
+    counters = c.details.get("server_counters") or {}
+    used, cap = counters.get("l1_bytes_used"), counters.get("l1_capacity_bytes")
+    return {"arena_used_mib": used / MIB if isinstance(used, int | float) else None,
+            "arena_capacity_mib": cap / MIB if isinstance(cap, int | float) else None}
+
+
 def case_table(run: Run) -> tuple[pd.DataFrame, list[str]]:
     """One row per case entry with metrics recomputed from the CSV, and the integrity findings."""
     records, findings = [], []
@@ -77,9 +90,8 @@ def case_table(run: Run) -> tuple[pd.DataFrame, list[str]]:
                     findings.append(f"{c.key}: run.json {k} = {fmt(c.metrics[k], 8)}, "
                                     f"requests.csv gives {fmt(m[k], 8)}")
         records.append({"workload": c.workload, "case": c.name, "status": c.status, "error": c.error,
-                        **{a: c.axes.get(a, "?") for a in AXES}, **m,
-                        "rows": len(rows)})
-    columns = ["workload", "case", "status", "error", *AXES, *case_metrics([]).keys(), "rows"]
+                        **{a: c.axes.get(a, "?") for a in AXES}, **m, **_arena(c), "rows": len(rows)})
+    columns = ["workload", "case", "status", "error", *AXES, *case_metrics([]).keys(), *ARENA_COLUMNS, "rows"]
     return pd.DataFrame.from_records(records, columns=columns), findings
 
 
@@ -112,36 +124,49 @@ def _composition(run: Run, df: pd.DataFrame) -> str:
                           rows, "lllrrrrrr")
 
 
+# The results tables, each narrow enough to read: (metric, header) per column after the case name.
+RESULT_TABLES: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
+    ("time to first token and hits", (
+        ("ttft_cold_s", "cold TTFT s"), ("ttft_warm_s", "warm TTFT s"), ("ttft_warm_s_p99", "warm p99 s"),
+        ("ttft_speedup", "speed-up"), ("hit_tokens", "hit tokens"), ("verified_chunks", "verified"),
+        ("corrupt_chunks", "corrupt"))),
+    ("transfer", (
+        ("store_gbps", "store GB/s"), ("store_ceiling_ratio", "store/peak"), ("store_copy_gbps", "store copy GB/s"),
+        ("load_gbps", "load GB/s"), ("load_ceiling_ratio", "load/peak"), ("load_copy_gbps", "load copy GB/s"),
+        ("bytes_stored", "GB stored"), ("bytes_loaded", "GB loaded"))),
+    ("cache server", (
+        ("server_vram_mib", "VRAM MiB"), ("server_cuda_mapped", "CUDA libs"), ("server_rss_mib", "RSS MiB"),
+        ("arena_used_mib", "arena used MiB"), ("arena_capacity_mib", "arena MiB"), ("server_cpu_s", "CPU s"))),
+)
+
+
+def _cell(r: dict, k: str):
+    v = r[k]
+    if k.startswith("bytes_") and v is not None:
+        v = v / 1e9
+    return None if isinstance(v, float) and math.isnan(v) else v
+
+
 def _results_tables(df: pd.DataFrame) -> str:
     out = []
-    cols = [("ttft_cold_s", "cold TTFT s"), ("ttft_warm_s", "warm TTFT s"), ("ttft_warm_s_p99", "warm p99 s"),
-            ("ttft_speedup", "speed-up"), ("store_gbps", "store GB/s"), ("store_ceiling_ratio", "store/peak"),
-            ("store_copy_gbps", "store copy GB/s"), ("load_gbps", "load GB/s"), ("load_ceiling_ratio", "load/peak"),
-            ("load_copy_gbps", "load copy GB/s"), ("hit_tokens", "hit tokens"),
-            ("bytes_stored", "GB stored"), ("bytes_loaded", "GB loaded"), ("verified_chunks", "verified"),
-            ("corrupt_chunks", "corrupt"), ("server_vram_mib", "server VRAM MiB"),
-            ("server_cuda_mapped", "server CUDA libs"), ("server_rss_mib", "server RSS MiB")]
     for wl, sub in df[df.status == "ok"].groupby("workload", sort=False):
-        rows = []
-        for r in sub.to_dict("records"):
-            vals = []
-            for k, _ in cols:
-                v = r[k]
-                if k.startswith("bytes_"):
-                    v = v / 1e9
-                vals.append(None if isinstance(v, float) and math.isnan(v) else v)
-            rows.append([r["case"], *vals])
-        out.append(f"### {wl}\n\n" + markdown_table(["case", *(h for _, h in cols)], rows,
-                                                     "l" + "r" * len(cols)))
+        records = sub.to_dict("records")
+        out.append(f"### {wl}")
+        for title, cols in RESULT_TABLES:
+            rows = [[r["case"], *(_cell(r, k) for k, _ in cols)] for r in records]
+            out.append(f"{title}:\n\n" + markdown_table(["case", *(h for _, h in cols)], rows, "l" + "r" * len(cols)))
     return "\n\n".join(out) or "_No case finished._"
 
 
-def render_markdown(run: Run, df: pd.DataFrame, findings: list[str], figures: list[Path]) -> str:
+def render_markdown(run: Run, df: pd.DataFrame, findings: list[str], figures: list[Path],
+                    baseline: str | Path | None = None) -> str:
     sc, ctx, cal = run.record.scenario, run.record.context, run.record.calibration
     lines = [f"# hybridkv run: {run.scenario_name}", ""]
     if not run.complete:
         lines += ["> **INCOMPLETE RUN.** " + run.incomplete_detail() + ". The figures below cover only the "
                   "cases that finished; do not compare them with a complete run.", ""]
+    lines += verdict_lines(run, df, baseline, markdown_table)
+    lines += ["## Run", ""]
     lines += [f"{sc.get('description', '')}", "",
               markdown_table(["", ""], [
                   ["run folder", str(run.folder)],
@@ -195,20 +220,21 @@ def render_markdown(run: Run, df: pd.DataFrame, findings: list[str], figures: li
     return "\n".join(lines) + "\n"
 
 
-def write_report(run_folder: str | Path, out: str | Path | None = None) -> list[Path]:
-    """Write report.md and the figures into `out` (default: the run folder); returns their paths."""
+def write_report(run_folder: str | Path, out: str | Path | None = None,
+                 baseline: str | Path | None = None) -> list[Path]:
+    """Write report.md and the figures into `out` (default: the run folder); returns their paths. With a
+    baseline the verdict at the top is the gate's against it, else the invariants' alone."""
     run = load_run(run_folder)
     out_dir = Path(out) if out is not None else run.folder
     out_dir.mkdir(parents=True, exist_ok=True)
     df, findings = case_table(run)
-    cal = run.record.calibration
+    setting = plots.Setting.of(run.record.calibration)
     figures = [p for p in (
-        plots.plot_ttft(df, out_dir / "ttft.png"),
-        plots.plot_throughput(df, out_dir / "throughput.png",
-                              cal.get("d2h_peak_gbps"), cal.get("h2d_peak_gbps")),
+        plots.plot_ttft(df, out_dir / "ttft.png", setting),
+        plots.plot_throughput(df, out_dir / "throughput.png", setting),
         plots.plot_server(df, out_dir / "server.png"),
         plots.plot_policies(df, out_dir / "policies.png"),
     ) if p is not None]
     md = out_dir / REPORT_MD
-    md.write_text(render_markdown(run, df, findings, figures))
+    md.write_text(render_markdown(run, df, findings, figures, baseline))
     return [md, *figures]

@@ -449,13 +449,23 @@ def _describe(e: msgspec.ValidationError) -> str:
     return f"{msg} at {m['path']}" if m["path"] else msg
 
 
+def toml_error(source: str, text: str, e: tomllib.TOMLDecodeError) -> str:
+    """The TOML error with a line number, also for errors at the end of the text (tomllib gives none there)."""
+    msg = str(e)
+    if "at end of document" in msg:
+        lines = text.splitlines() or [""]
+        msg = msg.replace("at end of document", f"at end of document: line {len(lines)}, column {len(lines[-1]) + 1}")
+    return f"{source}: invalid TOML: {msg}"
+
+
 def decode_scenario(data: dict | str, source: str = "<string>") -> Scenario:
     """Decode a scenario from TOML text or an already-parsed table, and validate it."""
     if isinstance(data, str):
+        text = data
         try:
-            data = tomllib.loads(data)
+            data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
-            raise ScenarioError(f"{source}: invalid TOML: {e}") from None
+            raise ScenarioError(toml_error(source, text, e)) from None
     try:
         scenario = msgspec.convert(data, type=Scenario)
     except msgspec.ValidationError as e:

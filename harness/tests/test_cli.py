@@ -39,11 +39,15 @@ def test_gate_exit_codes(run_folder: Path, tmp_path: Path, smoke, capsys):
     assert "gate: pass" in capsys.readouterr().out
 
     slow = write_fake_run(tmp_path / "slow", smoke,
-                          tamper={"shm-kernel-single-all-all": {"ttft_speedup": 1.0}})
+                          tamper={"shm-kernel-single-all-all": {"ttft_speedup": 0.5}})
     assert main(["gate", str(slow), "--baseline", str(baseline)]) == 1
     out = capsys.readouterr().out
-    assert re.search(r"FAIL +long_doc_qa +shm-kernel-single-all-all +ttft_speedup +1 +>= ", out)
-    assert "gate: FAIL (2 of 256 checks failed)" in out  # ttft_speedup of both workloads
+    assert re.search(r"FAIL +long_doc_qa +shm-kernel-single-all-all +ttft_speedup +0.5 +>= ", out)
+    assert re.search(r"gate: FAIL \(2 of 252 checks failed\); every check in .*slow/gate.txt", out)
+    assert "pass " not in out  # only the failures are printed ...
+    assert len((slow / "gate.txt").read_text().splitlines()) == 252 + 4  # ... the whole table is in the run
+    assert main(["gate", str(slow), "--baseline", str(baseline), "--verbose"]) == 1
+    assert len(capsys.readouterr().out.splitlines()) == 252 + 3
 
     partial = write_fake_run(tmp_path / "partial", smoke, finish=False, max_cases=4)
     assert main(["gate", str(partial), "--baseline", str(baseline)]) == 1
@@ -72,12 +76,15 @@ def test_list_command(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "seed_56k" in out and "Qwen3.6-27B TP1, one 55,664-token document" in out
     assert re.search(r"qwen3\.6-27b +1 +4 \(ARRR\) +784 +3,211,264 +205,520,896\n", out)
+    # names longer than the usual column keep the columns aligned; one case is "1 case"
+    assert re.search(r"\n  h200_seed_formats  qwen3\.6-27b tp=1, 4 cases: ", out)
+    assert re.search(r"\n  l1_pressure +qwen3\.6-27b tp=1, 1 case: ", out)
 
 
 def test_list_shows_a_broken_scenario(tmp_path: Path, capsys):
     (tmp_path / "bad.toml").write_text("name = 'bad'\n")
     assert main(["list", "--scenarios", str(tmp_path)]) == 0
-    assert "bad            INVALID: " in capsys.readouterr().out
+    assert re.search(r"\n  bad +INVALID: ", capsys.readouterr().out)
 
 
 @pytest.mark.parametrize("module", ["cli_report", "cli_gate", "cli_list", "cli_calibrate", "report", "gate",
@@ -85,3 +92,19 @@ def test_list_shows_a_broken_scenario(tmp_path: Path, capsys):
 def test_light_commands_do_not_import_torch(module: str):
     code = f"import sys, hybridkv_bench.{module}; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ}, cwd=REPO)
+
+
+def test_report_compare(run_folder: Path, tmp_path: Path, smoke, capsys):
+    other = write_fake_run(tmp_path / "other", smoke)
+    assert main(["report", "--compare", str(run_folder), str(other), "--out", str(tmp_path / "cmp")]) == 0
+    out = capsys.readouterr().out
+    assert (tmp_path / "cmp" / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    # one row per wire format the runs hold, each its fastest case; raw is not part of the picture
+    assert "| hybridkv shm | shm-" in out and "| pickle (seed) |" in out and "| torch.save (seed) |" in out
+    assert "raw" not in out and "CUDA-IPC" not in out
+    assert main(["report", "--compare", str(run_folder), "--workload", "fan_out", "--out", str(tmp_path)]) == 0
+    capsys.readouterr()
+    assert main(["report", "--compare", str(run_folder), "--workload", "nope", "--out", str(tmp_path)]) == 2
+    assert "no run holds measured cases of workload 'nope'" in capsys.readouterr().err
+    assert main(["report", str(run_folder), "--compare", str(other)]) == 2
+    assert main(["report"]) == 2

@@ -8,10 +8,12 @@ from hybridkv_bench.gate import (
     Baseline,
     BaselineCheck,
     BaselineError,
+    OrderCheck,
     baseline_from_run,
     format_table,
     gate,
     load_baseline,
+    repeat_spread,
 )
 from hybridkv_bench.results import load_run
 
@@ -119,11 +121,58 @@ def test_write_baseline_round_trip(run_folder: Path, tmp_path: Path):
     path.write_text(baseline_from_run(run))
     baseline = load_baseline(path)
     assert baseline.scenario == "smoke" and baseline.scale == 1.0
-    assert {c.metric for c in baseline.check} == {"store_ceiling_ratio", "load_ceiling_ratio", "ttft_speedup",
-                                                  "hit_tokens", "verified_chunks"}
-    assert all(c.direction == "higher" for c in baseline.check)
+    assert {c.metric for c in baseline.check} == {"ttft_speedup", "hit_tokens", "verified_chunks",
+                                                  "bytes_stored", "bytes_loaded"}
+    assert all(c.direction == "equal" for c in baseline.check if c.metric != "ttft_speedup")
+    speedups = [c for c in baseline.check if c.metric == "ttft_speedup"]
+    assert {c.case for c in speedups} == {"shm-*", "raw-*"} and all(c.value == 1.0 and c.spread for c in speedups)
     assert not any(c.metric.endswith("_s") for c in baseline.check), "absolute times are never gated"
-    assert gate(run, baseline).exit_code == 0
+    assert {(o.better, o.worse) for o in baseline.order} == {("shm-*", "pickle-*"), ("shm-*", "torch_save-*")}
+    result = gate(run, baseline)
+    assert result.exit_code == 0
+    # each ordering is judged once per workload
+    assert len([c for c in result.checks if " vs " in c.case]) == 2 * 2 * 3
+
+
+def test_counts_are_exact(run_folder: Path):
+    run = load_run(run_folder)
+    n = run.cases[0].metrics["hit_tokens"]
+    exact = lambda value: Baseline(scenario="smoke", check=(  # noqa: E731
+        BaselineCheck(case=run.cases[0].name, workload=run.cases[0].workload, metric="hit_tokens",
+                      direction="equal", tolerance=0.0, value=value),))
+    assert gate(run, exact(n)).exit_code == 0
+    assert gate(run, exact(n - 80)).exit_code == 1  # more than expected is as wrong as fewer
+    assert gate(run, exact(n + 80)).exit_code == 1
+    with pytest.raises(ValueError, match="an equal check is exact"):
+        BaselineCheck(metric="hit_tokens", direction="equal", tolerance=0.1, value=1.0)
+
+
+def test_a_noisy_case_widens_its_own_tolerance(run_folder: Path):
+    run = load_run(run_folder)
+    case = max(run.cases, key=lambda c: repeat_spread(run, c, "load_gbps") or 0)
+    rel = repeat_spread(run, case, "load_gbps")
+    assert rel is not None and 0.005 < rel < 0.2  # the fixture's load times jitter by up to 5%
+    actual = case.metrics["load_gbps"]
+    one = lambda spread: Baseline(scenario="smoke", check=(  # noqa: E731
+        check(case=case.name, workload=case.workload, metric="load_gbps", value=actual * 1.25, tolerance=0.1,
+              spread=spread),))
+    assert gate(run, one(0.0)).exit_code == 1  # 20% below the value, 10% allowed
+    wide = gate(run, one(0.25 / rel + 1))
+    assert wide.exit_code == 0, format_table(wide)
+    assert "x repeat spread" in next(c.expected for c in wide.checks if c.check == "load_gbps")
+
+
+def test_orderings_inside_the_run(run_folder: Path):
+    run = load_run(run_folder)
+    order = lambda better, worse, metric="load_gbps", direction="higher": Baseline(  # noqa: E731
+        scenario="smoke", order=(OrderCheck(metric=metric, direction=direction, better=better, worse=worse),))
+    assert gate(run, order("shm-*", "pickle-*")).exit_code == 0
+    assert gate(run, order("shm-*", "pickle-*", "ttft_warm_s", "lower")).exit_code == 0
+    backwards = gate(run, order("pickle-*", "shm-*"))
+    assert {(c.workload, c.case) for c in backwards.failed} == {("long_doc_qa", "pickle-* vs shm-*"),
+                                                                ("fan_out", "pickle-* vs shm-*")}
+    missing = gate(run, order("shm-*", "cuda_ipc-*"))
+    assert missing.exit_code == 1 and "no measured cuda_ipc-* case" in missing.failed[0].actual
 
 
 def test_write_baseline_refuses_a_broken_run(tmp_path: Path, smoke):
@@ -141,6 +190,7 @@ CHECK = "scenario = 'smoke'\n[[check]]\ntolerance = 0.1\nvalue = 1.0\n"
     (CHECK + "metric = 'load_gbps'\ndirection = 'up'\n", "Invalid enum value 'up'"),
     ("scenario = 'smoke'\ntolerence = 1\n", "unknown field `tolerence`"),
     ("scenario = \n", "invalid TOML"),
+    ("scenario = 'smoke'\nscale = ", r"at end of document: line 2, column 9"),
 ])
 def test_bad_baseline_files(tmp_path: Path, text: str, message: str):
     path = tmp_path / "b.toml"

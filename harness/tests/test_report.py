@@ -3,6 +3,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hybridkv_bench.gate import baseline_from_run
 from hybridkv_bench.report import case_table, markdown_table, write_report
 from hybridkv_bench.results import NotARunFolder, load_run
 
@@ -80,3 +81,34 @@ def test_markdown_table():
     ]
     with pytest.raises(ValueError, match="row has 1 cells"):
         markdown_table(["a", "b"], [["x"]])
+
+
+def test_report_opens_with_the_verdict_and_keeps_tables_narrow(run_folder: Path, tmp_path: Path):
+    baseline = tmp_path / "b.toml"
+    baseline.write_text(baseline_from_run(load_run(run_folder)))
+    write_report(run_folder, baseline=baseline)
+    md = (run_folder / "report.md").read_text()
+    first = md.split("\n## ")[1]
+    assert first.startswith("Verdict\n") and f"**gate: pass (0 of 252 checks failed)**, against `{baseline}`" in first
+    assert "**Modeled:** prefill time (5000.0 uncached tokens/s)" in first and "No GPU in this run" in first
+    assert "| hybridkv shm: shm-" in first and "of ceiling)" in first  # headline figures beside their ceilings
+    widths = [line.count("|") - 1 for line in md.splitlines() if line.startswith("|")]
+    assert widths and max(widths) < 19
+    write_report(run_folder)  # no baseline: the invariants alone, and it says so
+    assert "invariants only" in (run_folder / "report.md").read_text().split("\n## ")[1]
+
+
+def test_plots_choose_log_axes_and_readable_units():
+    from hybridkv_bench import plots
+
+    plt = plots._pyplot()
+    fig, ax = plt.subplots()
+    assert plots.log_if_wide(ax, [7.68, 0.13]) and ax.get_yscale() == "log"
+    fig2, ax2 = plt.subplots()
+    assert not plots.log_if_wide(ax2, [0.132, 0.02, None, float("nan")]) and ax2.get_yscale() == "linear"
+    plt.close(fig)
+    plt.close(fig2)
+    assert plots.byte_unit(2_290_000) == (1e6, "MB") and plots.byte_unit(512) == (1.0, "B")
+    cpu = plots.Setting.of({"method": "cpu-memcpy", "device": "cpu", "d2h_peak_gbps": 2.8})
+    gpu = plots.Setting.of({"method": "cuda-pinned-events", "device": "NVIDIA H200"})
+    assert "GPU" not in cpu.store_path.replace("no GPU", "") and "GPU -> server arena" in gpu.store_path

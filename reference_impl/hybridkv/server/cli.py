@@ -158,6 +158,11 @@ def run(args: argparse.Namespace) -> int:
     server: CacheServer | None = None
     try:
         l2_redis = apply_l2_and_seed(args)
+        # say it in the unit it was given in, not in the bytes it becomes
+        if not args.l1_gib > 0:
+            raise ConfigError(f"L1 size (--l1-gib) must be above 0 GiB, got {args.l1_gib:g}")
+        if not args.l2_gib >= 0:
+            raise ConfigError(f"L2 size (--l2-gib) must be 0 GiB or more, got {args.l2_gib:g}")
         cfg = ServerConfig(
             endpoint=args.endpoint, l1_bytes=int(args.l1_gib * GIB), l1_dir=args.l1_dir, l2_dir=args.l2_dir,
             l2_bytes=int(args.l2_gib * GIB), l2_fsync=args.l2_fsync, chunk_tokens=args.chunk_tokens,
