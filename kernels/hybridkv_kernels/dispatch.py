@@ -1,4 +1,11 @@
-"""Choosing and running an implementation of a page copy plan, on a given stream or the current one."""
+"""The copy-engine choice, and running a page copy plan with it on a given stream or the current one.
+
+One knob, `CopyEngine`: `auto` (the default everywhere) picks `dma` for pages of at least
+`DMA_MIN_PAGE_BYTES` and `kernel` below, as the H200 runs measured (kernels/README.md); `kernel` is
+the one-launch Triton gather/scatter on CUDA and the torch reference elsewhere (Triton compiles for
+no CPU; its interpreter is a test tool, about 50x slower than torch there); `dma`, `triton` and
+`torch` pin one implementation (benchmarks, tests, comparisons).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,7 @@ import contextlib
 import importlib.util
 import os
 from collections.abc import Callable, Sequence
+from typing import Literal, get_args
 
 import torch
 
@@ -13,7 +21,14 @@ from hybridkv_kernels.copy_dma import copy_pages_dma
 from hybridkv_kernels.copy_torch import copy_pages_torch
 from hybridkv_kernels.plan import PageCopyPlan, PageTransfer, plan_gather, plan_scatter
 
-IMPLS = ("torch", "triton", "dma")
+Impl = Literal["torch", "triton", "dma"]
+IMPLS: tuple[Impl, ...] = get_args(Impl)
+CopyEngine = Literal["auto", "kernel", "dma", "triton", "torch"]
+COPY_ENGINES: tuple[CopyEngine, ...] = get_args(CopyEngine)
+# auto's rule, from the H200 runs of 2026-11-29 (results/h200/2026-11-29/kernels/): on 3.2 MB pages
+# per-page DMA reaches 0.94-0.96 of the PCIe ceiling and the Triton kernel 0.90-0.94; on 64 KiB pages
+# DMA is launch-bound (0.07-0.13) and the kernel holds 0.89-0.93.
+DMA_MIN_PAGE_BYTES = 1 << 20
 
 
 def _triton_runner() -> Callable[[PageCopyPlan], None]:
@@ -31,32 +46,41 @@ def _triton_usable(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def available_impls(device: torch.device | str) -> list[str]:
+def available_impls(device: torch.device | str) -> list[Impl]:
     """Implementation names that can run plans whose engine pages are on `device`."""
     device = torch.device(device)
     return [name for name in IMPLS if name != "triton" or _triton_usable(device)]
 
 
-def default_impl(device: torch.device | str) -> str:
-    """The implementation to use on `device` when the caller has no preference."""
+def choose_impl(engine: str, page_bytes: int, device: torch.device | str) -> Impl:
+    """The implementation copy engine `engine` uses for pages of `page_bytes` on `device`."""
     device = torch.device(device)
-    if device.type == "cuda":
-        # One launch for all pages: beats per-page DMA for small pages and needs no staging buffer.
-        return "triton" if _triton_usable(device) else "dma"
-    return "torch"
+    if engine not in COPY_ENGINES:
+        raise ValueError(f"copy engine must be one of {COPY_ENGINES}, got {engine!r}")
+    if page_bytes < 1:
+        raise ValueError(f"page_bytes must be positive, got {page_bytes}")
+    if engine == "auto":
+        engine = "dma" if page_bytes >= DMA_MIN_PAGE_BYTES else "kernel"
+    if engine == "kernel":
+        return "triton" if device.type == "cuda" and _triton_usable(device) else "torch"
+    impl: Impl = "dma" if engine == "dma" else "triton" if engine == "triton" else "torch"
+    if impl not in available_impls(device):
+        raise ValueError(f"copy engine {engine!r} cannot run on {device}; available: {available_impls(device)}")
+    return impl
 
 
-def run_plan(plan: PageCopyPlan, impl: str | None = None, stream: torch.cuda.Stream | None = None) -> None:
-    """Enqueue every copy of `plan` with `impl` on `stream` (or the current stream); never synchronizes.
+_RUNNERS: dict[str, Callable[[PageCopyPlan], None]] = {"torch": copy_pages_torch, "dma": copy_pages_dma}
+
+
+def run_plan(plan: PageCopyPlan, engine: str = "auto", stream: torch.cuda.Stream | None = None) -> None:
+    """Enqueue every copy of `plan` with copy engine `engine` on `stream` (or the current stream);
+    never synchronizes.
 
     The caller orders `stream` after whatever produced the sources (e.g. `stream.wait_stream(...)`)
     and keeps the plan's tensors alive until the copies finish.
     """
-    impl = impl or default_impl(plan.device)
-    if impl not in available_impls(plan.device):
-        raise ValueError(f"impl {impl!r} is not available on {plan.device}; "
-                         f"available: {available_impls(plan.device)}")
-    runner = {"torch": copy_pages_torch, "dma": copy_pages_dma}.get(impl) or _triton_runner()
+    impl = choose_impl(engine, plan.page_bytes, plan.device)
+    runner = _RUNNERS.get(impl) or _triton_runner()
     if stream is not None and plan.device.type != "cuda":
         raise ValueError(f"a CUDA stream was given for a plan on {plan.device}")
     ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
@@ -64,17 +88,17 @@ def run_plan(plan: PageCopyPlan, impl: str | None = None, stream: torch.cuda.Str
         runner(plan)
 
 
-def gather_pages(transfers: Sequence[PageTransfer | tuple], impl: str | None = None,
+def gather_pages(transfers: Sequence[PageTransfer | tuple], engine: str = "auto",
                  stream: torch.cuda.Stream | None = None) -> PageCopyPlan:
     """Plan and enqueue a gather of engine pages into objects; returns the plan (it holds the tensors)."""
     plan = plan_gather(transfers)
-    run_plan(plan, impl, stream)
+    run_plan(plan, engine, stream)
     return plan
 
 
-def scatter_pages(transfers: Sequence[PageTransfer | tuple], impl: str | None = None,
+def scatter_pages(transfers: Sequence[PageTransfer | tuple], engine: str = "auto",
                   stream: torch.cuda.Stream | None = None) -> PageCopyPlan:
     """Plan and enqueue a scatter of objects into engine pages; returns the plan (it holds the tensors)."""
     plan = plan_scatter(transfers)
-    run_plan(plan, impl, stream)
+    run_plan(plan, engine, stream)
     return plan
