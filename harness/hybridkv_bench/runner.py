@@ -372,7 +372,7 @@ class Runner:
                   flush=True)
 
     def run(self) -> RunOutcome:
-        from .probes import calibrate
+        from .calibration.copies import calibrate
 
         out = self.opt.progress
         if self.opt.server:
