@@ -197,7 +197,8 @@ class Run:
 
 
 # Columns added after runs were published; an older requests.csv without them still loads (defaults).
-OPTIONAL_COLUMNS = frozenset({"store_copy_s", "load_copy_s"})
+OPTIONAL_COLUMNS = frozenset({"store_copy_s", "load_copy_s", "engine", "gpu", "step", "load_start_s",
+                              "store_start_s"})
 
 
 def _read_requests(path: Path, folder: Path) -> list[RequestRow]:

@@ -38,7 +38,7 @@ from .metrics import RequestRow, case_metrics
 from .prefill import prefill_seconds
 from .probes import sample_server
 from .results import CaseResult, RunWriter
-from .scenario import Case, Scenario, ScenarioFile, expand_matrix
+from .scenario import Case, Scenario, ScenarioFile, Workload, engine_gpus, expand_matrix
 from .workloads import ExpectedHits, Plan, Request, build_plan
 
 CLIENT_TIMEOUT_S = 300.0  # one call may carry a legacy-format payload of GBs through a serializer
@@ -169,19 +169,30 @@ class Runner:
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         self.folder = Path(options.out or Path("results", "runs", f"{scenario.name}-{stamp}"))
         self.status = _Status()
-        self._pools: dict[int, EnginePools] = {}
+        self._pools: dict[tuple[int, str], EnginePools] = {}
         self._tmp: list[Path] = []
         self._servers: list[ServerProcess] = []
         self._nonce = f"{os.getpid()}-{time.time_ns()}"
 
     # ---- resources ----------------------------------------------------------------------------------
 
-    def _pools_for(self, engine: int) -> EnginePools:
+    def _pools_for(self, engine: int, device: torch.device) -> EnginePools:
         """Pools live for the whole run (allocating GBs per case would be measured by nobody)."""
-        if engine not in self._pools:
+        key = (engine, str(device))
+        if key not in self._pools:
             tokens = max(p.max_tokens(engine) for p in self.plans.values())
-            self._pools[engine] = EnginePools.for_prompts(self.layout, tokens, self.device)
-        return self._pools[engine]
+            self._pools[key] = EnginePools.for_prompts(self.layout, tokens, device)
+        return self._pools[key]
+
+    def engine_devices(self, workload: Workload) -> list[torch.device]:
+        """Where each engine of `workload` runs: on CUDA as `engine_gpus` places it, else all on the CPU."""
+        n = len(self.plans[workload.label].ranks)
+        if self.device.type != "cuda":
+            return [self.device] * n
+        try:
+            return [torch.device("cuda", g) for g in engine_gpus(workload, torch.cuda.device_count())][:n]
+        except ValueError as e:
+            raise BenchError(str(e)) from None
 
     def _mkdtemp(self, prefix: str, parent: Path | None = None) -> Path:
         d = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
@@ -226,8 +237,9 @@ class Runner:
         rows: list[RequestRow] = []
         lock = threading.Lock()
         index = {id(r): i for i, r in enumerate(plan.requests)}
+        origin = time.perf_counter()
 
-        def one(req: Request) -> None:
+        def one(req: Request, step: int) -> None:
             eng = engines[req.engine]
             oracle = oracles[plan.ranks[req.engine]]
             expect = oracle.lookup(req.tokens)
@@ -242,13 +254,17 @@ class Runner:
                              store_copy_s=res.store_copy_s, load_copy_s=res.load_copy_s,
                              prefill_s=res.prefill_s, ttft_s=res.ttft_s, bytes_stored=res.bytes_stored,
                              bytes_loaded=res.bytes_loaded, verified_chunks=res.verified_chunks,
-                             corrupt_chunks=res.corrupt_chunks)
+                             corrupt_chunks=res.corrupt_chunks, engine=req.engine, step=step,
+                             gpu=eng.pools.device.index if eng.pools.device.type == "cuda" else -1,
+                             load_start_s=res.load_start - origin if res.load_start else 0.0,
+                             store_start_s=res.store_start - origin if res.store_start else 0.0)
             with lock:
                 rows.append(row)
 
         if len(engines) == 1:
-            for r in plan.requests:
-                one(r)
+            for step, phase in enumerate(plan.phases):
+                for r in phase:
+                    one(r, step)
             return rows
         # Engines at once, one thread each; a barrier between phases. An engine that fails breaks the
         # barrier so that the others stop instead of waiting for it.
@@ -257,10 +273,10 @@ class Runner:
 
         def engine_thread(e: int) -> None:
             try:
-                for phase in plan.phases:
+                for step, phase in enumerate(plan.phases):
                     for r in phase:
                         if r.engine == e:
-                            one(r)
+                            one(r, step)
                     barrier.wait()
             except threading.BrokenBarrierError:
                 pass
@@ -290,6 +306,7 @@ class Runner:
             return failed(f"wire_format {axes['wire_format']!r} is not implemented by hybridkv.engine.transfer "
                           f"(it supports {', '.join(WIRE_FORMATS)})")
         salt = f"{label}@{self._nonce}" if self.opt.server else label  # a shared server may hold older runs
+        devices = self.engine_devices(workload)
         clients: list[CacheClient] = []
         engines: list[SimEngine] = []
         rows: list[RequestRow] = []
@@ -307,9 +324,10 @@ class Runner:
                 clients.append(client)
                 cfg = TransferConfig(**axes, chunk_tokens=self.chunk, tp_rank=rank, salt=salt,
                                      timeout_s=CLIENT_TIMEOUT_S, name=f"{label}#{e}")
-                kv = KVTransfer(endpoint, self.layout, self._pools_for(e).pages, cfg, client=client)
+                pools = self._pools_for(e, devices[e])
+                kv = KVTransfer(endpoint, self.layout, pools.pages, cfg, client=client)
                 engines.append(SimEngine(
-                    kv, self._pools_for(e), self._prefill, timeout_s=CLIENT_TIMEOUT_S,
+                    kv, pools, self._prefill, timeout_s=CLIENT_TIMEOUT_S,
                     before_retrieve=(lambda hit: hook(hit, server)) if hook else None))
             has_state = bool(self.layout.recurrent_groups)
             for repeat in range(-self.scenario.warmup, self.scenario.repeats):
@@ -388,6 +406,8 @@ class Runner:
         beat = threading.Thread(target=self._heartbeat, args=(stop,), name="hkv-bench-heartbeat", daemon=True)
         failed: list[str] = []
         try:
+            for w in self.scenario.workloads:
+                self.engine_devices(w)  # a placement naming a missing GPU fails before any case runs
             beat.start()
             self.status.set("calibration", f"copy ceiling on {self.device.type}")
             cal = calibrate(self.device.type)

@@ -23,11 +23,11 @@ import msgspec
 from hybridkv.layout import LayoutError, ModelLayout
 from hybridkv.policy import Policy
 from hybridkv.presets import HybridModelConfig, hybrid_layout, model_config
+from hybridkv_kernels import CopyEngine
 
 GIB = 1 << 30
 
 WireFormat = Literal["shm", "raw", "pickle", "torch_save", "cuda_ipc"]
-CopyEngine = Literal["kernel", "dma"]
 Streams = Literal["single", "per_group"]
 Device = Literal["auto", "cpu", "cuda"]
 
@@ -219,16 +219,50 @@ class L1Pressure(_Workload, tag="l1_pressure", kw_only=True):
 
 
 class MultiEngine(_Workload, tag="multi_engine", kw_only=True):
-    """`engines` engines at once; engine i is TP rank i % tp (beyond tp: data-parallel replicas)."""
+    """`engines` engines at once; engine i is TP rank i % tp (beyond tp: data-parallel replicas).
+
+    `gpus` places engine i on cuda:gpus[i]; empty: engine i on cuda:(i % visible GPUs), so on one GPU
+    they all share cuda:0 and on eight GPUs each TP8 rank has its own (see `engine_gpus`)."""
 
     engines: int
     prompt_tokens: int
+    gpus: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _positive(self, "engines", "prompt_tokens")
+        if self.gpus and len(self.gpus) != self.engines:
+            raise ValueError(f"gpus names {len(self.gpus)} devices for {self.engines} engines: {list(self.gpus)}")
+        if any(g < 0 for g in self.gpus):
+            raise ValueError(f"gpus must be CUDA device indices >= 0, got {list(self.gpus)}")
 
 
-Workload = LongDocQA | MultiTurn | FanOut | Divergence | L1Pressure | MultiEngine
+class StoreWhileLoad(_Workload, tag="store_while_load", kw_only=True):
+    """Two engines on one device: one loads document d while the other stores document d+1, as a
+    serving engine stores one request while it resumes another; `rounds` such overlaps."""
+
+    prompt_tokens: int
+    rounds: int = 3
+
+    def __post_init__(self) -> None:
+        _positive(self, "prompt_tokens", "rounds")
+
+
+Workload = LongDocQA | MultiTurn | FanOut | Divergence | L1Pressure | MultiEngine | StoreWhileLoad
+
+
+def engine_gpus(w: Workload, visible: int) -> list[int]:
+    """The CUDA device index of each engine of `w` when `visible` GPUs are visible (see MultiEngine)."""
+    if visible < 1:
+        raise ValueError(f"no CUDA device is visible to place the engines of {w.label} on")
+    if isinstance(w, MultiEngine):
+        if w.gpus:
+            bad = [g for g in w.gpus if g >= visible]
+            if bad:
+                raise ValueError(f"{w.label}: gpus {bad} do not exist; {visible} GPUs are visible")
+            return list(w.gpus)
+        return [i % visible for i in range(w.engines)]
+    engines = 2 if isinstance(w, StoreWhileLoad) else 1
+    return [0] * engines
 
 
 class Exclude(_Strict, omit_defaults=True):
@@ -252,7 +286,7 @@ class Matrix(_Strict):
     """Lists of values per axis; the cases are their product minus the `exclude` entries."""
 
     wire_format: tuple[WireFormat, ...] = ("shm",)
-    copy_engine: tuple[CopyEngine, ...] = ("kernel",)
+    copy_engine: tuple[CopyEngine, ...] = ("auto",)
     streams: tuple[Streams, ...] = ("single",)
     retrieve_policy: tuple[Policy, ...] = ("boundary",)
     store_policy: tuple[Policy, ...] = ("all",)
@@ -343,7 +377,7 @@ def prefix_bytes(layout: ModelLayout, chunk_tokens: int, tokens: int, policy: st
 def request_prefix_tokens(w: Workload) -> int:
     """Tokens of the longest prefix one request of the workload expects to find cached."""
     match w:
-        case LongDocQA() | Divergence() | L1Pressure() | MultiEngine():
+        case LongDocQA() | Divergence() | L1Pressure() | MultiEngine() | StoreWhileLoad():
             return w.prompt_tokens
         case MultiTurn():
             return w.system_tokens + (w.turns - 1) * w.turn_tokens
@@ -369,6 +403,8 @@ def working_set_bytes(w: Workload, layout: ModelLayout, chunk_tokens: int, polic
             return w.documents * one(w.prompt_tokens)
         case MultiEngine():
             return w.engines * one(w.prompt_tokens)
+        case StoreWhileLoad():
+            return (w.rounds + 1) * one(w.prompt_tokens)
     raise AssertionError(w)
 
 
@@ -414,6 +450,10 @@ def validate(scenario: Scenario, source: str = "<scenario>") -> None:
                        "so nothing would ever be cached")
         if isinstance(w, Divergence) and w.prompt_tokens < 2 * chunk:
             raise fail(f"{where}: prompt_tokens {w.prompt_tokens} must span at least 2 chunks ({2 * chunk})")
+        one = prefix_bytes(layout, chunk, prefix, smallest)
+        if one > scenario.server.l1_bytes:
+            raise fail(f"{where}: one request's {prefix}-token prefix needs {one / GIB:.3f} GiB, more than "
+                       f"server.l1_gib {scenario.server.l1_gib}: no warm request could ever hit")
         if isinstance(w, L1Pressure):
             total = working_set_bytes(w, layout, chunk, smallest)
             if total <= scenario.server.l1_bytes:
@@ -421,10 +461,18 @@ def validate(scenario: Scenario, source: str = "<scenario>") -> None:
                            f"which fits in server.l1_gib {scenario.server.l1_gib}: nothing would spill")
             if scenario.server.l2_gib <= 0:
                 raise fail(f"{where}: needs an L2 to spill to (server.l2_gib is 0)")
-        one = prefix_bytes(layout, chunk, prefix, smallest)
-        if one > scenario.server.l1_bytes:
-            raise fail(f"{where}: one request's {prefix}-token prefix needs {one / GIB:.3f} GiB, more than "
-                       f"server.l1_gib {scenario.server.l1_gib}: no warm request could ever hit")
+        room = scenario.server.l1_bytes + scenario.server.l2_bytes
+        if not isinstance(w, L1Pressure) or scenario.server.l2_gib > 0:
+            # Hits are checked exactly, with no model of eviction: what a case stores must stay cached.
+            # Under L1 alone it must fit L1; with an L2 behind it, L1 + L2 (evicted objects spill there).
+            for policy in scenario.matrix.store_policy:
+                total = working_set_bytes(w, layout, chunk, policy)
+                if total > room:
+                    tiers = (f"server.l1_gib {scenario.server.l1_gib:g} + l2_gib {scenario.server.l2_gib:g}"
+                             if scenario.server.l2_gib > 0 else f"server.l1_gib {scenario.server.l1_gib:g} (no L2)")
+                    raise fail(f"{where}: its working set under store_policy {policy!r} is {total / GIB:.2f} GiB, "
+                               f"more than {tiers} = {room / GIB:.2f} GiB hold; early prefixes would be evicted "
+                               "and their hits lost (raise l1_gib, add an L2, or shrink the workload)")
 
 
 # ---- decoding ------------------------------------------------------------------------------------
@@ -543,6 +591,8 @@ def scaled(scenario: Scenario, factor: float) -> Scenario:
                          requests=count(w.requests, 2))
             case L1Pressure():
                 return r(w, prompt_tokens=prefix(w.prompt_tokens), documents=count(w.documents, 1))
+            case StoreWhileLoad():
+                return r(w, prompt_tokens=prefix(w.prompt_tokens), rounds=count(w.rounds, 1))
             case Divergence() | MultiEngine():
                 return r(w, prompt_tokens=prefix(w.prompt_tokens))
         raise AssertionError(w)
