@@ -194,8 +194,9 @@ class SimEngine:
                 bad.update(chunks[i] for i in wrong)
         return n - len(bad), len(bad)
 
-    def run(self, request_id: str, tokens: np.ndarray) -> RequestResult:
-        """One request from allocation to free; see the module doc for what is timed."""
+    def run(self, request_id: str, tokens: np.ndarray, gate: Callable[[str], None] | None = None) -> RequestResult:
+        """One request from allocation to free; see the module doc for what is timed. `gate("load")` runs
+        just before the lookup and `gate("store")` just before the store (aligning engines' transfers)."""
         kv, layout = self.kv, self.layout
         keys = kv.keys(tokens)
         full = len(keys) * self.chunk_tokens
@@ -206,6 +207,8 @@ class SimEngine:
         try:
             self._zero(blocks, len(keys))
             self._sync()
+            if gate is not None:
+                gate("load")
             t0 = time.perf_counter()
             hit = kv.lookup(request_id, tokens)
             lookup_s = time.perf_counter() - t0
@@ -220,6 +223,8 @@ class SimEngine:
             self._prefill_pages(blocks, keys, tail_key, hit.hit_chunks)
             prefill_s = self.prefill(len(tokens) - hit.hit_tokens, hit.hit_tokens)
             self._sync()  # the store starts after the "prefill" writes, not racing them
+            if gate is not None:
+                gate("store")
             t0 = store_start = time.perf_counter()
             sh = kv.store(request_id, tokens, blocks).wait_committed(self.timeout_s)
             store_s = time.perf_counter() - t0

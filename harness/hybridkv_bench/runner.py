@@ -238,12 +238,18 @@ class Runner:
         lock = threading.Lock()
         index = {id(r): i for i, r in enumerate(plan.requests)}
         origin = time.perf_counter()
+        # one barrier per phase for its aligned requests: their transfers start together
+        aligned = [threading.Barrier(n) if (n := sum(1 for r in phase if r.align)) > 1 else None
+                   for phase in plan.phases]
 
         def one(req: Request, step: int) -> None:
             eng = engines[req.engine]
             oracle = oracles[plan.ranks[req.engine]]
             expect = oracle.lookup(req.tokens)
-            res = eng.run(f"r{repeat}-{req.name}", req.tokens)
+            barrier = aligned[step]
+            gate = None if barrier is None or not req.align else \
+                (lambda point: barrier.wait() if point == req.align else None)
+            res = eng.run(f"r{repeat}-{req.name}", req.tokens, gate)
             if res.hit_tokens != expect * self.chunk:
                 raise HitMismatch(f"{req.name}: the server's hit is {res.hit_tokens} tokens, the stored prefixes "
                                   f"allow exactly {expect * self.chunk} ({expect} chunks of {self.chunk})")
@@ -283,6 +289,9 @@ class Runner:
             except BaseException as exc:  # reported by the main thread
                 errors.append(exc)
                 barrier.abort()
+                for b in aligned:  # a partner waiting to start its transfer with this engine stops too
+                    if b is not None:
+                        b.abort()
 
         threads = [threading.Thread(target=engine_thread, args=(e,), name=f"hkv-engine-{e}") for e in
                    range(len(engines))]

@@ -32,6 +32,9 @@ class Request:
     tokens: np.ndarray
     phase: Literal["cold", "warm"]  # cold: the first time its prefix is asked for in a repeat
     engine: int = 0
+    # "load" / "store": this request's lookup+load (its store) starts together with the other aligned
+    # requests of its phase, so their transfers overlap; "": no alignment
+    align: Literal["", "load", "store"] = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,8 +127,9 @@ def build_plan(w: Workload, chunk_tokens: int, seed: int, tp: int = 1) -> Plan:
             docs = [_stream(rng, w.prompt_tokens) for _ in range(w.rounds + 1)]
             nxt = _tails(rng, 1, 1)[0]
             phases = [(Request("doc0-store", docs[0], "cold", 1),)]
-            phases += [(Request(f"doc{r - 1}-load", _cat(docs[r - 1], nxt), "warm", 0),
-                        Request(f"doc{r}-store", docs[r], "cold", 1)) for r in range(1, w.rounds + 1)]
+            phases += [(Request(f"doc{r - 1}-load", _cat(docs[r - 1], nxt), "warm", 0, align="load"),
+                        Request(f"doc{r}-store", docs[r], "cold", 1, align="store"))
+                       for r in range(1, w.rounds + 1)]
             return Plan((0, 0), tuple(phases))
     raise AssertionError(w)
 
