@@ -117,8 +117,10 @@ def build_plan(w: Workload, chunk_tokens: int, seed: int, tp: int = 1) -> Plan:
             ranks = tuple(i % tp for i in range(w.engines))
             prompts = [_stream(rng, w.prompt_tokens) for _ in range(-(-w.engines // tp))]
             nxt = _tails(rng, 1, 1)[0]
-            cold = tuple(Request(f"engine{i}-cold", prompts[i // tp], "cold", i) for i in range(w.engines))
-            warm = tuple(Request(f"engine{i}-warm", _cat(prompts[i // tp], nxt), "warm", i)
+            # Aligned: every engine's store (load) starts together, so the aggregate is of concurrent copies.
+            cold = tuple(Request(f"engine{i}-cold", prompts[i // tp], "cold", i, align="store")
+                         for i in range(w.engines))
+            warm = tuple(Request(f"engine{i}-warm", _cat(prompts[i // tp], nxt), "warm", i, align="load")
                          for i in range(w.engines))
             return Plan(ranks, (cold, warm))
         case StoreWhileLoad():
