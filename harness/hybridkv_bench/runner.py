@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO, cast
 
 import msgspec
 import torch
@@ -137,7 +137,8 @@ def headline(result: CaseResult, wall_s: float) -> str:
         return f"FAILED ({wall_s:.1f} s): {result.error}"
     m = result.metrics
     vram = "not measured" if m["server_vram_mib"] is None else f"{m['server_vram_mib']:g} MiB"
-    cuda = {None: "not measured", True: "yes", False: "no"}[m["server_cuda_mapped"]]
+    mapped = m["server_cuda_mapped"]
+    cuda = "not measured" if mapped is None else "yes" if mapped else "no"
     return (f"ok ({wall_s:.1f} s)  TTFT cold {_fmt(m['ttft_cold_s'], ' s')} warm {_fmt(m['ttft_warm_s'], ' s')} "
             f"(x{_fmt(m['ttft_speedup'])})  store {_fmt(m['store_gbps'], ' GB/s')} "
             f"({_fmt(m['store_ceiling_ratio'], '', 2)} of peak)  load {_fmt(m['load_gbps'], ' GB/s')} "
@@ -247,8 +248,12 @@ class Runner:
             oracle = oracles[plan.ranks[req.engine]]
             expect = oracle.lookup(req.tokens)
             barrier = aligned[step]
-            gate = None if barrier is None or not req.align else \
-                (lambda point: barrier.wait() if point == req.align else None)
+            gate = None
+
+            if barrier is not None and req.align:
+                def gate(point: str, barrier: threading.Barrier = barrier) -> None:
+                    if point == req.align:
+                        barrier.wait()
             res = eng.run(f"r{repeat}-{req.name}", req.tokens, gate)
             if res.hit_tokens != expect * self.chunk:
                 raise HitMismatch(f"{req.name}: the server's hit is {res.hit_tokens} tokens, the stored prefixes "
@@ -309,8 +314,10 @@ class Runner:
         label = f"{workload.label}/{case.name}"
         plan = self.plans[workload.label]
         axes = case.axes
-        failed = lambda msg: (CaseResult(name=case.name, workload=workload.label, axes=axes,  # noqa: E731
-                                         status="failed", error=msg), [])
+
+        def failed(msg: str) -> tuple[CaseResult, list[RequestRow]]:
+            return CaseResult(name=case.name, workload=workload.label, axes=axes, status="failed", error=msg), []
+
         if axes["wire_format"] not in WIRE_FORMATS:
             return failed(f"wire_format {axes['wire_format']!r} is not implemented by hybridkv.engine.transfer "
                           f"(it supports {', '.join(WIRE_FORMATS)})")
@@ -323,7 +330,8 @@ class Runner:
         server = watch = None
         try:
             server = None if self.opt.server else self._start_server(label, axes["wire_format"])
-            endpoint = self.opt.server or server.endpoint
+            endpoint = self.opt.server if server is None else server.endpoint
+            assert endpoint is not None
             watch = _Watch(server, clients) if server else None
             control = CacheClient(endpoint, timeout_s=CLIENT_TIMEOUT_S)
             clients.append(control)
@@ -331,7 +339,8 @@ class Runner:
             for e, rank in enumerate(plan.ranks):
                 client = CacheClient(endpoint, timeout_s=CLIENT_TIMEOUT_S)
                 clients.append(client)
-                cfg = TransferConfig(**axes, chunk_tokens=self.chunk, tp_rank=rank, salt=salt,
+                # expand_matrix built the axes from the Matrix's Literal tuples; TransferConfig checks them again
+                cfg = TransferConfig(**cast(dict[str, Any], axes), chunk_tokens=self.chunk, tp_rank=rank, salt=salt,
                                      timeout_s=CLIENT_TIMEOUT_S, name=f"{label}#{e}")
                 pools = self._pools_for(e, devices[e])
                 kv = KVTransfer(endpoint, self.layout, pools.pages, cfg, client=client)

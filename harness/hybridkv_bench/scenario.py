@@ -52,7 +52,7 @@ class _Strict(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     pass
 
 
-class ModelOverrides(_Strict, omit_defaults=True):
+class ModelOverrides(_Strict, frozen=True, omit_defaults=True):
     """Optional replacements for fields of the preset's HybridModelConfig (None keeps the preset's)."""
 
     num_layers: int | None = None
@@ -72,7 +72,7 @@ class ModelOverrides(_Strict, omit_defaults=True):
     active_params: float | None = None
 
 
-class ModelSpec(_Strict):
+class ModelSpec(_Strict, frozen=True):
     """Which model's cache to move: a preset, its tensor-parallel size, the chunk size."""
 
     preset: str
@@ -94,7 +94,7 @@ class ModelSpec(_Strict):
         return self.chunk_tokens or layout.default_chunk_tokens()
 
 
-class ServerSpec(_Strict):
+class ServerSpec(_Strict, frozen=True):
     """Cache-server capacities. GiB = 2**30 bytes."""
 
     l1_gib: float
@@ -119,7 +119,7 @@ class ServerSpec(_Strict):
         return int(self.l2_gib * GIB)
 
 
-class RooflinePrefill(_Strict, tag_field="kind", tag="roofline"):
+class RooflinePrefill(_Strict, frozen=True, tag_field="kind", tag="roofline"):
     """Prefill time = FLOPs / (device_tflops * efficiency); see hybridkv_bench.prefill."""
 
     device_tflops: float
@@ -132,7 +132,7 @@ class RooflinePrefill(_Strict, tag_field="kind", tag="roofline"):
             raise ValueError(f"efficiency must lie in (0, 1], got {self.efficiency}")
 
 
-class RatePrefill(_Strict, tag_field="kind", tag="tokens_per_s"):
+class RatePrefill(_Strict, frozen=True, tag_field="kind", tag="tokens_per_s"):
     """Prefill time = uncached tokens / rate (the whole engine, all TP ranks together)."""
 
     rate: float
@@ -152,7 +152,7 @@ def _positive(struct: msgspec.Struct, *fields: str) -> None:
             raise ValueError(f"{f} must be >= 1, got {v}")
 
 
-class _Workload(_Strict, tag_field="kind"):
+class _Workload(_Strict, frozen=True, tag_field="kind"):
     name: str = ""  # "" : the kind; names must be unique within a scenario
 
     @property
@@ -161,10 +161,10 @@ class _Workload(_Strict, tag_field="kind"):
 
     @property
     def kind(self) -> str:
-        return type(self).__struct_config__.tag
+        return str(type(self).__struct_config__.tag)
 
 
-class LongDocQA(_Workload, tag="long_doc_qa", kw_only=True):
+class LongDocQA(_Workload, frozen=True, tag="long_doc_qa", kw_only=True):
     """Each document is asked cold (full prefill, store), then warm (lookup, load, prefill the question)."""
 
     prompt_tokens: int
@@ -175,7 +175,7 @@ class LongDocQA(_Workload, tag="long_doc_qa", kw_only=True):
         _positive(self, "prompt_tokens", "question_tokens", "documents")
 
 
-class MultiTurn(_Workload, tag="multi_turn", kw_only=True):
+class MultiTurn(_Workload, frozen=True, tag="multi_turn", kw_only=True):
     """Chats whose prefix grows by `turn_tokens` a turn; every turn after the first resumes the last."""
 
     system_tokens: int
@@ -187,7 +187,7 @@ class MultiTurn(_Workload, tag="multi_turn", kw_only=True):
         _positive(self, "system_tokens", "turn_tokens", "turns", "conversations")
 
 
-class FanOut(_Workload, tag="fan_out", kw_only=True):
+class FanOut(_Workload, frozen=True, tag="fan_out", kw_only=True):
     """`requests` requests share one system prompt and differ in a `user_tokens` tail."""
 
     system_tokens: int
@@ -198,7 +198,7 @@ class FanOut(_Workload, tag="fan_out", kw_only=True):
         _positive(self, "system_tokens", "user_tokens", "requests")
 
 
-class Divergence(_Workload, tag="divergence", kw_only=True):
+class Divergence(_Workload, frozen=True, tag="divergence", kw_only=True):
     """Two prompts share a prefix and differ from a point inside a chunk or exactly at a chunk edge."""
 
     prompt_tokens: int
@@ -208,7 +208,7 @@ class Divergence(_Workload, tag="divergence", kw_only=True):
         _positive(self, "prompt_tokens")
 
 
-class L1Pressure(_Workload, tag="l1_pressure", kw_only=True):
+class L1Pressure(_Workload, frozen=True, tag="l1_pressure", kw_only=True):
     """More documents than L1 holds: the early ones must spill to L2 and come back from it."""
 
     documents: int
@@ -218,7 +218,7 @@ class L1Pressure(_Workload, tag="l1_pressure", kw_only=True):
         _positive(self, "documents", "prompt_tokens")
 
 
-class MultiEngine(_Workload, tag="multi_engine", kw_only=True):
+class MultiEngine(_Workload, frozen=True, tag="multi_engine", kw_only=True):
     """`engines` engines at once; engine i is TP rank i % tp (beyond tp: data-parallel replicas).
 
     `gpus` places engine i on cuda:gpus[i]; empty: engine i on cuda:(i % visible GPUs), so on one GPU
@@ -236,7 +236,7 @@ class MultiEngine(_Workload, tag="multi_engine", kw_only=True):
             raise ValueError(f"gpus must be CUDA device indices >= 0, got {list(self.gpus)}")
 
 
-class StoreWhileLoad(_Workload, tag="store_while_load", kw_only=True):
+class StoreWhileLoad(_Workload, frozen=True, tag="store_while_load", kw_only=True):
     """Two engines on one device: one loads document d while the other stores document d+1, as a
     serving engine stores one request while it resumes another; `rounds` such overlaps."""
 
@@ -265,7 +265,7 @@ def engine_gpus(w: Workload, visible: int) -> list[int]:
     return [0] * engines
 
 
-class Exclude(_Strict, omit_defaults=True):
+class Exclude(_Strict, frozen=True, omit_defaults=True):
     """A partial assignment of axes; every case that matches all its given axes is left out."""
 
     wire_format: WireFormat | None = None
@@ -282,7 +282,7 @@ class Exclude(_Strict, omit_defaults=True):
         return all(v is None or axes[k] == v for k, v in msgspec.structs.asdict(self).items())
 
 
-class Matrix(_Strict):
+class Matrix(_Strict, frozen=True):
     """Lists of values per axis; the cases are their product minus the `exclude` entries."""
 
     wire_format: tuple[WireFormat, ...] = ("shm",)
@@ -301,7 +301,7 @@ class Matrix(_Strict):
                 raise ValueError(f"axis {axis} lists a value twice: {list(values)}")
 
 
-class Scenario(_Strict):
+class Scenario(_Strict, frozen=True):
     """One scenario file, decoded. Build with `load_scenario` or `decode_scenario`, which validate it."""
 
     name: str

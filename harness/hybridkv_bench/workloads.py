@@ -128,7 +128,7 @@ def build_plan(w: Workload, chunk_tokens: int, seed: int, tp: int = 1) -> Plan:
             # engine 1 stores document r (a cold prefill's store); round 0 only stores document 0.
             docs = [_stream(rng, w.prompt_tokens) for _ in range(w.rounds + 1)]
             nxt = _tails(rng, 1, 1)[0]
-            phases = [(Request("doc0-store", docs[0], "cold", 1),)]
+            phases: list[tuple[Request, ...]] = [(Request("doc0-store", docs[0], "cold", 1),)]
             phases += [(Request(f"doc{r - 1}-load", _cat(docs[r - 1], nxt), "warm", 0, align="load"),
                         Request(f"doc{r}-store", docs[r], "cold", 1, align="store"))
                        for r in range(1, w.rounds + 1)]

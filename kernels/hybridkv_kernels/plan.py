@@ -147,9 +147,9 @@ def build_plan(direction: Direction, transfers: Sequence[PageTransfer | tuple]) 
     tr_of_id = np.repeat(np.arange(len(given)), n)
     bad = np.flatnonzero((ids_all < 0) | (ids_all >= num_blocks[tr_of_id]))
     if bad.size:
-        t = int(tr_of_id[bad[0]])
-        raise ValueError(f"transfer {t}: block id {int(ids_all[bad[0]])} is out of range "
-                         f"[0, {int(num_blocks[t])})")
+        which = int(tr_of_id[bad[0]])
+        raise ValueError(f"transfer {which}: block id {int(ids_all[bad[0]])} is out of range "
+                         f"[0, {int(num_blocks[which])})")
 
     # Page p of transfer t is (layer l, block j) with p - start[t] = l * n[t] + j: layer-major objects.
     num_layers = np.array([g.num_layers for g in group_layers], dtype=np.int64)
