@@ -23,7 +23,7 @@ import msgspec
 from hybridkv.layout import LayoutError, ModelLayout
 from hybridkv.policy import Policy
 from hybridkv.presets import HybridModelConfig, hybrid_layout, model_config
-from hybridkv_kernels import CopyEngine
+from hybridkv_kernels.engines import CopyEngine
 
 GIB = 1 << 30
 
