@@ -24,6 +24,8 @@ hidden by calling it warm-up).
   more engines stored (loaded), their bytes over the span from the first start to the last end;
   summed over such steps. Ratios against the one link's ceiling when every engine shares one GPU, against
   the calibration's all-GPUs-at-once ceiling when they are spread over several (the `gpu` column).
+- engine_store_gbps_min / _max (load likewise): with several engines, the slowest and fastest engine's
+  own rate (its bytes over its seconds): the spread behind the aggregate.
 - bidir_gbps: for steps in which one engine stored while another loaded, bytes of both over that span;
   bidir_ceiling_ratio = bidir_gbps / bidir_peak_gbps (D2H and H2D at once, calibrated).
 A metric that cannot be computed (no warm rows, no NVML) is None, written as null: never 0.
@@ -45,7 +47,8 @@ REQUEST_METRICS = (
     "load_copy_gbps", "prefill_s",
     "bytes_stored", "bytes_loaded", "hit_tokens", "verified_chunks", "corrupt_chunks",
 )
-CONCURRENT_METRICS = ("aggregate_store_gbps", "aggregate_load_gbps", "bidir_gbps")
+CONCURRENT_METRICS = ("aggregate_store_gbps", "aggregate_load_gbps", "bidir_gbps", "engine_store_gbps_min",
+                      "engine_store_gbps_max", "engine_load_gbps_min", "engine_load_gbps_max")
 CALIBRATION_METRICS = ("d2h_peak_gbps", "h2d_peak_gbps", "bidir_peak_gbps")
 SERVER_METRICS = ("server_vram_mib", "server_cuda_mapped", "server_rss_mib", "server_cpu_s")
 RATIO_METRICS = ("store_ceiling_ratio", "load_ceiling_ratio", "ttft_speedup")
@@ -128,6 +131,13 @@ def _span_rate(rows: list[RequestRow], kinds: tuple[str, ...], need) -> float | 
     return moved / span / 1e9 if moved and span > 0 else None
 
 
+def _engine_spread(rows: list[RequestRow], nbytes: str, seconds: str) -> tuple[float | None, float | None]:
+    """The slowest and fastest engine's own rate when two or more engines moved bytes."""
+    rates = [r for e in sorted({r.engine for r in rows}) if (r := _rate([x for x in rows if x.engine == e],
+                                                                          nbytes, seconds)) is not None]
+    return (min(rates), max(rates)) if len(rates) > 1 else (None, None)
+
+
 def _several_engines(windows) -> bool:
     return len({r.engine for r, _ in windows}) > 1
 
@@ -173,6 +183,8 @@ def case_metrics(rows: Iterable[RequestRow], calibration: Mapping | None = None,
     m["aggregate_store_gbps"] = _span_rate(measured, ("store",), _several_engines)
     m["aggregate_load_gbps"] = _span_rate(measured, ("load",), _several_engines)
     m["bidir_gbps"] = _span_rate(measured, ("store", "load"), _store_beside_load)
+    m["engine_store_gbps_min"], m["engine_store_gbps_max"] = _engine_spread(measured, "bytes_stored", "store_s")
+    m["engine_load_gbps_min"], m["engine_load_gbps_max"] = _engine_spread(measured, "bytes_loaded", "load_s")
     spread = len({r.gpu for r in measured}) > 1
     d2h = calibration.get("aggregate_d2h_gbps") if spread else m["d2h_peak_gbps"]
     h2d = calibration.get("aggregate_h2d_gbps") if spread else m["h2d_peak_gbps"]

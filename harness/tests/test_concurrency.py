@@ -110,13 +110,16 @@ def test_aggregate_rate_is_bytes_over_the_span_of_concurrent_windows():
     m = case_metrics(rows, CAL)
     assert m["aggregate_store_gbps"] == pytest.approx(20 / 0.75)
     assert m["store_gbps"] == pytest.approx(20.0)  # per engine: each moved 10 GB in 0.5 s
+    assert m["engine_store_gbps_min"] == m["engine_store_gbps_max"] == pytest.approx(20.0)
     assert m["aggregate_store_ceiling_ratio"] == pytest.approx(20 / 0.75 / 50.0)  # one GPU: one link
     assert m["aggregate_load_gbps"] is None and m["bidir_gbps"] is None
 
 
 def test_engines_on_several_gpus_are_measured_against_the_all_gpus_ceiling():
-    rows = [row(e, 0, loaded=10**9, load_at=0.0, load_s=0.1, gpu=e) for e in range(4)]
+    rows = [row(e, 0, loaded=10**9, load_at=0.0, load_s=0.1 * (1 + (e == 3)), gpu=e) for e in range(4)]
     m = case_metrics(rows, CAL)
+    assert m["engine_load_gbps_min"] == pytest.approx(5.0) and m["engine_load_gbps_max"] == pytest.approx(10.0)
+    m = case_metrics([row(e, 0, loaded=10**9, load_at=0.0, load_s=0.1, gpu=e) for e in range(4)], CAL)
     assert m["aggregate_load_gbps"] == pytest.approx(40.0)
     assert m["aggregate_load_ceiling_ratio"] == pytest.approx(40.0 / 400.0)
 
