@@ -317,10 +317,17 @@ class KVTransfer:
             self.wire.load(h, hit, jobs, self._copier(h, "scatter"))
             h.t_done = h.t_committed = time.perf_counter()
             h.nbytes, h.objects = hit.nbytes, len(hit.objects)
-        finally:
-            try:
-                self.client.call(P.Release(engine=self.engine_id, lease=hit.lease))
-            except Exception:
-                pass  # end_session or the server's reclaim drops the pins anyway
+        except BaseException:
+            self._release(hit.lease)
+            raise
         self._resolve_done(h)
         h.committed.set_result(h)
+        # The pages are written and every copy has finished reading the slots: the engine need not wait
+        # for the release round trip (one fixed cost fewer per retrieve).
+        self._release(hit.lease)
+
+    def _release(self, lease: int) -> None:
+        try:
+            self.client.call(P.Release(engine=self.engine_id, lease=lease))
+        except Exception:
+            pass  # end_session or the server's reclaim drops the pins anyway
