@@ -10,6 +10,7 @@ no CPU; its interpreter is a test tool, about 50x slower than torch there); `dma
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 from collections.abc import Callable, Sequence
@@ -29,9 +30,15 @@ def _triton_runner() -> Callable[[PageCopyPlan], None]:
     return copy_pages_triton
 
 
+@functools.cache
+def _triton_installed() -> bool:
+    """Looked up once: run_plan asks on every call, on the transfer's critical path."""
+    return importlib.util.find_spec("triton") is not None
+
+
 def _triton_usable(device: torch.device) -> bool:
     """True when Triton is installed and can run on `device` (CUDA, or anywhere under its interpreter)."""
-    if importlib.util.find_spec("triton") is None:
+    if not _triton_installed():
         return False
     # TRITON_INTERPRET is Triton's own switch: when set, its jit runs kernels on the CPU in numpy.
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
