@@ -17,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import msgspec
 
-    from .probes import ProbeError, calibrate
+    from .calibration.copies import ProbeError, calibrate
 
     try:
         cal = calibrate(args.device)
@@ -32,4 +32,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"device -> pinned host: {cal.d2h_peak_gbps:.2f} GB/s")
         print(f"pinned host -> device: {cal.h2d_peak_gbps:.2f} GB/s")
+        print(f"both at once: {cal.bidir_peak_gbps:.2f} GB/s; host memcpy: {cal.host_memcpy_gbps:.2f} GB/s")
+        if cal.aggregate_d2h_gbps is not None:
+            print(f"all {cal.gpus} GPUs at once: D2H {cal.aggregate_d2h_gbps:.2f} / "
+                  f"H2D {cal.aggregate_h2d_gbps:.2f} GB/s")
     return 0

@@ -109,6 +109,8 @@ class RequestResult:
     bytes_loaded: int
     verified_chunks: int
     corrupt_chunks: int
+    load_start: float = 0.0   # perf_counter when the retrieve was submitted (0: no load)
+    store_start: float = 0.0  # perf_counter when the store was submitted
 
     @property
     def ttft_s(self) -> float:
@@ -179,7 +181,8 @@ class SimEngine:
         for g, objs in by_group.items():
             bpc = self._bpc(g)
             every = list(range(len(blocks[g])))
-            positions, chunks = [], []
+            positions: list[int] = []
+            chunks: list[int] = []
             for o in objs:
                 within = object_blocks(self.layout, bpc * self.layout.groups[g].block_tokens, g, o.chunk, every)
                 positions += within
@@ -191,8 +194,9 @@ class SimEngine:
                 bad.update(chunks[i] for i in wrong)
         return n - len(bad), len(bad)
 
-    def run(self, request_id: str, tokens: np.ndarray) -> RequestResult:
-        """One request from allocation to free; see the module doc for what is timed."""
+    def run(self, request_id: str, tokens: np.ndarray, gate: Callable[[str], None] | None = None) -> RequestResult:
+        """One request from allocation to free; see the module doc for what is timed. `gate("load")` runs
+        just before the lookup and `gate("store")` just before the store (aligning engines' transfers)."""
         kv, layout = self.kv, self.layout
         keys = kv.keys(tokens)
         full = len(keys) * self.chunk_tokens
@@ -203,21 +207,25 @@ class SimEngine:
         try:
             self._zero(blocks, len(keys))
             self._sync()
+            if gate is not None:
+                gate("load")
             t0 = time.perf_counter()
             hit = kv.lookup(request_id, tokens)
             lookup_s = time.perf_counter() - t0
             if self.before_retrieve is not None:
                 self.before_retrieve(hit)
-            load_s, load_copy_s, loaded, verified, corrupt = 0.0, 0.0, 0, 0, 0
+            load_s, load_copy_s, loaded, verified, corrupt, load_start = 0.0, 0.0, 0, 0, 0, 0.0
             if hit.hit_chunks:
-                t0 = time.perf_counter()
+                t0 = load_start = time.perf_counter()
                 h = kv.retrieve(hit, blocks).wait(self.timeout_s)
                 load_s, load_copy_s, loaded = time.perf_counter() - t0, h.copy_s, h.nbytes
                 verified, corrupt = self.verify(hit, blocks)
             self._prefill_pages(blocks, keys, tail_key, hit.hit_chunks)
             prefill_s = self.prefill(len(tokens) - hit.hit_tokens, hit.hit_tokens)
             self._sync()  # the store starts after the "prefill" writes, not racing them
-            t0 = time.perf_counter()
+            if gate is not None:
+                gate("store")
+            t0 = store_start = time.perf_counter()
             sh = kv.store(request_id, tokens, blocks).wait_committed(self.timeout_s)
             store_s = time.perf_counter() - t0
             store_done_s = sh.t_done - t0 if sh.t_done else store_s
@@ -229,4 +237,4 @@ class SimEngine:
                              store_s=store_s if sh.nbytes else 0.0, store_done_s=store_done_s if sh.nbytes else 0.0,
                              store_copy_s=sh.copy_s if sh.nbytes else 0.0, load_copy_s=load_copy_s,
                              bytes_stored=sh.nbytes, bytes_loaded=loaded, verified_chunks=verified,
-                             corrupt_chunks=corrupt)
+                             corrupt_chunks=corrupt, load_start=load_start, store_start=store_start)

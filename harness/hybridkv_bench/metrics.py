@@ -20,6 +20,14 @@ hidden by calling it warm-up).
 - verified_chunks, corrupt_chunks: sums over every row, warm-up included.
 - store_ceiling_ratio = store_gbps / d2h_peak_gbps; load_ceiling_ratio = load_gbps / h2d_peak_gbps;
   ttft_speedup = ttft_cold_s / ttft_warm_s.
+- aggregate_store_gbps / aggregate_load_gbps: for steps (barrier phases of one repeat) in which two or
+  more engines stored (loaded), their bytes over the span from the first start to the last end;
+  summed over such steps. Ratios against the one link's ceiling when every engine shares one GPU, against
+  the calibration's all-GPUs-at-once ceiling when they are spread over several (the `gpu` column).
+- engine_store_gbps_min / _max (load likewise): with several engines, the slowest and fastest engine's
+  own rate (its bytes over its seconds): the spread behind the aggregate.
+- bidir_gbps: for steps in which one engine stored while another loaded, bytes of both over that span;
+  bidir_ceiling_ratio = bidir_gbps / bidir_peak_gbps (D2H and H2D at once, calibrated).
 With a real model (the `transformers` engine; None for the simulated one):
 - ttft_cold_measured_s / ttft_warm_measured_s: p50 of ttft_measured_s over cold / warm rows (cold: the
   prefill measured; warm: lookup + load + the continuation's prefill, all measured).
@@ -47,18 +55,23 @@ REQUEST_METRICS = (
     "load_copy_gbps", "prefill_s",
     "bytes_stored", "bytes_loaded", "hit_tokens", "verified_chunks", "corrupt_chunks",
 )
-CALIBRATION_METRICS = ("d2h_peak_gbps", "h2d_peak_gbps")
+CONCURRENT_METRICS = ("aggregate_store_gbps", "aggregate_load_gbps", "bidir_gbps", "engine_store_gbps_min",
+                      "engine_store_gbps_max", "engine_load_gbps_min", "engine_load_gbps_max")
+CALIBRATION_METRICS = ("d2h_peak_gbps", "h2d_peak_gbps", "bidir_peak_gbps")
 SERVER_METRICS = ("server_vram_mib", "server_cuda_mapped", "server_rss_mib", "server_cpu_s")
 RATIO_METRICS = ("store_ceiling_ratio", "load_ceiling_ratio", "ttft_speedup")
 MODEL_METRICS = ("ttft_cold_measured_s", "ttft_warm_measured_s", "ttft_speedup_measured", "logits_max_abs_diff",
                  "logits_bitwise_equal", "oracle_pass")
-METRICS = (*REQUEST_METRICS, *CALIBRATION_METRICS, *SERVER_METRICS, *RATIO_METRICS, *MODEL_METRICS)
+CONCURRENT_RATIO_METRICS = ("aggregate_store_ceiling_ratio", "aggregate_load_ceiling_ratio", "bidir_ceiling_ratio")
+METRICS = (*REQUEST_METRICS, *CALIBRATION_METRICS, *SERVER_METRICS, *RATIO_METRICS, *CONCURRENT_METRICS,
+           *CONCURRENT_RATIO_METRICS, *MODEL_METRICS)
 
 # How each metric improves; the gate's --write-baseline and the report read this.
 HIGHER_IS_BETTER = frozenset({"store_gbps", "load_gbps", "store_copy_gbps", "load_copy_gbps",
                               "hit_tokens", "verified_chunks",
                               "store_ceiling_ratio", "load_ceiling_ratio", "ttft_speedup",
-                              "ttft_speedup_measured"})
+                              "ttft_speedup_measured",
+                              *CONCURRENT_METRICS, *CONCURRENT_RATIO_METRICS})
 
 
 class RequestRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -88,7 +101,14 @@ class RequestRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     oracle_pass: bool | None = None
     bytes_stored: int
     bytes_loaded: int
-    verified_chunks: int
+    # Concurrency (multi-engine workloads): which engine and GPU ran it, in which barrier step, and when
+    # its load and store started, in seconds from the repeat's start (so windows of one step compare).
+    engine: int = 0
+    gpu: int = -1  # CUDA device index; -1: CPU
+    step: int = 0
+    load_start_s: float = 0.0
+    store_start_s: float = 0.0
+    verified_chunks: int  # the last two columns: tests and readers of requests.csv find them there
     corrupt_chunks: int
 
 
@@ -110,8 +130,43 @@ def _rate(rows: list[RequestRow], nbytes: str, seconds: str) -> float | None:
     return sum(getattr(r, nbytes) for r in moved) / total_s / 1e9
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
+def _ratio(a: Number, b: Number) -> float | None:
+    return float(a) / float(b) if a is not None and b else None
+
+
+def _span_rate(rows: list[RequestRow], kinds: tuple[str, ...], need) -> float | None:
+    """Bytes over the span of their windows, per (repeat, step) whose windows satisfy `need`, summed."""
+    steps: dict[tuple[int, int], list[tuple[RequestRow, str]]] = {}
+    for r in rows:
+        for k in kinds:
+            if (r.bytes_loaded if k == "load" else r.bytes_stored) > 0:
+                steps.setdefault((r.repeat, r.step), []).append((r, k))
+    moved, span = 0, 0.0
+    for windows in steps.values():
+        if not need(windows):
+            continue
+        starts = [getattr(r, f"{k}_start_s") for r, k in windows]
+        ends = [getattr(r, f"{k}_start_s") + getattr(r, f"{k}_s") for r, k in windows]
+        moved += sum(r.bytes_loaded if k == "load" else r.bytes_stored for r, k in windows)
+        span += max(ends) - min(starts)
+    return moved / span / 1e9 if moved and span > 0 else None
+
+
+def _engine_spread(rows: list[RequestRow], nbytes: str, seconds: str) -> tuple[float | None, float | None]:
+    """The slowest and fastest engine's own rate when two or more engines moved bytes."""
+    rates = [r for e in sorted({r.engine for r in rows}) if (r := _rate([x for x in rows if x.engine == e],
+                                                                          nbytes, seconds)) is not None]
+    return (min(rates), max(rates)) if len(rates) > 1 else (None, None)
+
+
+def _several_engines(windows) -> bool:
+    return len({r.engine for r, _ in windows}) > 1
+
+
+def _store_beside_load(windows) -> bool:
+    stores = {r.engine for r, k in windows if k == "store"}
+    loads = {r.engine for r, k in windows if k == "load"}
+    return bool(stores) and bool(loads) and len(stores | loads) > 1
 
 
 def case_metrics(rows: Iterable[RequestRow], calibration: Mapping | None = None,
@@ -143,9 +198,20 @@ def case_metrics(rows: Iterable[RequestRow], calibration: Mapping | None = None,
     server = server or {}
     for f in SERVER_METRICS:
         m[f] = server.get(f)
-    m["store_ceiling_ratio"] = _ratio(m["store_gbps"], m["d2h_peak_gbps"])  # type: ignore[arg-type]
-    m["load_ceiling_ratio"] = _ratio(m["load_gbps"], m["h2d_peak_gbps"])  # type: ignore[arg-type]
-    m["ttft_speedup"] = _ratio(m["ttft_cold_s"], m["ttft_warm_s"])  # type: ignore[arg-type]
+    m["store_ceiling_ratio"] = _ratio(m["store_gbps"], m["d2h_peak_gbps"])
+    m["load_ceiling_ratio"] = _ratio(m["load_gbps"], m["h2d_peak_gbps"])
+    m["ttft_speedup"] = _ratio(m["ttft_cold_s"], m["ttft_warm_s"])
+    m["aggregate_store_gbps"] = _span_rate(measured, ("store",), _several_engines)
+    m["aggregate_load_gbps"] = _span_rate(measured, ("load",), _several_engines)
+    m["bidir_gbps"] = _span_rate(measured, ("store", "load"), _store_beside_load)
+    m["engine_store_gbps_min"], m["engine_store_gbps_max"] = _engine_spread(measured, "bytes_stored", "store_s")
+    m["engine_load_gbps_min"], m["engine_load_gbps_max"] = _engine_spread(measured, "bytes_loaded", "load_s")
+    spread = len({r.gpu for r in measured}) > 1
+    d2h = calibration.get("aggregate_d2h_gbps") if spread else m["d2h_peak_gbps"]
+    h2d = calibration.get("aggregate_h2d_gbps") if spread else m["h2d_peak_gbps"]
+    m["aggregate_store_ceiling_ratio"] = _ratio(m["aggregate_store_gbps"], d2h)
+    m["aggregate_load_ceiling_ratio"] = _ratio(m["aggregate_load_gbps"], h2d)
+    m["bidir_ceiling_ratio"] = _ratio(m["bidir_gbps"], m["bidir_peak_gbps"])
     m.update(_model_metrics(measured, rows, m["ttft_cold_s"]))
     assert tuple(m) == METRICS, "metric order drifted from METRICS"
     return m

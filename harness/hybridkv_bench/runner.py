@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, cast
 
 import msgspec
 import torch
@@ -38,7 +38,7 @@ from .metrics import MODEL_COLUMNS, RequestRow, case_metrics
 from .prefill import prefill_seconds
 from .probes import sample_server
 from .results import CaseResult, RunWriter
-from .scenario import Case, Scenario, ScenarioFile, expand_matrix
+from .scenario import Case, Scenario, ScenarioFile, Workload, engine_gpus, expand_matrix
 from .workloads import ExpectedHits, Plan, Request, build_plan
 
 if TYPE_CHECKING:
@@ -140,7 +140,8 @@ def headline(result: CaseResult, wall_s: float) -> str:
         return f"FAILED ({wall_s:.1f} s): {result.error}"
     m = result.metrics
     vram = "not measured" if m["server_vram_mib"] is None else f"{m['server_vram_mib']:g} MiB"
-    cuda = {None: "not measured", True: "yes", False: "no"}[m["server_cuda_mapped"]]
+    mapped = m["server_cuda_mapped"]
+    cuda = "not measured" if mapped is None else "yes" if mapped else "no"
     return (f"ok ({wall_s:.1f} s)  TTFT cold {_fmt(m['ttft_cold_s'], ' s')} warm {_fmt(m['ttft_warm_s'], ' s')} "
             f"(x{_fmt(m['ttft_speedup'])})  store {_fmt(m['store_gbps'], ' GB/s')} "
             f"({_fmt(m['store_ceiling_ratio'], '', 2)} of peak)  load {_fmt(m['load_gbps'], ' GB/s')} "
@@ -183,7 +184,7 @@ class Runner:
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         self.folder = Path(options.out or Path("results", "runs", f"{scenario.name}-{stamp}"))
         self.status = _Status()
-        self._pools: dict[int, EnginePools] = {}
+        self._pools: dict[tuple[int, str], EnginePools] = {}
         self._hf: HFModel | None = None  # the transformers engine's model, built at its first case
         self._tmp: list[Path] = []
         self._servers: list[ServerProcess] = []
@@ -191,12 +192,23 @@ class Runner:
 
     # ---- resources ----------------------------------------------------------------------------------
 
-    def _pools_for(self, engine: int) -> EnginePools:
+    def _pools_for(self, engine: int, device: torch.device) -> EnginePools:
         """Pools live for the whole run (allocating GBs per case would be measured by nobody)."""
-        if engine not in self._pools:
+        key = (engine, str(device))
+        if key not in self._pools:
             tokens = max(p.max_tokens(engine) for p in self.plans.values())
-            self._pools[engine] = EnginePools.for_prompts(self.layout, tokens, self.device)
-        return self._pools[engine]
+            self._pools[key] = EnginePools.for_prompts(self.layout, tokens, device)
+        return self._pools[key]
+
+    def engine_devices(self, workload: Workload) -> list[torch.device]:
+        """Where each engine of `workload` runs: on CUDA as `engine_gpus` places it, else all on the CPU."""
+        n = len(self.plans[workload.label].ranks)
+        if self.device.type != "cuda":
+            return [self.device] * n
+        try:
+            return [torch.device("cuda", g) for g in engine_gpus(workload, torch.cuda.device_count())][:n]
+        except ValueError as e:
+            raise BenchError(str(e)) from None
 
     def _mkdtemp(self, prefix: str, parent: Path | None = None) -> Path:
         d = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
@@ -242,12 +254,23 @@ class Runner:
         rows: list[RequestRow] = []
         lock = threading.Lock()
         index = {id(r): i for i, r in enumerate(plan.requests)}
+        origin = time.perf_counter()
+        # one barrier per phase for its aligned requests: their transfers start together
+        aligned = [threading.Barrier(n) if (n := sum(1 for r in phase if r.align)) > 1 else None
+                   for phase in plan.phases]
 
-        def one(req: Request) -> None:
+        def one(req: Request, step: int) -> None:
             eng = engines[req.engine]
             oracle = oracles[plan.ranks[req.engine]]
             expect = oracle.lookup(req.tokens)
-            res = eng.run(f"r{repeat}-{req.name}", req.tokens)
+            barrier = aligned[step]
+            gate = None
+
+            if barrier is not None and req.align:
+                def gate(point: str, barrier: threading.Barrier = barrier) -> None:
+                    if point == req.align:
+                        barrier.wait()
+            res = eng.run(f"r{repeat}-{req.name}", req.tokens, gate)
             if res.hit_tokens != expect * self.chunk:
                 raise HitMismatch(f"{req.name}: the server's hit is {res.hit_tokens} tokens, the stored prefixes "
                                   f"allow exactly {expect * self.chunk} ({expect} chunks of {self.chunk})")
@@ -258,14 +281,18 @@ class Runner:
                              store_copy_s=res.store_copy_s, load_copy_s=res.load_copy_s,
                              prefill_s=res.prefill_s, ttft_s=res.ttft_s, bytes_stored=res.bytes_stored,
                              bytes_loaded=res.bytes_loaded, verified_chunks=res.verified_chunks,
-                             corrupt_chunks=res.corrupt_chunks,
+                             corrupt_chunks=res.corrupt_chunks, engine=req.engine, step=step,
+                             gpu=eng.pools.device.index if eng.pools.device.type == "cuda" else -1,
+                             load_start_s=res.load_start - origin if res.load_start else 0.0,
+                             store_start_s=res.store_start - origin if res.store_start else 0.0,
                              **{f: getattr(res, f) for f in MODEL_COLUMNS if hasattr(res, f)})
             with lock:
                 rows.append(row)
 
         if len(engines) == 1:
-            for r in plan.requests:
-                one(r)
+            for step, phase in enumerate(plan.phases):
+                for r in phase:
+                    one(r, step)
             return rows
         # Engines at once, one thread each; a barrier between phases. An engine that fails breaks the
         # barrier so that the others stop instead of waiting for it.
@@ -274,16 +301,19 @@ class Runner:
 
         def engine_thread(e: int) -> None:
             try:
-                for phase in plan.phases:
+                for step, phase in enumerate(plan.phases):
                     for r in phase:
                         if r.engine == e:
-                            one(r)
+                            one(r, step)
                     barrier.wait()
             except threading.BrokenBarrierError:
                 pass
             except BaseException as exc:  # reported by the main thread
                 errors.append(exc)
                 barrier.abort()
+                for b in aligned:  # a partner waiting to start its transfer with this engine stops too
+                    if b is not None:
+                        b.abort()
 
         threads = [threading.Thread(target=engine_thread, args=(e,), name=f"hkv-engine-{e}") for e in
                    range(len(engines))]
@@ -301,12 +331,15 @@ class Runner:
         label = f"{workload.label}/{case.name}"
         plan = self.plans[workload.label]
         axes = case.axes
-        failed = lambda msg: (CaseResult(name=case.name, workload=workload.label, axes=axes,  # noqa: E731
-                                         status="failed", error=msg), [])
+
+        def failed(msg: str) -> tuple[CaseResult, list[RequestRow]]:
+            return CaseResult(name=case.name, workload=workload.label, axes=axes, status="failed", error=msg), []
+
         if axes["wire_format"] not in WIRE_FORMATS:
             return failed(f"wire_format {axes['wire_format']!r} is not implemented by hybridkv.engine.transfer "
                           f"(it supports {', '.join(WIRE_FORMATS)})")
         salt = f"{label}@{self._nonce}" if self.opt.server else label  # a shared server may hold older runs
+        devices = self.engine_devices(workload)
         clients: list[CacheClient] = []
         engines: list = []  # SimEngine or HFEngine: the same run(request_id, tokens)
         rows: list[RequestRow] = []
@@ -314,7 +347,8 @@ class Runner:
         server = watch = None
         try:
             server = None if self.opt.server else self._start_server(label, axes["wire_format"])
-            endpoint = self.opt.server or server.endpoint
+            endpoint = self.opt.server if server is None else server.endpoint
+            assert endpoint is not None
             watch = _Watch(server, clients) if server else None
             control = CacheClient(endpoint, timeout_s=CLIENT_TIMEOUT_S)
             clients.append(control)
@@ -329,10 +363,12 @@ class Runner:
                     continue
                 client = CacheClient(endpoint, timeout_s=CLIENT_TIMEOUT_S)
                 clients.append(client)
-                cfg = TransferConfig(**axes, chunk_tokens=self.chunk, tp_rank=rank, salt=salt,
+                # expand_matrix built the axes from the Matrix's Literal tuples; TransferConfig checks them again
+                cfg = TransferConfig(**cast(dict[str, Any], axes), chunk_tokens=self.chunk, tp_rank=rank, salt=salt,
                                      timeout_s=CLIENT_TIMEOUT_S, name=f"{label}#{e}")
-                kv = KVTransfer(endpoint, self.layout, self._pools_for(e).pages, cfg, client=client)
-                engines.append(self._engine(kv, e, (lambda hit: hook(hit, server)) if hook else None))
+                pools = self._pools_for(e, devices[e])
+                kv = KVTransfer(endpoint, self.layout, pools.pages, cfg, client=client)
+                engines.append(self._engine(kv, pools, (lambda hit: hook(hit, server)) if hook else None))
             has_state = bool(self.layout.recurrent_groups)
             for repeat in range(-self.scenario.warmup, self.scenario.repeats):
                 self.status.set(label, f"repeat {repeat + 1} of {self.scenario.repeats}" if repeat >= 0
@@ -376,17 +412,17 @@ class Runner:
             if server is not None:
                 self._stop_server(server)
 
-    def _engine(self, kv: KVTransfer, e: int, before_retrieve: Callable[[Hit], None] | None):
-        """The scenario's engine kind on engine e's pools; a transformers model is built once per run."""
+    def _engine(self, kv: KVTransfer, pools: EnginePools, before_retrieve: Callable[[Hit], None] | None):
+        """The scenario's engine kind on these pools; a transformers model is built once per run."""
         if self.scenario.engine == "transformers":
             from .engine_hf import HFEngine  # transformers is an optional extra: imported only when asked for
             from .hf_model import build_model
 
             if self._hf is None:
                 self._hf = build_model(self.scenario.transformers, self.cfg, self.device)
-            return HFEngine(kv, self._hf, self._pools_for(e), self._prefill, timeout_s=CLIENT_TIMEOUT_S,
+            return HFEngine(kv, self._hf, pools, self._prefill, timeout_s=CLIENT_TIMEOUT_S,
                             before_retrieve=before_retrieve)
-        return SimEngine(kv, self._pools_for(e), self._prefill, timeout_s=CLIENT_TIMEOUT_S,
+        return SimEngine(kv, pools, self._prefill, timeout_s=CLIENT_TIMEOUT_S,
                          before_retrieve=before_retrieve)
 
     def _log_tail(self, label: str) -> str:
@@ -409,7 +445,7 @@ class Runner:
                   flush=True)
 
     def run(self) -> RunOutcome:
-        from .probes import calibrate
+        from .calibration.copies import calibrate
 
         out = self.opt.progress
         if self.opt.server:
@@ -425,6 +461,8 @@ class Runner:
         beat = threading.Thread(target=self._heartbeat, args=(stop,), name="hkv-bench-heartbeat", daemon=True)
         failed: list[str] = []
         try:
+            for w in self.scenario.workloads:
+                self.engine_devices(w)  # a placement naming a missing GPU fails before any case runs
             beat.start()
             self.status.set("calibration", f"copy ceiling on {self.device.type}")
             cal = calibrate(self.device.type)

@@ -1,10 +1,10 @@
 """Scenario files: a model, a server, a prefill model, workloads and a matrix of transfer axes.
 
 A scenario is TOML decoded strictly into the structs below (an unknown or misspelt key is an error
-naming the key path and the file), then checked against the model's layout: chunk size against the
-block sizes, L1 against one chunk, workloads against L1. `expand_matrix` turns the matrix into the
-list of cases a runner executes; `scaled` shrinks a scenario for quick CPU runs ("shortened by a
-flag, not by separate files").
+naming the key path and the file), then checked against the model's layout (`scenario_sizes.validate`:
+chunk size against the block sizes, L1 against one request, every workload's working set against
+L1 + L2). `expand_matrix` turns the matrix into the list of cases a runner executes;
+`scenario_sizes.scaled` shrinks a scenario for quick CPU runs.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
-import math
 import re
 import tomllib
 from dataclasses import dataclass
@@ -20,16 +19,16 @@ from pathlib import Path
 from typing import Literal
 
 import msgspec
-from hybridkv.layout import LayoutError, ModelLayout
+from hybridkv.layout import ModelLayout
 from hybridkv.policy import Policy
 from hybridkv.presets import HybridModelConfig, hybrid_layout, model_config
+from hybridkv_kernels.engines import CopyEngine
 
-from .hf_spec import TransformersSpec, transformers_problem
+from .hf_spec import TransformersSpec
 
 GIB = 1 << 30
 
 WireFormat = Literal["shm", "raw", "pickle", "torch_save", "cuda_ipc"]
-CopyEngine = Literal["kernel", "dma"]
 Streams = Literal["single", "per_group"]
 Device = Literal["auto", "cpu", "cuda"]
 EngineKind = Literal["sim", "transformers", "vllm"]  # sim: pages derived from keys; transformers: hf_spec.py
@@ -55,7 +54,7 @@ class _Strict(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     pass
 
 
-class ModelOverrides(_Strict, omit_defaults=True):
+class ModelOverrides(_Strict, frozen=True, omit_defaults=True):
     """Optional replacements for fields of the preset's HybridModelConfig (None keeps the preset's)."""
 
     num_layers: int | None = None
@@ -75,7 +74,7 @@ class ModelOverrides(_Strict, omit_defaults=True):
     active_params: float | None = None
 
 
-class ModelSpec(_Strict):
+class ModelSpec(_Strict, frozen=True):
     """Which model's cache to move: a preset, its tensor-parallel size, the chunk size."""
 
     preset: str
@@ -97,7 +96,7 @@ class ModelSpec(_Strict):
         return self.chunk_tokens or layout.default_chunk_tokens()
 
 
-class ServerSpec(_Strict):
+class ServerSpec(_Strict, frozen=True):
     """Cache-server capacities. GiB = 2**30 bytes."""
 
     l1_gib: float
@@ -122,7 +121,7 @@ class ServerSpec(_Strict):
         return int(self.l2_gib * GIB)
 
 
-class RooflinePrefill(_Strict, tag_field="kind", tag="roofline"):
+class RooflinePrefill(_Strict, frozen=True, tag_field="kind", tag="roofline"):
     """Prefill time = FLOPs / (device_tflops * efficiency); see hybridkv_bench.prefill."""
 
     device_tflops: float
@@ -135,7 +134,7 @@ class RooflinePrefill(_Strict, tag_field="kind", tag="roofline"):
             raise ValueError(f"efficiency must lie in (0, 1], got {self.efficiency}")
 
 
-class RatePrefill(_Strict, tag_field="kind", tag="tokens_per_s"):
+class RatePrefill(_Strict, frozen=True, tag_field="kind", tag="tokens_per_s"):
     """Prefill time = uncached tokens / rate (the whole engine, all TP ranks together)."""
 
     rate: float
@@ -155,7 +154,7 @@ def _positive(struct: msgspec.Struct, *fields: str) -> None:
             raise ValueError(f"{f} must be >= 1, got {v}")
 
 
-class _Workload(_Strict, tag_field="kind"):
+class _Workload(_Strict, frozen=True, tag_field="kind"):
     name: str = ""  # "" : the kind; names must be unique within a scenario
 
     @property
@@ -164,10 +163,10 @@ class _Workload(_Strict, tag_field="kind"):
 
     @property
     def kind(self) -> str:
-        return type(self).__struct_config__.tag
+        return str(type(self).__struct_config__.tag)
 
 
-class LongDocQA(_Workload, tag="long_doc_qa", kw_only=True):
+class LongDocQA(_Workload, frozen=True, tag="long_doc_qa", kw_only=True):
     """Each document is asked cold (full prefill, store), then warm (lookup, load, prefill the question)."""
 
     prompt_tokens: int
@@ -178,7 +177,7 @@ class LongDocQA(_Workload, tag="long_doc_qa", kw_only=True):
         _positive(self, "prompt_tokens", "question_tokens", "documents")
 
 
-class MultiTurn(_Workload, tag="multi_turn", kw_only=True):
+class MultiTurn(_Workload, frozen=True, tag="multi_turn", kw_only=True):
     """Chats whose prefix grows by `turn_tokens` a turn; every turn after the first resumes the last."""
 
     system_tokens: int
@@ -190,7 +189,7 @@ class MultiTurn(_Workload, tag="multi_turn", kw_only=True):
         _positive(self, "system_tokens", "turn_tokens", "turns", "conversations")
 
 
-class FanOut(_Workload, tag="fan_out", kw_only=True):
+class FanOut(_Workload, frozen=True, tag="fan_out", kw_only=True):
     """`requests` requests share one system prompt and differ in a `user_tokens` tail."""
 
     system_tokens: int
@@ -201,7 +200,7 @@ class FanOut(_Workload, tag="fan_out", kw_only=True):
         _positive(self, "system_tokens", "user_tokens", "requests")
 
 
-class Divergence(_Workload, tag="divergence", kw_only=True):
+class Divergence(_Workload, frozen=True, tag="divergence", kw_only=True):
     """Two prompts share a prefix and differ from a point inside a chunk or exactly at a chunk edge."""
 
     prompt_tokens: int
@@ -211,7 +210,7 @@ class Divergence(_Workload, tag="divergence", kw_only=True):
         _positive(self, "prompt_tokens")
 
 
-class L1Pressure(_Workload, tag="l1_pressure", kw_only=True):
+class L1Pressure(_Workload, frozen=True, tag="l1_pressure", kw_only=True):
     """More documents than L1 holds: the early ones must spill to L2 and come back from it."""
 
     documents: int
@@ -221,20 +220,54 @@ class L1Pressure(_Workload, tag="l1_pressure", kw_only=True):
         _positive(self, "documents", "prompt_tokens")
 
 
-class MultiEngine(_Workload, tag="multi_engine", kw_only=True):
-    """`engines` engines at once; engine i is TP rank i % tp (beyond tp: data-parallel replicas)."""
+class MultiEngine(_Workload, frozen=True, tag="multi_engine", kw_only=True):
+    """`engines` engines at once; engine i is TP rank i % tp (beyond tp: data-parallel replicas).
+
+    `gpus` places engine i on cuda:gpus[i]; empty: engine i on cuda:(i % visible GPUs), so on one GPU
+    they all share cuda:0 and on eight GPUs each TP8 rank has its own (see `engine_gpus`)."""
 
     engines: int
     prompt_tokens: int
+    gpus: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _positive(self, "engines", "prompt_tokens")
+        if self.gpus and len(self.gpus) != self.engines:
+            raise ValueError(f"gpus names {len(self.gpus)} devices for {self.engines} engines: {list(self.gpus)}")
+        if any(g < 0 for g in self.gpus):
+            raise ValueError(f"gpus must be CUDA device indices >= 0, got {list(self.gpus)}")
 
 
-Workload = LongDocQA | MultiTurn | FanOut | Divergence | L1Pressure | MultiEngine
+class StoreWhileLoad(_Workload, frozen=True, tag="store_while_load", kw_only=True):
+    """Two engines on one device: one loads document d while the other stores document d+1, as a
+    serving engine stores one request while it resumes another; `rounds` such overlaps."""
+
+    prompt_tokens: int
+    rounds: int = 3
+
+    def __post_init__(self) -> None:
+        _positive(self, "prompt_tokens", "rounds")
 
 
-class Exclude(_Strict, omit_defaults=True):
+Workload = LongDocQA | MultiTurn | FanOut | Divergence | L1Pressure | MultiEngine | StoreWhileLoad
+
+
+def engine_gpus(w: Workload, visible: int) -> list[int]:
+    """The CUDA device index of each engine of `w` when `visible` GPUs are visible (see MultiEngine)."""
+    if visible < 1:
+        raise ValueError(f"no CUDA device is visible to place the engines of {w.label} on")
+    if isinstance(w, MultiEngine):
+        if w.gpus:
+            bad = [g for g in w.gpus if g >= visible]
+            if bad:
+                raise ValueError(f"{w.label}: gpus {bad} do not exist; {visible} GPUs are visible")
+            return list(w.gpus)
+        return [i % visible for i in range(w.engines)]
+    engines = 2 if isinstance(w, StoreWhileLoad) else 1
+    return [0] * engines
+
+
+class Exclude(_Strict, frozen=True, omit_defaults=True):
     """A partial assignment of axes; every case that matches all its given axes is left out."""
 
     wire_format: WireFormat | None = None
@@ -251,11 +284,11 @@ class Exclude(_Strict, omit_defaults=True):
         return all(v is None or axes[k] == v for k, v in msgspec.structs.asdict(self).items())
 
 
-class Matrix(_Strict):
+class Matrix(_Strict, frozen=True):
     """Lists of values per axis; the cases are their product minus the `exclude` entries."""
 
     wire_format: tuple[WireFormat, ...] = ("shm",)
-    copy_engine: tuple[CopyEngine, ...] = ("kernel",)
+    copy_engine: tuple[CopyEngine, ...] = ("auto",)
     streams: tuple[Streams, ...] = ("single",)
     retrieve_policy: tuple[Policy, ...] = ("boundary",)
     store_policy: tuple[Policy, ...] = ("all",)
@@ -270,7 +303,7 @@ class Matrix(_Strict):
                 raise ValueError(f"axis {axis} lists a value twice: {list(values)}")
 
 
-class Scenario(_Strict):
+class Scenario(_Strict, frozen=True):
     """One scenario file, decoded. Build with `load_scenario` or `decode_scenario`, which validate it."""
 
     name: str
@@ -329,110 +362,6 @@ def expand_matrix(scenario: Scenario) -> list[Case]:
     if not cases:
         raise ScenarioError(f"{scenario.name}: the exclude list removes every case of the matrix")
     return cases
-
-
-# ---- sizes ---------------------------------------------------------------------------------------
-
-def prefix_bytes(layout: ModelLayout, chunk_tokens: int, tokens: int, policy: str) -> int:
-    """Bytes of the cached objects of a `tokens`-long prefix (full chunks only) under a store or
-    retrieve policy: `all` = every group for every chunk; `boundary` = attention for every chunk and
-    recurrent state only at the last one (what resuming the prefix needs)."""
-    n = tokens // chunk_tokens
-    if n == 0:
-        return 0
-    attn = sum(layout.object_bytes(g, chunk_tokens) for g in layout.attention_groups)
-    rec = sum(layout.object_bytes(g, chunk_tokens) for g in layout.recurrent_groups)
-    return n * attn + (n if policy == "all" else 1) * rec
-
-
-def request_prefix_tokens(w: Workload) -> int:
-    """Tokens of the longest prefix one request of the workload expects to find cached."""
-    match w:
-        case LongDocQA() | Divergence() | L1Pressure() | MultiEngine():
-            return w.prompt_tokens
-        case MultiTurn():
-            return w.system_tokens + (w.turns - 1) * w.turn_tokens
-        case FanOut():
-            return w.system_tokens
-    raise AssertionError(w)
-
-
-def working_set_bytes(w: Workload, layout: ModelLayout, chunk_tokens: int, policy: str) -> int:
-    """Bytes the workload stores into the cache (all documents, conversations, branches, ranks)."""
-    one = lambda tokens: prefix_bytes(layout, chunk_tokens, tokens, policy)  # noqa: E731
-    match w:
-        case LongDocQA():
-            return w.documents * one(w.prompt_tokens + w.question_tokens)
-        case MultiTurn():
-            return w.conversations * one(w.system_tokens + w.turns * w.turn_tokens)
-        case FanOut():
-            shared = one(w.system_tokens)
-            return shared + w.requests * (one(w.system_tokens + w.user_tokens) - shared)
-        case Divergence():
-            return 2 * one(w.prompt_tokens)
-        case L1Pressure():
-            return w.documents * one(w.prompt_tokens)
-        case MultiEngine():
-            return w.engines * one(w.prompt_tokens)
-    raise AssertionError(w)
-
-
-# ---- validation ----------------------------------------------------------------------------------
-
-def validate(scenario: Scenario, source: str = "<scenario>") -> None:
-    """Check what the types cannot: the model against the presets, sizes against the layout."""
-    def fail(msg: str) -> ScenarioError:
-        return ScenarioError(f"{source}: {msg}")
-
-    try:
-        cfg = scenario.model.config()
-        layout = hybrid_layout(cfg, scenario.model.tp)
-    except (LayoutError, TypeError) as e:
-        raise fail(f"model: {e}") from None
-    chunk = scenario.model.chunk_tokens
-    if chunk < 0:
-        raise fail(f"model.chunk_tokens must be >= 0 (0 = the unified block size), got {chunk}")
-    chunk = chunk or layout.default_chunk_tokens()
-    try:
-        layout.check_chunk_tokens(chunk)
-    except LayoutError as e:
-        raise fail(f"model.chunk_tokens: {e}") from None
-    chunk_bytes = layout.chunk_bytes(chunk)
-    if scenario.server.l1_bytes < chunk_bytes:
-        raise fail(f"server.l1_gib {scenario.server.l1_gib} is smaller than one chunk of {layout.model} "
-                   f"at tp={scenario.model.tp} ({chunk} tokens = {chunk_bytes / GIB:.4f} GiB)")
-    roofline = isinstance(scenario.prefill, RooflinePrefill)
-    if roofline and (cfg.active_params <= 0 or cfg.num_attention_heads <= 0):
-        raise fail(f"prefill: the roofline needs active_params and num_attention_heads of {layout.model}; "
-                   "set them in [model.overrides] or use kind = \"tokens_per_s\"")
-    if scenario.engine == "transformers" and (
-            problem := transformers_problem(scenario.transformers, cfg, [w.kind for w in scenario.workloads])):
-        raise fail(problem)
-    # Cases are expanded here so that a dead exclude entry is reported at load time.
-    try:
-        expand_matrix(scenario)
-    except ScenarioError as e:
-        raise fail(str(e).removeprefix(f"{scenario.name}: ")) from None
-    smallest = "boundary" if "boundary" in scenario.matrix.store_policy else "all"
-    for i, w in enumerate(scenario.workloads):
-        where = f"workloads[{i}] ({w.label})"
-        prefix = request_prefix_tokens(w)
-        if prefix < chunk:
-            raise fail(f"{where}: a {prefix}-token prefix is shorter than one {chunk}-token chunk, "
-                       "so nothing would ever be cached")
-        if isinstance(w, Divergence) and w.prompt_tokens < 2 * chunk:
-            raise fail(f"{where}: prompt_tokens {w.prompt_tokens} must span at least 2 chunks ({2 * chunk})")
-        if isinstance(w, L1Pressure):
-            total = working_set_bytes(w, layout, chunk, smallest)
-            if total <= scenario.server.l1_bytes:
-                raise fail(f"{where}: {w.documents} x {w.prompt_tokens} tokens store {total / GIB:.3f} GiB, "
-                           f"which fits in server.l1_gib {scenario.server.l1_gib}: nothing would spill")
-            if scenario.server.l2_gib <= 0:
-                raise fail(f"{where}: needs an L2 to spill to (server.l2_gib is 0)")
-        one = prefix_bytes(layout, chunk, prefix, smallest)
-        if one > scenario.server.l1_bytes:
-            raise fail(f"{where}: one request's {prefix}-token prefix needs {one / GIB:.3f} GiB, more than "
-                       f"server.l1_gib {scenario.server.l1_gib}: no warm request could ever hit")
 
 
 # ---- decoding ------------------------------------------------------------------------------------
@@ -514,80 +443,19 @@ def find_scenarios(folder: str | Path) -> list[Path]:
     return sorted(Path(folder).glob("*.toml"))
 
 
-# ---- scaling -------------------------------------------------------------------------------------
+# Sizes, validation and scaling live in scenario_sizes (they need the structs above); re-exported here.
+from .scenario_sizes import (  # noqa: E402
+    prefix_bytes,
+    request_prefix_tokens,
+    scaled,
+    validate,
+    working_set_bytes,
+)
 
-def scaled(scenario: Scenario, factor: float) -> Scenario:
-    """A smaller copy for quick runs: token counts and request counts times `factor`.
-
-    Prompt and system prefixes become multiples of the chunk size, at least 2 chunks and never more
-    than before; a turn grows the prefix by whole chunks, at least one; tails (question, user) keep at
-    least 1 token. Counts keep what the workload is for: at least 1 document or conversation, 3 turns
-    (two resumes), 2 fan-out requests (one reuser); engines stay one per rank. L1 and L2 shrink with
-    the largest workload's footprint (L1 to at least 4 chunks, and never below what fitted before);
-    an l1_pressure workload gets as many documents as it takes to exceed the new L1 by half again.
-    """
-    if not 0 < factor <= 1:
-        raise ScenarioError(f"{scenario.name}: scale factor must lie in (0, 1], got {factor}")
-    layout = scenario.model.layout()
-    chunk = scenario.model.resolved_chunk_tokens(layout)
-
-    def prefix(tokens: int) -> int:
-        if tokens < 2 * chunk:
-            return tokens
-        return min(tokens // chunk * chunk, max(2, math.floor(tokens * factor / chunk)) * chunk)
-
-    def step(tokens: int) -> int:
-        if tokens < chunk:
-            return tokens
-        return min(tokens // chunk * chunk, max(1, math.floor(tokens * factor / chunk)) * chunk)
-
-    def tail(tokens: int) -> int:
-        return max(1, round(tokens * factor))
-
-    def count(n: int, least: int) -> int:
-        return min(n, max(least, round(n * factor)))
-
-    def shrink(w: Workload) -> Workload:
-        r = msgspec.structs.replace
-        match w:
-            case LongDocQA():
-                return r(w, prompt_tokens=prefix(w.prompt_tokens), question_tokens=tail(w.question_tokens),
-                         documents=count(w.documents, 1))
-            case MultiTurn():
-                return r(w, system_tokens=prefix(w.system_tokens), turn_tokens=step(w.turn_tokens),
-                         turns=count(w.turns, 3), conversations=count(w.conversations, 1))
-            case FanOut():
-                return r(w, system_tokens=prefix(w.system_tokens), user_tokens=tail(w.user_tokens),
-                         requests=count(w.requests, 2))
-            case L1Pressure():
-                return r(w, prompt_tokens=prefix(w.prompt_tokens), documents=count(w.documents, 1))
-            case Divergence() | MultiEngine():
-                return r(w, prompt_tokens=prefix(w.prompt_tokens))
-        raise AssertionError(w)
-
-    workloads = tuple(shrink(w) for w in scenario.workloads)
-    smallest = "boundary" if "boundary" in scenario.matrix.store_policy else "all"
-    size = lambda w, policy="all": working_set_bytes(w, layout, chunk, policy) / GIB  # noqa: E731
-    ratio = max(size(w) for w in workloads) / max(size(w) for w in scenario.workloads)
-    l1 = max(scenario.server.l1_gib * ratio, 4 * layout.chunk_bytes(chunk) / GIB)
-    l2 = scenario.server.l2_gib * ratio
-    for old, new in zip(scenario.workloads, workloads, strict=True):
-        if isinstance(new, L1Pressure):
-            continue
-        # What fitted before still fits; one request's prefix always fits (validate demands it).
-        if size(old) <= scenario.server.l1_gib:
-            l1 = max(l1, size(new))
-        l1 = max(l1, prefix_bytes(layout, chunk, request_prefix_tokens(new), smallest) / GIB)
-    fixed = []
-    for old, w in zip(scenario.workloads, workloads, strict=True):
-        if isinstance(w, L1Pressure):
-            if size(w, smallest) <= l1:
-                doc = prefix_bytes(layout, chunk, w.prompt_tokens, smallest) / GIB
-                w = msgspec.structs.replace(w, documents=math.ceil(1.5 * l1 / doc))
-            if size(old, smallest) <= scenario.server.l2_gib:
-                l2 = max(l2, size(w, smallest))
-        fixed.append(w)
-    server = msgspec.structs.replace(scenario.server, l1_gib=l1, l2_gib=l2)
-    out = msgspec.structs.replace(scenario, workloads=tuple(fixed), server=server)
-    validate(out, f"{scenario.name} scaled by {factor}")
-    return out
+__all__ = [
+    "AXES", "GIB", "SERVER_HOLDS_CUDA_CONTEXT", "SERVER_IMPORTS_TORCH", "Case", "Divergence", "Exclude", "FanOut",
+    "L1Pressure", "LongDocQA", "Matrix", "ModelOverrides", "ModelSpec", "MultiEngine", "MultiTurn", "PrefillModel",
+    "RatePrefill", "RooflinePrefill", "Scenario", "ScenarioError", "ScenarioFile", "ServerSpec", "StoreWhileLoad",
+    "Workload", "decode_scenario", "engine_gpus", "expand_matrix", "find_scenarios", "load_scenario",
+    "prefix_bytes", "request_prefix_tokens", "scaled", "validate", "working_set_bytes",
+]

@@ -21,7 +21,7 @@ from typing import Literal
 
 import numpy as np
 
-from .scenario import Divergence, FanOut, L1Pressure, LongDocQA, MultiEngine, MultiTurn, Workload
+from .scenario import Divergence, FanOut, L1Pressure, LongDocQA, MultiEngine, MultiTurn, StoreWhileLoad, Workload
 
 VOCAB = 151_936  # Qwen3.5/3.6's vocabulary; token ids only feed chunk keys
 
@@ -32,6 +32,9 @@ class Request:
     tokens: np.ndarray
     phase: Literal["cold", "warm"]  # cold: the first time its prefix is asked for in a repeat
     engine: int = 0
+    # "load" / "store": this request's lookup+load (its store) starts together with the other aligned
+    # requests of its phase, so their transfers overlap; "": no alignment
+    align: Literal["", "load", "store"] = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +77,7 @@ def build_plan(w: Workload, chunk_tokens: int, seed: int, tp: int = 1) -> Plan:
     rng = _rng(seed, w.label)
     match w:
         case LongDocQA():
-            reqs = []
+            reqs: list[Request] = []
             for d in range(w.documents):
                 doc = _stream(rng, w.prompt_tokens)
                 q_cold, q_warm = _tails(rng, w.question_tokens, 2)
@@ -106,18 +109,30 @@ def build_plan(w: Workload, chunk_tokens: int, seed: int, tp: int = 1) -> Plan:
             # the early ones were pushed out of L1 and must come back from L2.
             docs = [_stream(rng, w.prompt_tokens) for _ in range(w.documents)]
             nxt = _tails(rng, 1, 1)[0]
-            cold = [Request(f"doc{d}-store", doc, "cold") for d, doc in enumerate(docs)]
-            warm = [Request(f"doc{d}-reread", _cat(doc, nxt), "warm") for d, doc in enumerate(docs)]
-            return Plan((0,), (tuple(cold + warm),))
+            stores = [Request(f"doc{d}-store", doc, "cold") for d, doc in enumerate(docs)]
+            rereads = [Request(f"doc{d}-reread", _cat(doc, nxt), "warm") for d, doc in enumerate(docs)]
+            return Plan((0,), (tuple(stores + rereads),))
         case MultiEngine():
             # Engine i is rank i % tp of replica i // tp; the ranks of one replica see one prompt.
             ranks = tuple(i % tp for i in range(w.engines))
             prompts = [_stream(rng, w.prompt_tokens) for _ in range(-(-w.engines // tp))]
             nxt = _tails(rng, 1, 1)[0]
-            cold = tuple(Request(f"engine{i}-cold", prompts[i // tp], "cold", i) for i in range(w.engines))
-            warm = tuple(Request(f"engine{i}-warm", _cat(prompts[i // tp], nxt), "warm", i)
+            # Aligned: every engine's store (load) starts together, so the aggregate is of concurrent copies.
+            cold = tuple(Request(f"engine{i}-cold", prompts[i // tp], "cold", i, align="store")
+                         for i in range(w.engines))
+            warm = tuple(Request(f"engine{i}-warm", _cat(prompts[i // tp], nxt), "warm", i, align="load")
                          for i in range(w.engines))
             return Plan(ranks, (cold, warm))
+        case StoreWhileLoad():
+            # Two engines of one namespace: in round r engine 0 resumes document r-1 (a load) while
+            # engine 1 stores document r (a cold prefill's store); round 0 only stores document 0.
+            docs = [_stream(rng, w.prompt_tokens) for _ in range(w.rounds + 1)]
+            nxt = _tails(rng, 1, 1)[0]
+            phases: list[tuple[Request, ...]] = [(Request("doc0-store", docs[0], "cold", 1),)]
+            phases += [(Request(f"doc{r - 1}-load", _cat(docs[r - 1], nxt), "warm", 0, align="load"),
+                        Request(f"doc{r}-store", docs[r], "cold", 1, align="store"))
+                       for r in range(1, w.rounds + 1)]
+            return Plan((0, 0), tuple(phases))
     raise AssertionError(w)
 
 

@@ -35,7 +35,15 @@ SHIPPED = {
     "multi_turn": (0.05, "shm-kernel-single-boundary-boundary"),
     "l1_pressure": (0.05, "*"),
     "tp4_engines": (0.05, "raw-kernel-single-boundary-boundary"),
-    "h200_zero_copy": (0.05, "shm-dma-per_group-boundary-all"),
+    "h200_zero_copy": (0.05, "shm-auto-per_group-boundary-all"),
+    # issue 15/14 coverage: one workload each here; harness/tests/test_campaign.py runs the parts whole (slow)
+    "h200_cov_qwen36_tp1": (0.01, "divergence/shm-auto-single-boundary-all"),
+    "h200_cov_qwen36_tp4": (0.01, "doc100k/shm-auto-single-boundary-boundary"),
+    "h200_cov_qwen36_tp8": (0.01, "multi_turn/shm-auto-single-boundary-all"),
+    "h200_cov_qwen3next_tp1": (0.01, "fan_out/shm-auto-single-boundary-boundary"),
+    "h200_cov_store_while_load": (0.01, "shm-auto-single-boundary-boundary"),
+    "h200_cov_engines_one_gpu": (0.01, "shm-auto-single-boundary-all"),
+    "h200x8_tp8_engines": (0.01, "shm-auto-single-boundary-boundary"),
     "h200_seed_formats": (0.05, "torch_save-dma-per_group-all-all"),
     "hf_oracle": (1.0, "long_doc_qa/pickle-*"),  # test_hf_engine runs its shm case
     "h200_hf_oracle": (0.05, "*"),  # a 27B-parameter model: skipped without CUDA

@@ -137,7 +137,7 @@ def test_unknown_field_names_the_key_path_and_file():
     (dict(replace={"l1_gib = 0.01": "l1_gib = 0.0005"}, extra=""), "no warm request could ever hit"),
     (dict(extra="[matrix]\nexclude = [{ wire_format = 'raw' }]\n"),
      "exclude entry {'wire_format': 'raw'} matches no case"),
-    (dict(extra="[matrix]\nexclude = [{ copy_engine = 'kernel' }]\n"), "removes every case"),
+    (dict(extra="[matrix]\nexclude = [{ copy_engine = 'auto' }]\n"), "removes every case"),
     (dict(extra="[matrix]\nexclude = [{}]\n"), "an exclude entry needs at least one axis"),
     (dict(replace={'kind = "tokens_per_s"\nrate = 1000.0':
                    'kind = "roofline"\ndevice_tflops = 1.0\nefficiency = 2.0'}),

@@ -2,7 +2,7 @@
 
 Consecutive block ids of a layer whose page stride equals the page size are one run, so a
 well-allocated sequence moves in few large copies; scattered blocks cost one copy each, which
-makes small pages launch-bound (about 5.8 GB/s for 64 KiB pages on an H200, see ANCHORS.md).
+makes small pages launch-bound (4-7 GB/s for 64 KiB pages on an H200, kernels/README.md).
 On a CPU the same code runs as plain memcpy.
 """
 

@@ -15,17 +15,18 @@ from hybridkv_kernels.plan import PageCopyPlan
 
 def _device_block_ids(plan: PageCopyPlan) -> list[torch.Tensor]:
     """Every transfer's block ids on the plan's device, moved with one host-to-device copy."""
-    host = torch.from_numpy(np.concatenate([t.block_ids for t in plan.transfers]))
+    ids = [np.asarray(t.block_ids) for t in plan.transfers]  # build_plan normalized them to int64 arrays
+    host = torch.from_numpy(np.concatenate(ids))
     if plan.device.type == "cuda":
         host = host.pin_memory().to(plan.device, non_blocking=True)
-    return list(torch.split(host, [t.block_ids.size for t in plan.transfers]))
+    return list(torch.split(host, [a.size for a in ids]))
 
 
 def copy_pages_torch(plan: PageCopyPlan) -> None:
     """Run `plan` on the current stream with torch indexing ops, one per layer of each object."""
     gather = plan.direction == "gather"
     for (layers, ids, obj), idx in zip(plan.transfers, _device_block_ids(plan), strict=True):
-        n = ids.size
+        n = len(ids)
         if n == 0:
             continue
         rows = obj.view(layers.num_layers, n, layers.page_bytes)

@@ -1,8 +1,16 @@
-"""Choosing and running an implementation of a page copy plan, on a given stream or the current one."""
+"""The copy-engine choice, and running a page copy plan with it on a given stream or the current one.
+
+One knob, `CopyEngine`: `auto` (the default everywhere) picks `dma` for pages of at least
+`DMA_MIN_PAGE_BYTES` and `kernel` below, as the H200 runs measured (kernels/README.md); `kernel` is
+the one-launch Triton gather/scatter on CUDA and the torch reference elsewhere (Triton compiles for
+no CPU; its interpreter is a test tool, about 50x slower than torch there); `dma`, `triton` and
+`torch` pin one implementation (benchmarks, tests, comparisons).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 from collections.abc import Callable, Sequence
@@ -11,9 +19,8 @@ import torch
 
 from hybridkv_kernels.copy_dma import copy_pages_dma
 from hybridkv_kernels.copy_torch import copy_pages_torch
+from hybridkv_kernels.engines import COPY_ENGINES, DMA_MIN_PAGE_BYTES, IMPLS, Impl
 from hybridkv_kernels.plan import PageCopyPlan, PageTransfer, plan_gather, plan_scatter
-
-IMPLS = ("torch", "triton", "dma")
 
 
 def _triton_runner() -> Callable[[PageCopyPlan], None]:
@@ -23,40 +30,55 @@ def _triton_runner() -> Callable[[PageCopyPlan], None]:
     return copy_pages_triton
 
 
+@functools.cache
+def _triton_installed() -> bool:
+    """Looked up once: run_plan asks on every call, on the transfer's critical path."""
+    return importlib.util.find_spec("triton") is not None
+
+
 def _triton_usable(device: torch.device) -> bool:
     """True when Triton is installed and can run on `device` (CUDA, or anywhere under its interpreter)."""
-    if importlib.util.find_spec("triton") is None:
+    if not _triton_installed():
         return False
     # TRITON_INTERPRET is Triton's own switch: when set, its jit runs kernels on the CPU in numpy.
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def available_impls(device: torch.device | str) -> list[str]:
+def available_impls(device: torch.device | str) -> list[Impl]:
     """Implementation names that can run plans whose engine pages are on `device`."""
     device = torch.device(device)
     return [name for name in IMPLS if name != "triton" or _triton_usable(device)]
 
 
-def default_impl(device: torch.device | str) -> str:
-    """The implementation to use on `device` when the caller has no preference."""
+def choose_impl(engine: str, page_bytes: int, device: torch.device | str) -> Impl:
+    """The implementation copy engine `engine` uses for pages of `page_bytes` on `device`."""
     device = torch.device(device)
-    if device.type == "cuda":
-        # One launch for all pages: beats per-page DMA for small pages and needs no staging buffer.
-        return "triton" if _triton_usable(device) else "dma"
-    return "torch"
+    if engine not in COPY_ENGINES:
+        raise ValueError(f"copy engine must be one of {COPY_ENGINES}, got {engine!r}")
+    if page_bytes < 1:
+        raise ValueError(f"page_bytes must be positive, got {page_bytes}")
+    if engine == "auto":
+        engine = "dma" if page_bytes >= DMA_MIN_PAGE_BYTES else "kernel"
+    if engine == "kernel":
+        return "triton" if device.type == "cuda" and _triton_usable(device) else "torch"
+    impl: Impl = "dma" if engine == "dma" else "triton" if engine == "triton" else "torch"
+    if impl not in available_impls(device):
+        raise ValueError(f"copy engine {engine!r} cannot run on {device}; available: {available_impls(device)}")
+    return impl
 
 
-def run_plan(plan: PageCopyPlan, impl: str | None = None, stream: torch.cuda.Stream | None = None) -> None:
-    """Enqueue every copy of `plan` with `impl` on `stream` (or the current stream); never synchronizes.
+_RUNNERS: dict[str, Callable[[PageCopyPlan], None]] = {"torch": copy_pages_torch, "dma": copy_pages_dma}
+
+
+def run_plan(plan: PageCopyPlan, engine: str = "auto", stream: torch.cuda.Stream | None = None) -> None:
+    """Enqueue every copy of `plan` with copy engine `engine` on `stream` (or the current stream);
+    never synchronizes.
 
     The caller orders `stream` after whatever produced the sources (e.g. `stream.wait_stream(...)`)
     and keeps the plan's tensors alive until the copies finish.
     """
-    impl = impl or default_impl(plan.device)
-    if impl not in available_impls(plan.device):
-        raise ValueError(f"impl {impl!r} is not available on {plan.device}; "
-                         f"available: {available_impls(plan.device)}")
-    runner = {"torch": copy_pages_torch, "dma": copy_pages_dma}.get(impl) or _triton_runner()
+    impl = choose_impl(engine, plan.page_bytes, plan.device)
+    runner = _RUNNERS.get(impl) or _triton_runner()
     if stream is not None and plan.device.type != "cuda":
         raise ValueError(f"a CUDA stream was given for a plan on {plan.device}")
     ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
@@ -64,17 +86,17 @@ def run_plan(plan: PageCopyPlan, impl: str | None = None, stream: torch.cuda.Str
         runner(plan)
 
 
-def gather_pages(transfers: Sequence[PageTransfer | tuple], impl: str | None = None,
+def gather_pages(transfers: Sequence[PageTransfer | tuple], engine: str = "auto",
                  stream: torch.cuda.Stream | None = None) -> PageCopyPlan:
     """Plan and enqueue a gather of engine pages into objects; returns the plan (it holds the tensors)."""
     plan = plan_gather(transfers)
-    run_plan(plan, impl, stream)
+    run_plan(plan, engine, stream)
     return plan
 
 
-def scatter_pages(transfers: Sequence[PageTransfer | tuple], impl: str | None = None,
+def scatter_pages(transfers: Sequence[PageTransfer | tuple], engine: str = "auto",
                   stream: torch.cuda.Stream | None = None) -> PageCopyPlan:
     """Plan and enqueue a scatter of objects into engine pages; returns the plan (it holds the tensors)."""
     plan = plan_scatter(transfers)
-    run_plan(plan, impl, stream)
+    run_plan(plan, engine, stream)
     return plan

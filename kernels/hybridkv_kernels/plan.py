@@ -52,11 +52,6 @@ class PageCopyPlan:
     def nbytes(self) -> int:
         return self.num_pages * self.page_bytes
 
-    @property
-    def engine_addr(self) -> np.ndarray:
-        """Addresses of the engine-side pages (sources of a gather, destinations of a scatter)."""
-        return self.src_addr if self.direction == "gather" else self.dst_addr
-
 
 def _block_ids(ids: Sequence[int] | np.ndarray | torch.Tensor, index: int) -> np.ndarray:
     """Block ids as a 1-d int64 numpy array; a device tensor is copied to the host (and syncs)."""
@@ -117,18 +112,20 @@ def build_plan(direction: Direction, transfers: Sequence[PageTransfer | tuple]) 
     """Validate `transfers` and lay out every page copy of a gather or scatter over all of them."""
     if direction not in ("gather", "scatter"):
         raise ValueError(f"direction must be 'gather' or 'scatter', got {direction!r}")
-    transfers = tuple(PageTransfer(*t) for t in transfers)
-    if not transfers:
+    given = tuple(PageTransfer(*t) for t in transfers)
+    if not given:
         raise ValueError("a plan needs at least one transfer")
-    for i, t in enumerate(transfers):
+    for i, t in enumerate(given):
         if not isinstance(t.layers, PagedLayers):
             raise ValueError(f"transfer {i}: layers must be PagedLayers, got {type(t.layers).__name__}")
-    first = transfers[0].layers
+    first = given[0].layers
     page_bytes, device = first.page_bytes, first.device
     groups: dict[int, int] = {}  # id(PagedLayers) -> index into group_layers
     group_layers: list[PagedLayers] = []
-    normalized, ids_list, tr_group = [], [], []
-    for i, (layers, ids, obj) in enumerate(transfers):
+    normalized: list[PageTransfer] = []
+    ids_list: list[np.ndarray] = []
+    tr_group: list[int] = []
+    for i, (layers, ids, obj) in enumerate(given):
         if layers.page_bytes != page_bytes:
             raise ValueError(f"transfer {i}: page_bytes {layers.page_bytes} differs from the plan's "
                              f"{page_bytes}; groups with other page sizes need their own plan")
@@ -147,12 +144,12 @@ def build_plan(direction: Direction, transfers: Sequence[PageTransfer | tuple]) 
     tr_group_arr = np.array(tr_group, dtype=np.int64)
     num_blocks = np.array([g.num_blocks for g in group_layers], dtype=np.int64)[tr_group_arr]
     ids_all = np.concatenate(ids_list) if ids_list else np.zeros(0, np.int64)
-    tr_of_id = np.repeat(np.arange(len(transfers)), n)
+    tr_of_id = np.repeat(np.arange(len(given)), n)
     bad = np.flatnonzero((ids_all < 0) | (ids_all >= num_blocks[tr_of_id]))
     if bad.size:
-        t = int(tr_of_id[bad[0]])
-        raise ValueError(f"transfer {t}: block id {int(ids_all[bad[0]])} is out of range "
-                         f"[0, {int(num_blocks[t])})")
+        which = int(tr_of_id[bad[0]])
+        raise ValueError(f"transfer {which}: block id {int(ids_all[bad[0]])} is out of range "
+                         f"[0, {int(num_blocks[which])})")
 
     # Page p of transfer t is (layer l, block j) with p - start[t] = l * n[t] + j: layer-major objects.
     num_layers = np.array([g.num_layers for g in group_layers], dtype=np.int64)
@@ -163,7 +160,7 @@ def build_plan(direction: Direction, transfers: Sequence[PageTransfer | tuple]) 
     counts = num_layers[tr_group_arr] * n
     starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
     id_starts = np.concatenate(([0], np.cumsum(n)[:-1]))
-    page_tr = np.repeat(np.arange(len(transfers), dtype=np.int64), counts)
+    page_tr = np.repeat(np.arange(len(given), dtype=np.int64), counts)
     k = np.arange(int(counts.sum()), dtype=np.int64) - starts[page_tr]
     n_p = n[page_tr]
     layer = k // np.maximum(n_p, 1)

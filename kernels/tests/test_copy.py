@@ -26,7 +26,7 @@ def test_gather_matches_oracle(pool_name, cpu_impl, gen):
     layers = pool.layers()
     buf, obj = guarded(layers.object_bytes(len(IDS)))
     before = pool.raw.clone()
-    gather_pages([(layers, IDS, obj)], impl=cpu_impl)
+    gather_pages([(layers, IDS, obj)], engine=cpu_impl)
     np.testing.assert_array_equal(obj.numpy(), pool.expected_object(IDS))
     assert_guards(buf, 64)
     assert torch.equal(pool.raw, before), "a gather wrote to the engine pages"
@@ -137,7 +137,7 @@ def test_shm_mmap_object_round_trip(cpu_impl, gen):
             arena = torch.frombuffer(mm, dtype=torch.uint8)
             arena.fill_(SENTINEL)
             obj = arena[4096 - 256 : 4096 - 256 + size]  # an arena slot that is not page-aligned
-            gather_pages([(layers, IDS, obj)], impl=cpu_impl)
+            gather_pages([(layers, IDS, obj)], engine=cpu_impl)
             # Another mapping of the file (the server's view) sees the gathered bytes.
             with open(f.name, "rb") as again:
                 seen = np.frombuffer(again.read(), dtype=np.uint8)

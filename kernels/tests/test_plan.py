@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -44,12 +42,10 @@ def test_vectorized_addresses_equal_a_per_page_loop(gen):
 
 
 def test_plan_build_is_vectorized(gen, benchmark):
+    # Timed by `nox -s microbench` against its saved baseline (a timing assert here would only be noise).
     transfers = _qwen_scale(gen)
-    plan_gather(transfers)  # warm numpy
-    t0 = time.perf_counter()
-    benchmark(plan_gather, transfers)
-    # A per-page Python loop takes tens of ms here; the vectorized build takes ~1-3 ms on a laptop.
-    assert time.perf_counter() - t0 < 0.05
+    plan = benchmark(plan_gather, transfers)
+    assert plan.num_pages == sum(t[0].num_layers * len(t[1]) for t in transfers)
 
 
 def test_dma_coalesces_consecutive_blocks(gen):

@@ -106,7 +106,7 @@ def test_round_trip_qwen36_page_shape(endpoint, fmt, engine):
                     reason="Triton runs on CPU only under TRITON_INTERPRET=1")
 @pytest.mark.parametrize("fmt", ["shm", "raw"])
 def test_round_trip_through_the_triton_kernel(endpoint, fmt):
-    cfg = TransferConfig(wire_format=fmt, copy_engine="kernel", kernel_impl="triton", salt=f"triton-{fmt}")
+    cfg = TransferConfig(wire_format=fmt, copy_engine="triton", salt=f"triton-{fmt}")
     round_trip(endpoint, preset_layout("tiny-hybrid"), cfg, chunks=2, seed=3)
 
 

@@ -1,15 +1,35 @@
-"""Engine-side memory for the wire formats: the mapped server arena (shm), pinned staging buffers
-(raw and the legacy formats), and turning staged objects into payload frames and back."""
+"""How bytes reach the server, one strategy object per wire format, registered in `WIRES` by name.
+
+Every strategy answers the same two questions for the transfer library: where a store's gathered
+objects go and how they are committed, and where a retrieve's objects come from. `shm` gathers
+straight into the server's arena (only metadata crosses the socket); `raw` stages in pinned memory
+and sends zero-copy frames; `pickle` / `torch_save` serialize as the seed did; `cuda_ipc` lets the
+server copy the engine's pages itself (LMCache's mode; the only user of the protocol's `blocks`).
+"""
 
 from __future__ import annotations
 
 import threading
+import time
 import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 
+import numpy as np
 import torch
+from hybridkv_kernels import PagedLayers
 
+from hybridkv import protocol as P
 from hybridkv.arena import map_arena
 from hybridkv.baselines.codec import PayloadError, decode_tensor, encode_tensor
+from hybridkv.engine.client import CacheClient
+from hybridkv.engine.handles import Hit, TransferHandle
+
+ObjectJob = tuple[P.ObjectLoc, np.ndarray]  # an object and the engine blocks (of its group) that hold it
+# Runs the page copies of (object, blocks, host bytes) triples and waits for them.
+CopyFn = Callable[[list[tuple[P.ObjectLoc, np.ndarray, torch.Tensor]]], None]
 
 
 class ArenaMapping:
@@ -17,26 +37,27 @@ class ArenaMapping:
     reads and writes slots directly (DMA or a kernel through UVA), with no copy by either process.
     Engines of one process share one mapping per arena (`open`): registering tens of GB takes seconds."""
 
-    _shared: dict[tuple[str, int, str], list] = {}  # (path, size, device) -> [mapping, users]
-    _lock = threading.Lock()
+    _shared: ClassVar[dict[tuple[str, int, str], tuple[ArenaMapping, list[int]]]] = {}  # -> (mapping, [users])
+    _lock: ClassVar[threading.Lock] = threading.Lock()
 
     @classmethod
     def open(cls, path: str, size: int, device: torch.device) -> ArenaMapping:
+        """The process's mapping of arena `path` for `device`, made on first use."""
         key = (path, size, str(device))
         with cls._lock:
             entry = cls._shared.get(key)
             if entry is None:
-                entry = cls._shared[key] = [cls(path, size, device), 0]
-            entry[1] += 1
+                entry = cls._shared[key] = (cls(path, size, device), [0])
+            entry[1][0] += 1
             return entry[0]
 
     def release(self) -> None:
         """Drop one user of a shared mapping; the last one unmaps it."""
         with self._lock:
-            for key, entry in list(self._shared.items()):
-                if entry[0] is self:
-                    entry[1] -= 1
-                    if entry[1] == 0:
+            for key, (mapping, users) in list(self._shared.items()):
+                if mapping is self:
+                    users[0] -= 1
+                    if users[0] == 0:
                         del self._shared[key]
                         self.close()
                     return
@@ -54,11 +75,13 @@ class ArenaMapping:
             self._registered = True
 
     def slot(self, offset: int, length: int) -> torch.Tensor:
+        """The arena bytes of one object slot, as a flat uint8 view."""
         if offset < 0 or offset + length > self.size:
             raise ValueError(f"slot ({offset}, {length}) lies outside the {self.size} B arena")
         return self.tensor[offset:offset + length]
 
     def close(self) -> None:
+        """Unregister and unmap (every view of the arena must be gone)."""
         if self._registered:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self._registered = False
@@ -84,27 +107,127 @@ class StagingPool:
         return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=self.pin)[:nbytes]
 
     def put(self, t: torch.Tensor) -> None:
+        """Give a buffer from `get` back for reuse."""
         base = t._base if t._base is not None else t
+        assert isinstance(base, torch.Tensor)
         with self._lock:
             self._free.append(base)
             self._free.sort(key=torch.Tensor.numel)
             del self._free[:-self.keep]
 
 
-def encode_objects(fmt: str, objs: list[torch.Tensor], dtypes: list[str]) -> list:
-    """Payload frames for gathered objects: zero-copy views (raw) or the seed's serializations."""
-    if fmt == "raw":
+@dataclass(frozen=True, slots=True)
+class WireContext:
+    """What a strategy may use of its engine: the connection, the registration and the page views."""
+
+    client: CacheClient
+    engine_id: int
+    device: torch.device
+    groups: Sequence[PagedLayers]
+    dtypes: Sequence[str]  # each group's dtype name, for the legacy formats' tensors
+    arena_path: str
+    arena_bytes: int
+
+
+class WireStrategy(ABC):
+    """One wire format's engine half: store (gather, then commit) and load (fetch, then scatter)."""
+
+    format: ClassVar[P.WireFormat]
+
+    def __init__(self, ctx: WireContext):
+        self.ctx = ctx
+
+    @abstractmethod
+    def store(self, h: TransferHandle, reservation: int, jobs: list[ObjectJob], copy: CopyFn,
+              ready: torch.cuda.Event | None, pages_read: Callable[[], None]) -> None:
+        """Move a reservation's objects and commit them; call `pages_read` once the engine's pages were read."""
+
+    @abstractmethod
+    def load(self, h: TransferHandle, hit: Hit, jobs: list[ObjectJob], copy: CopyFn) -> None:
+        """Write a lease's objects into the engine's blocks."""
+
+    def close(self) -> None:  # noqa: B027 - a hook: only strategies that hold something override it
+        """Give back what the strategy holds (the arena mapping)."""
+
+    def _commit(self, reservation: int, frames: Sequence = (), blocks: list[list[int]] | None = None) -> None:
+        msg = P.CommitStore(engine=self.ctx.engine_id, reservation=reservation, format=self.format,
+                            blocks=blocks or [])
+        self.ctx.client.call(msg, list(frames))
+
+
+class ShmWire(WireStrategy):
+    """The GPU writes and reads the server's arena slots directly; only metadata crosses the socket."""
+
+    format = "shm"
+
+    def __init__(self, ctx: WireContext):
+        super().__init__(ctx)
+        self.arena = ArenaMapping.open(ctx.arena_path, ctx.arena_bytes, ctx.device)
+
+    def _slots(self, jobs: list[ObjectJob]) -> list[tuple[P.ObjectLoc, np.ndarray, torch.Tensor]]:
+        return [(o, ids, self.arena.slot(o.offset, o.length)) for o, ids in jobs]
+
+    def store(self, h, reservation, jobs, copy, ready, pages_read) -> None:
+        copy(self._slots(jobs))
+        pages_read()
+        self._commit(reservation)
+
+    def load(self, h, hit, jobs, copy) -> None:
+        copy(self._slots(jobs))
+
+    def close(self) -> None:
+        self.arena.release()
+
+
+class StagedWire(WireStrategy):
+    """Gathered into a staging buffer, sent as payload frames; received frames are scattered from."""
+
+    def __init__(self, ctx: WireContext):
+        super().__init__(ctx)
+        self.staging = StagingPool(ctx.device)
+
+    @abstractmethod
+    def encode(self, objs: list[torch.Tensor], dtypes: list[str]) -> list:
+        """Payload frames for gathered objects."""
+
+    @abstractmethod
+    def decode(self, frames: list, lengths: list[int]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Scatter sources for received frames, and the staging buffer to give back (or None)."""
+
+    def store(self, h, reservation, jobs, copy, ready, pages_read) -> None:
+        lengths = [o.length for o, _ in jobs]
+        staging = self.staging.get(sum(lengths))
+        dsts = list(torch.split(staging, lengths))
+        copy([(o, ids, d) for (o, ids), d in zip(jobs, dsts, strict=True)])
+        pages_read()
+        self._commit(reservation, self.encode(dsts, [self.ctx.dtypes[o.group] for o, _ in jobs]))
+        # Only after the reply: frames were sent zero-copy from the staging buffer. On a failure it is not
+        # pooled again (the socket may still hold it); the garbage collector frees it with the frames.
+        self.staging.put(staging)
+
+    def load(self, h, hit, jobs, copy) -> None:
+        rep, frames = self.ctx.client.call(P.Retrieve(engine=self.ctx.engine_id, lease=hit.lease, format=self.format))
+        if [(o.chunk, o.group) for o in rep.objects] != [(o.chunk, o.group) for o in hit.objects]:
+            raise RuntimeError(f"server returned objects {rep.objects} for lease {hit.lease}")
+        srcs, staging = self.decode(frames, [o.length for o in hit.objects])
+        try:
+            copy([(o, ids, s) for (o, ids), s in zip(jobs, srcs, strict=True)])
+        finally:
+            if staging is not None:
+                self.staging.put(staging)
+
+
+class RawWire(StagedWire):
+    """Pinned staging sent as zero-copy ZMQ frames: no serialization, one copy by the server."""
+
+    format = "raw"
+
+    def encode(self, objs, dtypes) -> list:
         return [o.numpy() for o in objs]
-    # clone: pickling a view would serialize the whole staging buffer it lives in
-    return [encode_tensor(fmt, o.clone().view(getattr(torch, dt))) for o, dt in zip(objs, dtypes, strict=True)]
 
-
-def decode_objects(fmt: str, frames: list, lengths: list[int], device: torch.device,
-                   pool: StagingPool) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-    """Sources for a scatter from received frames; returns them and the staging buffer to give back."""
-    if len(frames) != len(lengths):
-        raise PayloadError(f"expected {len(lengths)} payload frames, got {len(frames)}")
-    if fmt == "raw":
+    def decode(self, frames, lengths):
+        if len(frames) != len(lengths):
+            raise PayloadError(f"expected {len(lengths)} payload frames, got {len(frames)}")
         for i, (f, n) in enumerate(zip(frames, lengths, strict=True)):
             if len(f) != n:
                 raise PayloadError(f"payload frame {i} is {len(f)} B, the object is {n} B")
@@ -112,19 +235,73 @@ def decode_objects(fmt: str, frames: list, lengths: list[int], device: torch.dev
             # received frames are read-only; the scatter only reads them
             warnings.simplefilter("ignore", UserWarning)
             views = [torch.frombuffer(f, dtype=torch.uint8) for f in frames]
-        if device.type != "cuda":
+        if self.ctx.device.type != "cuda":
             return views, None
         # frames live in unpinned socket memory: one host copy into pinned staging, then DMA/kernel H2D
-        staging = pool.get(sum(lengths))
+        staging = self.staging.get(sum(lengths))
         srcs = list(torch.split(staging, lengths))
         for s, v in zip(srcs, views, strict=True):
             s.copy_(v)
         return srcs, staging
-    srcs = []
-    for i, (f, n) in enumerate(zip(frames, lengths, strict=True)):
-        t = decode_tensor(fmt, f).contiguous().view(-1).view(torch.uint8)
-        if t.numel() != n:
-            raise PayloadError(f"payload {i} decodes to {t.numel()} B, the object is {n} B")
-        # the seed moved each decoded tensor to the GPU, then copied it into the paged cache
-        srcs.append(t.to(device) if device.type == "cuda" else t)
-    return srcs, None
+
+
+class SerializedWire(StagedWire):
+    """The seed's formats: each object serialized as a typed tensor (kept as baselines)."""
+
+    def encode(self, objs, dtypes) -> list:
+        # clone: pickling a view would serialize the whole staging buffer it lives in
+        return [encode_tensor(self.format, o.clone().view(getattr(torch, dt)))
+                for o, dt in zip(objs, dtypes, strict=True)]
+
+    def decode(self, frames, lengths):
+        if len(frames) != len(lengths):
+            raise PayloadError(f"expected {len(lengths)} payload frames, got {len(frames)}")
+        srcs = []
+        for i, (f, n) in enumerate(zip(frames, lengths, strict=True)):
+            t = decode_tensor(self.format, f).contiguous().view(-1).view(torch.uint8)
+            if t.numel() != n:
+                raise PayloadError(f"payload {i} decodes to {t.numel()} B, the object is {n} B")
+            # the seed moved each decoded tensor to the GPU, then copied it into the paged cache
+            srcs.append(t.to(self.ctx.device) if self.ctx.device.type == "cuda" else t)
+        return srcs, None
+
+
+class PickleWire(SerializedWire):
+    format = "pickle"
+
+
+class TorchSaveWire(SerializedWire):
+    format = "torch_save"
+
+
+class CudaIpcWire(WireStrategy):
+    """The server maps the engine's pages through CUDA IPC and copies them itself (LMCache's design)."""
+
+    format = "cuda_ipc"
+
+    def __init__(self, ctx: WireContext):
+        super().__init__(ctx)
+        if ctx.device.type != "cuda":
+            raise ValueError("wire format cuda_ipc needs the engine's pages on a CUDA device")
+        from hybridkv.baselines.cuda_ipc import export_views
+
+        ctx.client.call(P.ShareCuda(engine=ctx.engine_id, groups=export_views(list(ctx.groups))))
+
+    def store(self, h, reservation, jobs, copy, ready, pages_read) -> None:
+        if ready is not None:  # the server's copies cannot wait on our stream: wait here
+            ready.synchronize()
+        h.t_copy_start = time.perf_counter()
+        # the reply means the server read the pages and committed them
+        self._commit(reservation, blocks=[ids.tolist() for _, ids in jobs])
+        h.t_done = time.perf_counter()
+        pages_read()
+
+    def load(self, h, hit, jobs, copy) -> None:
+        self.ctx.client.call(P.Retrieve(engine=self.ctx.engine_id, lease=hit.lease, format=self.format,
+                                        blocks=[ids.tolist() for _, ids in jobs]))
+
+
+WIRES: dict[P.WireFormat, type[WireStrategy]] = {
+    w.format: w for w in (ShmWire, RawWire, PickleWire, TorchSaveWire, CudaIpcWire)
+}
+WIRE_FORMATS: tuple[P.WireFormat, ...] = tuple(WIRES)

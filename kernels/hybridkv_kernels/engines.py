@@ -1,0 +1,14 @@
+"""The copy-engine names and `auto`'s threshold, importable without torch (scenarios validate them)."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+Impl = Literal["torch", "triton", "dma"]
+IMPLS: tuple[Impl, ...] = get_args(Impl)
+CopyEngine = Literal["auto", "kernel", "dma", "triton", "torch"]
+COPY_ENGINES: tuple[CopyEngine, ...] = get_args(CopyEngine)
+# auto's rule, from the H200 runs of 2026-11-29 (results/h200/2026-11-29/kernels/): on 3.2 MB pages
+# per-page DMA reaches 0.94-0.96 of the PCIe ceiling and the Triton kernel 0.90-0.94; on 64 KiB pages
+# DMA is launch-bound (0.07-0.13) and the kernel holds 0.89-0.93.
+DMA_MIN_PAGE_BYTES = 1 << 20

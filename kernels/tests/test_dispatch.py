@@ -1,0 +1,39 @@
+"""The one copy-engine knob: what each choice runs, by page size and device, and what it refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hybridkv_kernels import DMA_MIN_PAGE_BYTES, available_impls, choose_impl
+
+
+@pytest.mark.parametrize("page_bytes,want_cpu,want_cuda", [
+    (DMA_MIN_PAGE_BYTES, "dma", "dma"),
+    (3_211_264, "dma", "dma"),
+    (DMA_MIN_PAGE_BYTES - 16, "torch", "triton"),
+    (65_536, "torch", "triton"),
+])
+def test_auto_picks_dma_for_large_pages_and_the_kernel_below(page_bytes, want_cpu, want_cuda):
+    assert choose_impl("auto", page_bytes, "cpu") == want_cpu
+    if torch.cuda.is_available() and "triton" in available_impls("cuda"):
+        assert choose_impl("auto", page_bytes, "cuda") == want_cuda
+
+
+def test_kernel_is_the_torch_reference_on_cpu_even_under_the_interpreter():
+    # Triton's CPU interpreter is a test tool; a CPU engine asking for the kernel gets torch.
+    assert choose_impl("kernel", 4096, "cpu") == "torch"
+    assert choose_impl("dma", 4096, "cpu") == "dma"
+    assert choose_impl("torch", 1 << 22, "cpu") == "torch"
+
+
+def test_pinned_triton_needs_triton_on_that_device(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="cannot run on cpu"):
+        choose_impl("triton", 4096, "cpu")
+
+
+@pytest.mark.parametrize("engine,pages,match", [("fast", 4096, "copy engine must be one of"),
+                                                ("auto", 0, "page_bytes must be positive")])
+def test_bad_choices_are_named(engine, pages, match):
+    with pytest.raises(ValueError, match=match):
+        choose_impl(engine, pages, "cpu")
