@@ -81,9 +81,10 @@ def tests_slow(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def lint(session: nox.Session) -> None:
-    """ruff over every package, the tests and scripts."""
+    """ruff over every package, the tests and scripts; mypy over the three packages (pyproject's [tool.mypy])."""
     _install(session)
     _run(session, "ruff", "check", ".")
+    _run(session, "mypy")
 
 
 def _bench_and_gate(session: nox.Session) -> None:

@@ -357,7 +357,7 @@ class Runner:
                 if self.scenario.engine == "vllm":
                     from .engine_vllm import VllmEngine  # imports vLLM: only for scenarios that ask for it
 
-                    engines.append(VllmEngine(  # type: ignore[arg-type]
+                    engines.append(VllmEngine(
                         self.cfg, endpoint, axes, self.chunk, salt, self._prefill, plan.max_tokens(e),
                         CLIENT_TIMEOUT_S))
                     continue

@@ -6,6 +6,8 @@ It is measured beside the shm path; a server runs it only when started with --cu
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from hybridkv_kernels import PagedLayers, build_plan, run_plan
 
@@ -23,7 +25,8 @@ def export_views(groups: list[PagedLayers]) -> list[list[P.CudaShare]]:
             (device, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle,
              event_sync) = v._typed_storage()._share_cuda_()
             shares.append(P.CudaShare(device, handle, size_bytes, offset_bytes, ref_handle, ref_offset,
-                                      event_handle, event_sync, v.storage_offset(), list(v.shape), list(v.stride())))
+                                      event_handle, event_sync, int(v.storage_offset()), [int(x) for x in v.shape],
+                                      [int(x) for x in v.stride()]))
         out.append(shares)
     return out
 
@@ -54,9 +57,9 @@ class MappedEngine:
             raise RuntimeError(f"cudaHostRegister of the arena failed with CUDA error {int(rc)}")
         self.stream = torch.cuda.Stream(self.device)
 
-    def copy(self, direction: str, objects: list[tuple[int, list[int], int, int]]) -> None:
+    def copy(self, direction: Literal["gather", "scatter"], objects: list[tuple[int, list[int], int, int]]) -> None:
         """Gather engine blocks into arena slots or scatter them back: (group, block ids, offset, length)."""
         transfers = [(self.groups[g], ids, self.arena[off:off + n]) for g, ids, off, n in objects]
         plan = build_plan(direction, transfers)
-        run_plan(plan, None, self.stream)
+        run_plan(plan, "auto", self.stream)
         self.stream.synchronize()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
@@ -138,7 +138,7 @@ class CudaIpcFormat:
     def forget(self, eng: Engine) -> None:
         self.mapped.pop(eng.id, None)
 
-    def _job(self, eng: Engine, direction: str, objects: list[tuple[int, int, int, int]],
+    def _job(self, eng: Engine, direction: Literal["gather", "scatter"], objects: list[tuple[int, int, int, int]],
              blocks: list[list[int]]) -> Job:
         """Validate a copy of (chunk, group, offset, length) objects from/to engine blocks."""
         mapped = self.mapped.get(eng.id)

@@ -9,14 +9,17 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
+
+from hybridkv_kernels import CopyEngine
 
 from hybridkv.engine.client import ServerError
-from hybridkv.engine.transfer import KVTransfer, TransferConfig, TransferHandle
+from hybridkv.engine.transfer import KVTransfer, Streams, TransferConfig, TransferHandle
 from hybridkv.engine.vllm.plan import HybridKVMetadata, LoadJob
 from hybridkv.engine.vllm.settings import ConnectorSettings
 from hybridkv.layout import LayoutError, ModelLayout
-from hybridkv.protocol import ErrorCode
+from hybridkv.policy import Policy
+from hybridkv.protocol import ErrorCode, WireFormat
 
 if TYPE_CHECKING:
     import torch
@@ -80,8 +83,10 @@ class WorkerSide:
         if self._pages is None or time.monotonic() < self._next_try:
             return False
         s = self.settings
-        cfg = TransferConfig(wire_format=s.wire_format, copy_engine=s.copy_engine, streams=s.streams,
-                             retrieve_policy=s.retrieve_policy, store_policy="boundary",
+        # the settings' values were checked against these Literals when the extra config was read
+        cfg = TransferConfig(wire_format=cast(WireFormat, s.wire_format), copy_engine=cast(CopyEngine, s.copy_engine),
+                             streams=cast(Streams, s.streams), retrieve_policy=cast(Policy, s.retrieve_policy),
+                             store_policy="boundary",
                              chunk_tokens=self.chunk_tokens, tp_rank=self.tp_rank, salt=s.salt,
                              timeout_s=s.timeout_s, name=f"vllm-rank{self.tp_rank}")
         try:
