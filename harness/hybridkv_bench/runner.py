@@ -126,6 +126,17 @@ class _Status:
         self.label, self.detail = label, detail
 
 
+def _gpu_index(engine) -> int:
+    """The CUDA device index an engine's pages live on; -1 on CPU or for engines without pools."""
+    device = getattr(getattr(engine, "pools", None), "device", None)
+    return device.index if isinstance(device, torch.device) and device.type == "cuda" else -1
+
+
+def _since(t: float, origin: float) -> float:
+    """A perf_counter stamp as seconds from the repeat's start (0.0: not recorded)."""
+    return t - origin if t else 0.0
+
+
 def _case_selected(pattern: str | None, workload: str, case: Case) -> bool:
     return pattern is None or any(fnmatch.fnmatchcase(n, pattern) for n in (case.name, f"{workload}/{case.name}"))
 
@@ -264,13 +275,15 @@ class Runner:
             oracle = oracles[plan.ranks[req.engine]]
             expect = oracle.lookup(req.tokens)
             barrier = aligned[step]
-            gate = None
-
+            name = f"r{repeat}-{req.name}"
             if barrier is not None and req.align:
                 def gate(point: str, barrier: threading.Barrier = barrier) -> None:
                     if point == req.align:
                         barrier.wait()
-            res = eng.run(f"r{repeat}-{req.name}", req.tokens, gate)
+
+                res = eng.run(name, req.tokens, gate)
+            else:  # other engine kinds' run(request_id, tokens) need not take a gate
+                res = eng.run(name, req.tokens)
             if res.hit_tokens != expect * self.chunk:
                 raise HitMismatch(f"{req.name}: the server's hit is {res.hit_tokens} tokens, the stored prefixes "
                                   f"allow exactly {expect * self.chunk} ({expect} chunks of {self.chunk})")
@@ -282,9 +295,9 @@ class Runner:
                              prefill_s=res.prefill_s, ttft_s=res.ttft_s, bytes_stored=res.bytes_stored,
                              bytes_loaded=res.bytes_loaded, verified_chunks=res.verified_chunks,
                              corrupt_chunks=res.corrupt_chunks, engine=req.engine, step=step,
-                             gpu=eng.pools.device.index if eng.pools.device.type == "cuda" else -1,
-                             load_start_s=res.load_start - origin if res.load_start else 0.0,
-                             store_start_s=res.store_start - origin if res.store_start else 0.0,
+                             gpu=_gpu_index(eng),
+                             load_start_s=_since(getattr(res, "load_start", 0.0), origin),
+                             store_start_s=_since(getattr(res, "store_start", 0.0), origin),
                              **{f: getattr(res, f) for f in MODEL_COLUMNS if hasattr(res, f)})
             with lock:
                 rows.append(row)
