@@ -10,10 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from benchkit import REPO, SCENARIOS
 from hybridkv_bench.results import load_run
 from hybridkv_bench.scenario import MultiEngine, StoreWhileLoad, expand_matrix, load_scenario
-
-from conftest import REPO, SCENARIOS
 
 SCRIPT = REPO / "harness" / "campaign" / "h200_coverage.sh"
 

@@ -8,9 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from benchkit import REPO, write_fake_run
 from hybridkv.cli import main
-
-from conftest import REPO, write_fake_run
 
 
 def test_report_command(run_folder: Path, capsys):

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO
+from benchkit import REPO
 
 
 def test_quickstart_stores_retrieves_and_verifies():

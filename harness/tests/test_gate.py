@@ -4,6 +4,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from benchkit import write_fake_run
 from hybridkv_bench.gate import (
     Baseline,
     BaselineCheck,
@@ -16,8 +17,6 @@ from hybridkv_bench.gate import (
     repeat_spread,
 )
 from hybridkv_bench.results import load_run
-
-from conftest import write_fake_run
 
 
 def fails(result) -> set[tuple[str, str]]:

@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
+from benchkit import SCENARIOS  # noqa: E402
 from hybridkv.engine.transfer import KVTransfer, TransferConfig  # noqa: E402
 from hybridkv.presets import TINY_HYBRID, hybrid_layout  # noqa: E402
 from hybridkv.server.launch import start_server  # noqa: E402
@@ -21,8 +22,6 @@ from hybridkv_bench.hf_model import HFModelError, build_model  # noqa: E402
 from hybridkv_bench.hf_spec import TransformersSpec  # noqa: E402
 from hybridkv_bench.oracle import CONTROLS, judge  # noqa: E402
 from hybridkv_bench.scenario import ScenarioError, decode_scenario  # noqa: E402
-
-from conftest import SCENARIOS  # noqa: E402
 
 CFG = dataclasses.replace(TINY_HYBRID, kv_dtype="float32", conv_dtype="float32")
 LAYOUT = hybrid_layout(CFG)

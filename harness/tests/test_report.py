@@ -3,11 +3,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from benchkit import write_fake_run
 from hybridkv_bench.gate import baseline_from_run
 from hybridkv_bench.report import case_table, markdown_table, write_report
 from hybridkv_bench.results import NotARunFolder, load_run
-
-from conftest import write_fake_run
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+from benchkit import CALIBRATION, write_fake_run
 from hybridkv_bench.metrics import METRICS, REQUEST_COLUMNS, RequestRow, case_metrics
 from hybridkv_bench.results import (
     SCHEMA,
@@ -14,8 +15,6 @@ from hybridkv_bench.results import (
     RunWriter,
     load_run,
 )
-
-from conftest import CALIBRATION, write_fake_run
 
 
 def row(repeat=0, phase="warm", ttft=1.0, **kw) -> RequestRow:

@@ -16,14 +16,13 @@ import msgspec
 import psutil
 import pytest
 import torch
+from benchkit import REPO, SCENARIOS
 from hybridkv.cli import main
 from hybridkv.server.launch import start_server
 from hybridkv_bench.gate import gate
 from hybridkv_bench.results import load_run
 from hybridkv_bench.runner import BenchOptions, run_bench
 from hybridkv_bench.scenario import SERVER_IMPORTS_TORCH, load_scenario
-
-from conftest import REPO, SCENARIOS
 
 # scenario -> (--quick factor, --cases glob): one or two cases each keeps the module to a few minutes on
 # 2 cores; the smoke scenario runs whole in `nox -s bench`.

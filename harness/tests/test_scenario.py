@@ -5,6 +5,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from benchkit import SCENARIOS
 from hybridkv.presets import HybridModelConfig, preset_layout
 from hybridkv_bench.scenario import (
     AXES,
@@ -20,8 +21,6 @@ from hybridkv_bench.scenario import (
     scaled,
     working_set_bytes,
 )
-
-from conftest import SCENARIOS
 
 BASE = """
 name = "t"
