@@ -277,7 +277,7 @@ def run_l2_bench(b: L2Bench, out: Path) -> dict:
 
         # 1. Spill: host A stores everything in an L1 that holds it, then flushes every object on SIGTERM.
         with open(logs / "a.log", "w") as log:
-            a = start_server(f"ipc://{work}/a.sock", *flags, "--flush-on-exit", "--spill-watermark", "0",
+            a = start_server(f"ipc://{work}/a.sock", *flags, "--admin", "--flush-on-exit", "--spill-watermark", "0",
                              l1_gib=1.2 * total / GIB + 0.05, client_timeout=120, stderr=log)
         try:
             with KVTransfer(a.endpoint, layout, pools, cfg) as kv:
@@ -303,8 +303,8 @@ def run_l2_bench(b: L2Bench, out: Path) -> dict:
         # 2. Reload: host B (own arena, an L1 of a third) looks every document up; every page is verified.
         result["page_cache_dropped"] = drop_page_cache() if b.l2 == "fs" else False
         with open(logs / "b.log", "w") as log:
-            bsrv = start_server(f"ipc://{work}/b.sock", *flags, l1_gib=max(total / 3, 2 * total / b.docs) / GIB
-                                + 0.05, client_timeout=120, stderr=log)
+            bsrv = start_server(f"ipc://{work}/b.sock", *flags, "--admin",
+                                l1_gib=max(total / 3, 2 * total / b.docs) / GIB + 0.05, client_timeout=120, stderr=log)
         bad = hit_chunks = 0
         lookup_s = 0.0
         try:
