@@ -35,7 +35,7 @@ import torch
 from hybridkv.engine.transfer import Hit, KVTransfer
 from hybridkv.policy import chunk_objects
 
-from .engine_sim import EnginePools
+from .engine_sim import EnginePools, RequestResult
 from .hf_model import HFModel
 from .hf_pages import PageCodec
 from .oracle import Control, OracleVerdict, judge
@@ -50,31 +50,14 @@ class OracleError(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
-class HFRequestResult:
-    """What one request measured; the fields of `engine_sim.RequestResult` plus the real model's."""
+class HFRequestResult(RequestResult):
+    """What one request measured: the simulated engine's fields plus the real model's."""
 
-    hit_tokens: int
-    lookup_s: float
-    load_s: float
-    prefill_s: float             # modeled (the scenario's prefill model)
-    prefill_measured_s: float    # the model's forwards
-    adapter_s: float             # transformers cache <-> pages copies (not in any TTFT)
-    store_s: float
-    store_done_s: float
-    store_copy_s: float
-    load_copy_s: float
-    bytes_stored: int
-    bytes_loaded: int
-    verified_chunks: int
-    corrupt_chunks: int
+    prefill_measured_s: float = 0.0    # the model's forwards
+    adapter_s: float = 0.0             # transformers cache <-> pages copies (not in any TTFT)
     logits_max_abs_diff: float | None = None    # warm: |restored - full prefill|
     logits_bitwise_equal: bool | None = None    # warm: restored == in-memory split
     oracle_pass: bool | None = None
-
-    @property
-    def ttft_s(self) -> float:
-        """lookup + load (measured) + prefill of the uncached tokens (modeled), as the simulated engine's."""
-        return self.lookup_s + self.load_s + self.prefill_s
 
     @property
     def ttft_measured_s(self) -> float:
