@@ -13,12 +13,9 @@ from hybridkv.server.launch import ServerProcess, start_server
 
 
 def spawn_server(sock_dir: str, *args: str, name: str = "s", l1_gib: float = 0.05,
-                 client_timeout: float = 30.0, admin: bool = True) -> ServerProcess:
-    """Start `hybridkv serve` on an ipc socket in `sock_dir` and wait for its ready line. Test servers
-    open Stats to every client (--admin) unless a test checks what a plain server refuses."""
-    extra = ("--admin",) if admin else ()
-    return start_server(f"ipc://{sock_dir}/{name}.sock", *args, *extra, l1_gib=l1_gib,
-                        client_timeout=client_timeout)
+                 client_timeout: float = 30.0) -> ServerProcess:
+    """A server for tests that manage its life themselves (the `server_factory` fixture stops its own)."""
+    return start_server(f"ipc://{sock_dir}/{name}.sock", *args, "--admin", l1_gib=l1_gib, client_timeout=client_timeout)
 
 
 class Engine:
