@@ -35,7 +35,7 @@ import torch
 from hybridkv.engine.transfer import Hit, KVTransfer
 from hybridkv.policy import chunk_objects
 
-from .engine_sim import EnginePools, RequestResult
+from .engine_sim import EnginePools, RequestResult, timed_store
 from .hf_model import HFModel
 from .hf_pages import PageCodec
 from .oracle import Control, OracleVerdict, judge
@@ -174,11 +174,7 @@ class HFEngine:
             verdict = self._oracle(ids, reference, h, ends, keep_from, logits) if reference is not None else None
             self.last_verdict = verdict
             del cache
-            t0 = time.perf_counter()
-            sh = kv.store(request_id, tokens, blocks).wait_committed(self.timeout_s)
-            store_s = time.perf_counter() - t0
-            store_done_s = sh.t_done - t0 if sh.t_done else store_s
-            kv.end_session(request_id)
+            stored = timed_store(kv, request_id, tokens, blocks, self.timeout_s)
         finally:
             for b in blocks:
                 self.pools.allocator.free(b)
@@ -186,8 +182,9 @@ class HFEngine:
         return HFRequestResult(
             hit_tokens=h, lookup_s=lookup_s, load_s=load_s, prefill_s=self.prefill(S - h, h),
             prefill_measured_s=prefill_measured_s, adapter_s=adapter_s,
-            store_s=store_s if sh.nbytes else 0.0, store_done_s=store_done_s if sh.nbytes else 0.0,
-            store_copy_s=sh.copy_s if sh.nbytes else 0.0, load_copy_s=load_copy_s, bytes_stored=sh.nbytes,
+            load_copy_s=load_copy_s, store_s=stored.store_s, store_done_s=stored.store_done_s,
+            store_copy_s=stored.store_copy_s,
+            bytes_stored=stored.bytes_stored, store_start=stored.start,
             bytes_loaded=loaded, verified_chunks=hit.hit_chunks if ok else 0,
             corrupt_chunks=hit.hit_chunks if ok is False else 0,
             logits_max_abs_diff=verdict.full_max_abs_diff if verdict else None,

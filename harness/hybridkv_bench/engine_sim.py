@@ -118,6 +118,29 @@ class RequestResult:
         return self.lookup_s + self.load_s + self.prefill_s
 
 
+@dataclass(frozen=True, slots=True)
+class StoreTiming:
+    """One store as a request row records it (all zero when the server already held every object)."""
+
+    start: float          # perf_counter when the store was submitted
+    store_s: float        # submitted -> committed
+    store_done_s: float   # submitted -> the engine's blocks reusable
+    store_copy_s: float   # the copies alone
+    bytes_stored: int
+
+
+def timed_store(kv: KVTransfer, request_id: str, tokens: np.ndarray, blocks: Sequence[Sequence[int]],
+                timeout_s: float) -> StoreTiming:
+    """Store every full chunk of `tokens` from `blocks`, wait until committed, end the session; timed."""
+    t0 = time.perf_counter()
+    sh = kv.store(request_id, tokens, blocks).wait_committed(timeout_s)
+    store_s = time.perf_counter() - t0
+    kv.end_session(request_id)
+    if not sh.nbytes:
+        return StoreTiming(t0, 0.0, 0.0, 0.0, 0)
+    return StoreTiming(t0, store_s, sh.t_done - t0 if sh.t_done else store_s, sh.copy_s, sh.nbytes)
+
+
 class HitMismatch(RuntimeError):
     """The server's hit differs from what the stored prefixes allow (too short: lost data; too long: unsafe)."""
 
@@ -225,16 +248,12 @@ class SimEngine:
             self._sync()  # the store starts after the "prefill" writes, not racing them
             if gate is not None:
                 gate("store")
-            t0 = store_start = time.perf_counter()
-            sh = kv.store(request_id, tokens, blocks).wait_committed(self.timeout_s)
-            store_s = time.perf_counter() - t0
-            store_done_s = sh.t_done - t0 if sh.t_done else store_s
-            kv.end_session(request_id)
+            stored = timed_store(kv, request_id, tokens, blocks, self.timeout_s)
         finally:
             for ids in blocks:
                 self.pools.allocator.free(ids)
         return RequestResult(hit_tokens=hit.hit_tokens, lookup_s=lookup_s, load_s=load_s, prefill_s=prefill_s,
-                             store_s=store_s if sh.nbytes else 0.0, store_done_s=store_done_s if sh.nbytes else 0.0,
-                             store_copy_s=sh.copy_s if sh.nbytes else 0.0, load_copy_s=load_copy_s,
-                             bytes_stored=sh.nbytes, bytes_loaded=loaded, verified_chunks=verified,
-                             corrupt_chunks=corrupt, load_start=load_start, store_start=store_start)
+                             load_copy_s=load_copy_s, bytes_loaded=loaded, verified_chunks=verified,
+                             corrupt_chunks=corrupt, load_start=load_start,
+                             store_s=stored.store_s, store_done_s=stored.store_done_s, store_copy_s=stored.store_copy_s,
+                             bytes_stored=stored.bytes_stored, store_start=stored.start)

@@ -27,10 +27,10 @@ def prepare(ctx: Context, ident: bytes, msg: P.PrepareStore, frames: Frames) -> 
         if (c, g) in seen:
             raise RequestError(E.BAD_REQUEST, f"object (chunk {c}, group {g}) listed twice")
         seen.add((c, g))
-    ctx.objects.probe_l2(keys, len(eng.layout.groups))
     if len(eng.reservations) >= ctx.sessions.limits.max_reservations:
         raise RequestError(E.LIMIT, f"engine {eng.id} holds {len(eng.reservations)} open reservations, the "
                            f"limit (--max-reservations {ctx.sessions.limits.max_reservations})")
+    ctx.objects.probe_l2(keys, len(eng.layout.groups))  # a refused request costs the remote L2 nothing
     op = PrepareOp(ctx, ident, msg, eng, keys)
     if not op.step():
         ctx.park(op)
