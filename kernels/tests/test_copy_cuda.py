@@ -3,14 +3,17 @@ shared-memory mapping (the cache server's arena as an engine maps it). Skipped w
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import tempfile
+import threading
 
 import numpy as np
 import pytest
 import torch
-from hybridkv_kernels import available_impls, plan_gather, plan_scatter, run_plan
+from hybridkv_kernels import available_impls, cuda_batch, plan_gather, plan_scatter, run_plan
+from hybridkv_kernels.copy_dma import copy_pages_dma
 from kernel_pools import POOLS, SENTINEL, assert_guards, guarded, qwen_like_groups, random_bytes
 
 pytestmark = pytest.mark.cuda
@@ -18,11 +21,20 @@ IDS = [7, 0, 3, 8, 1]
 GUARD = 64
 
 
-@pytest.fixture(params=["torch", "triton", "dma"])
+@pytest.fixture(params=["torch", "triton", "dma", "dma-loop"])
 def gpu_impl(request) -> str:
-    if request.param not in available_impls("cuda"):
+    """An implementation; `dma` is the batched driver call where the driver has it, `dma-loop` one copy per run."""
+    if request.param.split("-")[0] not in available_impls("cuda"):
         pytest.skip(f"{request.param} not available on CUDA")
     return request.param
+
+
+def _run(plan, impl: str, stream: torch.cuda.Stream | None = None) -> None:
+    if impl != "dma-loop":
+        run_plan(plan, impl, stream)
+        return
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        copy_pages_dma(plan, batched=False)
 
 
 @pytest.fixture
@@ -61,7 +73,7 @@ def test_gather_and_scatter_on_gpu(pool_name, place, gpu_impl, shm_arena):
     pool = POOLS[pool_name](gen, device="cuda")
     layers = pool.layers()
     buf, obj = _object_buffer(place, layers.object_bytes(len(IDS)), shm_arena)
-    run_plan(plan_gather([(layers, IDS, obj)]), gpu_impl)
+    _run(plan_gather([(layers, IDS, obj)]), gpu_impl)
     torch.cuda.synchronize()
     np.testing.assert_array_equal(obj.cpu().numpy(), pool.expected_object(IDS))
     assert_guards(buf, GUARD)
@@ -73,12 +85,12 @@ def test_gather_and_scatter_on_gpu(pool_name, place, gpu_impl, shm_arena):
         for j, b in enumerate(IDS):
             o = target.offset(layer, b)
             expected[o : o + pool.page_bytes] = src[layer, j]
-    run_plan(plan_scatter([(target.layers(), IDS, obj)]), gpu_impl)
+    _run(plan_scatter([(target.layers(), IDS, obj)]), gpu_impl)
     torch.cuda.synchronize()
     np.testing.assert_array_equal(target.raw.reshape(-1).cpu().numpy(), expected)
 
 
-@pytest.mark.parametrize("place", ["pinned", "shm"])
+@pytest.mark.parametrize("place", ["device", "pinned", "shm"])
 def test_multi_group_on_a_side_stream(place, gpu_impl, shm_arena):
     gen = torch.Generator().manual_seed(8)
     groups = qwen_like_groups(gen, device="cuda")
@@ -93,12 +105,12 @@ def test_multi_group_on_a_side_stream(place, gpu_impl, shm_arena):
             obj = buf[GUARD : GUARD + n]
             offset += n + 2 * GUARD
         else:
-            buf, obj = guarded(n, GUARD, pin=True)
+            buf, obj = guarded(n, GUARD, device="cuda" if place == "device" else "cpu", pin=place == "pinned")
         transfers.append((layers, blocks, obj))
         bufs.append(buf)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    run_plan(plan_gather(transfers), gpu_impl, stream=stream)
+    _run(plan_gather(transfers), gpu_impl, stream=stream)
     stream.synchronize()
     for pool, blocks, buf, (_, _, obj) in zip(groups, ids, bufs, transfers, strict=True):
         np.testing.assert_array_equal(obj.cpu().numpy(), pool.expected_object(blocks))
@@ -111,3 +123,34 @@ def test_pageable_host_object_is_rejected():
     obj = random_bytes((layers.object_bytes(1),), torch.Generator().manual_seed(2))
     with pytest.raises(ValueError, match="object on cpu is not reachable from cuda"):
         plan_scatter([(layers, [1], obj)])
+
+
+def test_batched_dma_from_a_thread_that_never_used_cuda(shm_arena):
+    """The store and load workers are threads of their own: the batched driver call must find (or make
+    current) the device's primary context there, and order itself after the given stream's work."""
+    if not cuda_batch.available():
+        pytest.skip("the driver has no batched memcpy")
+    groups = qwen_like_groups(torch.Generator().manual_seed(9), device="cuda")
+    ids = [[3, 9], [4], [6], [2]]
+    transfers, offset = [], 0
+    for pool, blocks in zip(groups, ids, strict=True):
+        n = pool.layers().object_bytes(len(blocks))
+        transfers.append((pool.layers(), blocks, shm_arena[offset:offset + n]))
+        offset += n
+    plan = plan_gather(transfers)
+    errors: list[BaseException] = []
+
+    def worker():
+        try:
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                copy_pages_dma(plan, batched=True)
+            stream.synchronize()
+        except BaseException as e:
+            errors.append(e)
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert not errors, errors
+    for pool, blocks, (_, _, obj) in zip(groups, ids, transfers, strict=True):
+        np.testing.assert_array_equal(obj.cpu().numpy(), pool.expected_object(blocks))

@@ -40,7 +40,8 @@ class TransferConfig:
     """How an engine moves bytes; validated at construction."""
 
     wire_format: P.WireFormat = "shm"
-    # auto: DMA for pages of 1 MiB and more, the one-launch kernel below (as measured on the H200);
+    # auto: DMA (one batched driver call per plan where the driver has it) for pages of 400 KB and more
+    # (1 MiB without batching), the one-launch kernel below (as measured on the H200);
     # kernel / dma / triton / torch pin a choice (see hybridkv_kernels.dispatch)
     copy_engine: CopyEngine = "auto"
     streams: Streams = "single"        # single: every group on one stream; per_group: a stream per group (the seed's)

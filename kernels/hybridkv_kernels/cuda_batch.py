@@ -1,0 +1,103 @@
+"""The CUDA driver's batched memcpy (cuMemcpyBatchAsync, CUDA 12.8+), through ctypes.
+
+One driver call enqueues every page copy of a plan on a stream: the copy engines then run them back to
+back, without the gap a separate cudaMemcpyAsync per page leaves between copies. On the H200 it holds
+0.93-0.97 of the PCIe ceiling on pages of 0.4 to 3.2 MB, where one copy per page falls to 0.65-0.92 and
+the Triton kernel to 0.82-0.95 (kernels/README.md, `bench/bench_copy_variants.py`).
+
+`available()` says whether this process can use it: a CUDA driver that exports the entry point (the
+CUDA 13 `_v2` signature, or 12.8's with `failIdx`), and `HYBRIDKV_DMA_BATCH` not set to `0` (the switch
+that keeps the one-copy-per-run path for comparisons). Nothing here runs or loads on a machine without CUDA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import threading
+
+import numpy as np
+
+ENV_SWITCH = "HYBRIDKV_DMA_BATCH"
+MAX_COPIES_PER_CALL = 4096  # the driver states no limit; bounded anyway so one call stays short
+_SRC_ACCESS_ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: sources read in stream order
+
+
+class _Attrs(ctypes.Structure):
+    """CUmemcpyAttributes: access order, source and destination location hints (type, id), flags."""
+
+    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", ctypes.c_int * 2),
+                ("dstLocHint", ctypes.c_int * 2), ("flags", ctypes.c_uint)]
+
+
+class BatchMemcpy:
+    """The driver entry point and what each call needs; one per process (`get()`)."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._lib = lib
+        self.v2 = hasattr(lib, "cuMemcpyBatchAsync_v2")
+        self._fn = lib.cuMemcpyBatchAsync_v2 if self.v2 else lib.cuMemcpyBatchAsync
+        self._attrs = _Attrs(_SRC_ACCESS_ORDER_STREAM, (0, 0), (0, 0), 0)
+        self._attr_idx = (ctypes.c_size_t * 1)(0)
+        self._local = threading.local()
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            name = ctypes.c_char_p()
+            self._lib.cuGetErrorName(rc, ctypes.byref(name))
+            raise RuntimeError(f"{what} failed with CUDA driver error {rc} ({(name.value or b'?').decode()})")
+
+    def _ensure_context(self, device_index: int) -> None:
+        """Make `device_index`'s primary context current in this thread (a worker thread that only ever
+        called the driver here may have none; the runtime that torch uses shares the primary context)."""
+        if getattr(self._local, "device", None) == device_index:
+            current = ctypes.c_void_p()
+            self._check(self._lib.cuCtxGetCurrent(ctypes.byref(current)), "cuCtxGetCurrent")
+            if current.value:
+                return
+        dev = ctypes.c_int()
+        self._check(self._lib.cuDeviceGet(ctypes.byref(dev), device_index), "cuDeviceGet")
+        ctx = ctypes.c_void_p()
+        self._check(self._lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+        self._check(self._lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        self._local.device = device_index
+
+    def __call__(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: int, device_index: int) -> None:
+        """Enqueue copies `src[i] -> dst[i]` of `sizes[i]` bytes on `stream` (a CUstream handle), in order
+        with the stream's earlier work; the arrays are read during the call only."""
+        if not len(dst) == len(src) == len(sizes):
+            raise ValueError(f"batched memcpy: {len(dst)} destinations, {len(src)} sources, {len(sizes)} sizes")
+        self._ensure_context(device_index)
+        d = np.ascontiguousarray(dst, dtype=np.uint64)
+        s = np.ascontiguousarray(src, dtype=np.uint64)
+        n = np.ascontiguousarray(sizes, dtype=np.uint64)
+        for lo in range(0, len(d), MAX_COPIES_PER_CALL):
+            count = min(MAX_COPIES_PER_CALL, len(d) - lo)
+            args: list = [ctypes.c_void_p(d.ctypes.data + 8 * lo), ctypes.c_void_p(s.ctypes.data + 8 * lo),
+                          ctypes.c_void_p(n.ctypes.data + 8 * lo), ctypes.c_size_t(count),
+                          ctypes.byref(self._attrs), self._attr_idx, ctypes.c_size_t(1)]
+            if not self.v2:
+                fail = ctypes.c_size_t(0)
+                args.append(ctypes.byref(fail))
+            args.append(ctypes.c_void_p(stream))
+            self._check(self._fn(*args), "cuMemcpyBatchAsync")
+
+
+@functools.cache
+def get() -> BatchMemcpy | None:
+    """The process's batched memcpy, or None where the driver lacks it or the switch turns it off."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    if not (hasattr(lib, "cuMemcpyBatchAsync_v2") or hasattr(lib, "cuMemcpyBatchAsync")):
+        return None
+    return BatchMemcpy(lib)
+
+
+def available() -> bool:
+    """True when page copies on CUDA go through one batched driver call per plan."""
+    return get() is not None
