@@ -17,14 +17,13 @@ import os
 import secrets
 import stat
 import threading
-import zlib
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
-from hybridkv.server.l2 import BadObject, L2Error, ObjectHeader
+from hybridkv.server.l2 import BadObject, L2Error, ObjectHeader, crc32
 
 TMP_PREFIX = ".tmp-"
 LOCK_NAME = ".lock"
@@ -148,14 +147,14 @@ class ObjectDir:
         """Write a new temp file (header block + payload) beside the object's name; returns its name.
 
         The payload's crc32 is computed on a helper thread while the payload is on its way to the disk
-        (zlib and the writes both release the GIL), and the header holding it is written last.
+        (the checksum and the writes both release the GIL), and the header holding it is written last.
         """
         sub = self._fds[key[0]]
         tmp = f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600, dir_fd=sub)
         try:
             try:
-                crc = self._crc_pool.submit(zlib.crc32, payload)
+                crc = self._crc_pool.submit(crc32, payload, 0)
                 try:
                     self._write_payload(fd, payload)
                 finally:
@@ -321,7 +320,7 @@ def _syncfs_or_sync(fd: int) -> None:
 
 def _crc_after(prev: Future[int] | None, piece: memoryview) -> int:
     """crc32 of `piece` continuing the crc of everything before it (chained futures keep the order)."""
-    return zlib.crc32(piece, prev.result() if prev is not None else 0)
+    return crc32(piece, prev.result() if prev is not None else 0)
 
 
 def _address(buf: memoryview) -> int:
