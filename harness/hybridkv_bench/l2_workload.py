@@ -19,15 +19,14 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
 import msgspec
 
 from .calibration.storage import MIB, disk_ceiling, drop_page_cache, redis_ceiling
+from .l2_watch import DirWatch, Watch, redis_counter
 
 GIB = 1 << 30
 
@@ -114,54 +113,6 @@ class _RedisServer:
         if self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(10)
-
-
-class _Watch:
-    """Polls how many objects L2 holds, from another thread, and notes when it reaches `want`.
-
-    The spill ends when the last object is in L2, not when the server process has exited (closing
-    an arena of tens of GB and the interpreter's exit are not L2 work): both times are reported.
-    """
-
-    def __init__(self, count: Callable[[], int], want: int) -> None:
-        self.count, self.want, self.seen = count, want, 0
-        self.at: float | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.seen = self.count()
-            if self.seen >= self.want:
-                self.at = time.perf_counter()
-                return
-            time.sleep(0.005)
-
-    def done_at(self, t0: float) -> float | None:
-        """Seconds from t0 until every object was in L2 (after one last look), or None."""
-        self._stop.set()
-        self._thread.join()
-        if self.at is None and self.count() >= self.want:
-            self.at = time.perf_counter()
-        return None if self.at is None else self.at - t0
-
-
-def _fs_counter(l2_dir: Path) -> Callable[[], int]:
-    def count() -> int:
-        n = 0
-        for sub in os.scandir(l2_dir):
-            if sub.is_dir(follow_symlinks=False):
-                n += sum(1 for f in os.scandir(sub.path) if f.name.endswith(".obj"))
-        return n
-    return count
-
-
-def _redis_counter(url: str, prefix: str) -> Callable[[], int]:
-    import redis
-
-    r = redis.Redis.from_url(url, socket_timeout=10)
-    return lambda: sum(1 for _ in r.scan_iter(match=f"{prefix}m:*", count=10_000))
 
 
 def adapter_rates(adapter, object_bytes: int, count: int, threads: int) -> dict:
@@ -285,8 +236,7 @@ def run_l2_bench(b: L2Bench, out: Path) -> dict:
                     kv.store(f"d{d}", tokens, src).wait_committed(600)
                 stored = kv.client.call(P.Stats())[0].counters["bytes_committed"]
             objects = b.docs * b.chunks * len(layout.groups)
-            count = _fs_counter(l2_dir) if b.l2 == "fs" else _redis_counter(url, prefix)
-            watch = _Watch(count, objects)
+            watch = DirWatch(l2_dir, objects) if b.l2 == "fs" else Watch(redis_counter(url, prefix), objects)
             t0 = time.perf_counter()
             rc = a.stop(timeout=600)
             exit_s = time.perf_counter() - t0

@@ -24,7 +24,7 @@ log = logging.getLogger("hybridkv.server")
 SPILL_BATCH = 64          # objects per spill job: one hand-off to a worker, not one per tiny object
 # ... and bytes per spill job: a job of large objects ends early, so a flush or a burst of spills keeps
 # every I/O thread writing (64 Qwen3.6-27B objects in one job would leave the other threads idle).
-SPILL_BATCH_BYTES = 32 << 20
+SPILL_BATCH_BYTES = 8 << 20
 SPILL_RETRY_S = 10.0      # an object whose L2 write failed is tried again after this long
 FAILURE_LOG_EVERY_S = 10.0
 
