@@ -56,7 +56,8 @@ class DirWatch:
 
     def __init__(self, l2_dir: Path, want: int) -> None:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        self.want, self.at = want, None
+        self.want = want
+        self.at: float | None = None
         self._names: set[str] = set()
         self._fd = libc.inotify_init1(_IN_CLOEXEC)
         if self._fd < 0:
