@@ -170,6 +170,7 @@ def run_l2_bench(b: L2Bench, out: Path) -> dict:
     from hybridkv import protocol as P
     from hybridkv.engine.transfer import KVTransfer, TransferConfig
     from hybridkv.presets import preset_layout
+    from hybridkv.server.l2 import CRC32_IMPL
     from hybridkv.server.launch import start_server
 
     from .pools import BlockAllocator, fill_random, vllm_pools
@@ -184,7 +185,7 @@ def run_l2_bench(b: L2Bench, out: Path) -> dict:
     shm_dirs: list[Path] = []
     result: dict = {"name": b.name, "l2": b.l2, "preset": b.preset, "docs": b.docs, "chunks": b.chunks,
                     "stored_bytes": total, "device": device, "io_threads": b.io_threads,
-                    "cpus": os.cpu_count(), "load_avg_1m_at_start": os.getloadavg()[0]}
+                    "cpus": os.cpu_count(), "load_avg_1m_at_start": os.getloadavg()[0], "crc32_impl": CRC32_IMPL}
     object_bytes = layout.chunk_bytes(ct) // len(layout.groups)
     adapter_count = max(4, min(b.docs * b.chunks * len(layout.groups), (b.probe_mib * MIB) // object_bytes))
     try:
@@ -320,7 +321,8 @@ def summary(r: dict) -> str:
             f"  L2 reload {r['l2_reload_gbps']:.2f} GB/s = {r['reload_ceiling_ratio']:.2f} of the read ceiling "
             f"(page cache dropped: {r['page_cache_dropped']})\n"
             f"  the adapter alone (in process, {r['io_threads']} threads): put {r['adapter_put_gbps']:.2f} GB/s, "
-            f"get {r['adapter_get_gbps']:.2f} GB/s; load average {r['load_avg_1m_at_start']:.1f} on {r['cpus']} CPUs\n"
+            f"get {r['adapter_get_gbps']:.2f} GB/s; load average {r['load_avg_1m_at_start']:.1f} on {r['cpus']} CPUs; "
+            f"CRC-32 by {r.get('crc32_impl', '?')}\n"
             f"  hit {r['hit_chunks']} of {r['expected_hit_chunks']} chunks"
             f"{' through a second server (cross-host)' if r['l2'] == 'redis' else ' after a restart'}; "
             f"corrupt pages {r['corrupt_pages']}")
