@@ -1,5 +1,5 @@
 # Source this on a GPU machine that has CUDA torch but no network (e.g. the H200 box), from the repository
-# root: installs the carried wheels in .whl/ (msgspec, pyzmq; fla for the transformers engine) into
+# root: installs the carried wheels in .whl/ (msgspec, pyzmq, isal for the L2 checksum; fla for the transformers engine) into
 # /tmp/site and the project itself (editable, no dependencies, so the machine's own torch stays), which
 # also registers the harness's `hybridkv` subcommands.
 export PYTHONUNBUFFERED=1

@@ -19,15 +19,14 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
 import msgspec
 
 from .calibration.storage import MIB, disk_ceiling, drop_page_cache, redis_ceiling
+from .l2_watch import DirWatch, Watch, redis_counter
 
 GIB = 1 << 30
 
@@ -116,54 +115,6 @@ class _RedisServer:
             self.proc.wait(10)
 
 
-class _Watch:
-    """Polls how many objects L2 holds, from another thread, and notes when it reaches `want`.
-
-    The spill ends when the last object is in L2, not when the server process has exited (closing
-    an arena of tens of GB and the interpreter's exit are not L2 work): both times are reported.
-    """
-
-    def __init__(self, count: Callable[[], int], want: int) -> None:
-        self.count, self.want, self.seen = count, want, 0
-        self.at: float | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.seen = self.count()
-            if self.seen >= self.want:
-                self.at = time.perf_counter()
-                return
-            time.sleep(0.005)
-
-    def done_at(self, t0: float) -> float | None:
-        """Seconds from t0 until every object was in L2 (after one last look), or None."""
-        self._stop.set()
-        self._thread.join()
-        if self.at is None and self.count() >= self.want:
-            self.at = time.perf_counter()
-        return None if self.at is None else self.at - t0
-
-
-def _fs_counter(l2_dir: Path) -> Callable[[], int]:
-    def count() -> int:
-        n = 0
-        for sub in os.scandir(l2_dir):
-            if sub.is_dir(follow_symlinks=False):
-                n += sum(1 for f in os.scandir(sub.path) if f.name.endswith(".obj"))
-        return n
-    return count
-
-
-def _redis_counter(url: str, prefix: str) -> Callable[[], int]:
-    import redis
-
-    r = redis.Redis.from_url(url, socket_timeout=10)
-    return lambda: sum(1 for _ in r.scan_iter(match=f"{prefix}m:*", count=10_000))
-
-
 def adapter_rates(adapter, object_bytes: int, count: int, threads: int) -> dict:
     """put and get_into GB/s of the adapter alone, in this process, from page-aligned memory on
     `threads` threads: the L2 path without the server around it, to tell its cost from the server's."""
@@ -200,6 +151,18 @@ def adapter_rates(adapter, object_bytes: int, count: int, threads: int) -> dict:
             "adapter_get_gbps": count * object_bytes / get_s / 1e9, "adapter_page_cache_dropped": dropped}
 
 
+def _disk_ceilings(l2_dir: Path, nbytes: int, object_bytes: int) -> dict:
+    """The disk's O_DIRECT rates in 16 MiB requests and in requests of the L2's object size (what a
+    spill or a reload of one object asks of the disk); the ceiling is the better of the two."""
+    big = disk_ceiling(l2_dir, nbytes)
+    obj = disk_ceiling(l2_dir, nbytes, block=max(4096, object_bytes - object_bytes % 4096))
+    return {**big.as_dict(), "disk_write_gbps": max(big.disk_write_gbps, obj.disk_write_gbps),
+            "disk_read_gbps": max(big.disk_read_gbps, obj.disk_read_gbps),
+            "disk_16mib_write_gbps": big.disk_write_gbps, "disk_16mib_read_gbps": big.disk_read_gbps,
+            "disk_object_block_bytes": obj.block_bytes, "disk_object_write_gbps": obj.disk_write_gbps,
+            "disk_object_read_gbps": obj.disk_read_gbps}
+
+
 def run_l2_bench(b: L2Bench, out: Path) -> dict:
     """Run the workload into `out` (l2.json, server logs); returns the result, ceilings included."""
     import numpy as np
@@ -207,6 +170,7 @@ def run_l2_bench(b: L2Bench, out: Path) -> dict:
     from hybridkv import protocol as P
     from hybridkv.engine.transfer import KVTransfer, TransferConfig
     from hybridkv.presets import preset_layout
+    from hybridkv.server.l2 import CRC32_IMPL
     from hybridkv.server.launch import start_server
 
     from .pools import BlockAllocator, fill_random, vllm_pools
@@ -221,7 +185,7 @@ def run_l2_bench(b: L2Bench, out: Path) -> dict:
     shm_dirs: list[Path] = []
     result: dict = {"name": b.name, "l2": b.l2, "preset": b.preset, "docs": b.docs, "chunks": b.chunks,
                     "stored_bytes": total, "device": device, "io_threads": b.io_threads,
-                    "cpus": os.cpu_count(), "load_avg_1m_at_start": os.getloadavg()[0]}
+                    "cpus": os.cpu_count(), "load_avg_1m_at_start": os.getloadavg()[0], "crc32_impl": CRC32_IMPL}
     object_bytes = layout.chunk_bytes(ct) // len(layout.groups)
     adapter_count = max(4, min(b.docs * b.chunks * len(layout.groups), (b.probe_mib * MIB) // object_bytes))
     try:
@@ -232,7 +196,7 @@ def run_l2_bench(b: L2Bench, out: Path) -> dict:
             url = prefix = ""
             df = subprocess.run(["df", "-h", str(l2_dir)], capture_output=True, text=True).stdout.splitlines()[-1:]
             result["l2_where"] = " ".join(df)
-            result.update(disk_ceiling(l2_dir, b.probe_mib * MIB).as_dict())
+            result.update(_disk_ceilings(l2_dir, b.probe_mib * MIB, object_bytes))
             flags = ["--l2-dir", str(l2_dir), "--l2-gib", f"{2 * total / GIB + 0.01:.4f}"]
             flags += ["--l2-fsync"] if b.fsync else []
             from hybridkv.server.l2_fs import FilesystemL2
@@ -285,8 +249,7 @@ def run_l2_bench(b: L2Bench, out: Path) -> dict:
                     kv.store(f"d{d}", tokens, src).wait_committed(600)
                 stored = kv.client.call(P.Stats())[0].counters["bytes_committed"]
             objects = b.docs * b.chunks * len(layout.groups)
-            count = _fs_counter(l2_dir) if b.l2 == "fs" else _redis_counter(url, prefix)
-            watch = _Watch(count, objects)
+            watch = DirWatch(l2_dir, objects) if b.l2 == "fs" else Watch(redis_counter(url, prefix), objects)
             t0 = time.perf_counter()
             rc = a.stop(timeout=600)
             exit_s = time.perf_counter() - t0
@@ -352,16 +315,25 @@ def summary(r: dict) -> str:
     else:
         ceil_w, ceil_r, what = r["redis_set_gbps"], r["redis_get_gbps"], f"Redis SET/GET at {r['l2_where']}"
     return (f"{r['name']}: {r['stored_bytes'] / 1e9:.2f} GB in {r['docs']} documents ({r['preset']})\n"
-            f"  ceiling ({what}): write {ceil_w:.2f} GB/s, read {ceil_r:.2f} GB/s\n"
+            f"  ceiling ({what}): write {ceil_w:.2f} GB/s, read {ceil_r:.2f} GB/s{_blocks(r)}\n"
             f"  L2 spill  {r['l2_spill_gbps']:.2f} GB/s = {r['spill_ceiling_ratio']:.2f} of the write ceiling "
             f"({r['l2_spill_with_exit_gbps']:.2f} GB/s counting the server's exit)\n"
             f"  L2 reload {r['l2_reload_gbps']:.2f} GB/s = {r['reload_ceiling_ratio']:.2f} of the read ceiling "
             f"(page cache dropped: {r['page_cache_dropped']})\n"
             f"  the adapter alone (in process, {r['io_threads']} threads): put {r['adapter_put_gbps']:.2f} GB/s, "
-            f"get {r['adapter_get_gbps']:.2f} GB/s; load average {r['load_avg_1m_at_start']:.1f} on {r['cpus']} CPUs\n"
+            f"get {r['adapter_get_gbps']:.2f} GB/s; load average {r['load_avg_1m_at_start']:.1f} on {r['cpus']} CPUs; "
+            f"CRC-32 by {r.get('crc32_impl', '?')}\n"
             f"  hit {r['hit_chunks']} of {r['expected_hit_chunks']} chunks"
             f"{' through a second server (cross-host)' if r['l2'] == 'redis' else ' after a restart'}; "
             f"corrupt pages {r['corrupt_pages']}")
+
+
+def _blocks(r: dict) -> str:
+    if "disk_object_write_gbps" not in r:
+        return ""
+    return (f" (the better of 16 MiB requests: {r['disk_16mib_write_gbps']:.2f} / {r['disk_16mib_read_gbps']:.2f}, "
+            f"and {r['disk_object_block_bytes'] / 1e6:.1f} MB object-size ones: {r['disk_object_write_gbps']:.2f} / "
+            f"{r['disk_object_read_gbps']:.2f})")
 
 
 def main(path: str, out: str | None = None, scale: float = 1.0) -> int:

@@ -42,6 +42,17 @@ def test_disk_workload_reloads_every_byte_beside_the_disk_ceiling(tmp_path):
     assert r["reload_bytes"] == r["spill_bytes"] == r["stored_bytes"]
     assert r["adapter_put_gbps"] > 0 and r["adapter_get_gbps"] > 0
     assert (tmp_path / "run" / "l2.json").exists() and "of the write ceiling" in summary(r)
+    # the ceiling is the better of 16 MiB requests and requests of the object's size (the L2's own)
+    assert r["disk_object_block_bytes"] % 4096 == 0 and r["disk_object_write_gbps"] > 0
+    assert r["disk_write_gbps"] == max(r["disk_16mib_write_gbps"], r["disk_object_write_gbps"])
+    assert r["disk_read_gbps"] == max(r["disk_16mib_read_gbps"], r["disk_object_read_gbps"])
+
+
+def test_disk_probe_refuses_a_request_size_o_direct_cannot_take(tmp_path):
+    from hybridkv_bench.calibration.storage import StorageProbeError, disk_ceiling
+
+    with pytest.raises(StorageProbeError, match="multiple of 4096 bytes, got 1000"):
+        disk_ceiling(tmp_path, 1 << 20, block=1000)
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")

@@ -123,3 +123,30 @@ def test_pinned_objects_at_the_old_end_are_not_scanned_per_allocation(tmp_path):
         assert len(l1._clean.od) == 0  # only unpinned READY objects are queued
     finally:
         a.close()
+
+
+def test_spill_ahead_stops_at_its_byte_bound_so_large_objects_spread_over_the_io_threads(arena):
+    l1 = L1Cache(arena, start_spill=lambda batch: None, l2_has=lambda e: e.in_l2)
+    entries = fill(l1, 4)
+    first = l1.spill_ahead(low_watermark=0.99, max_objects=8, max_bytes=SLOT_ALIGN + 1)
+    assert first == entries[:2]                        # the second object crosses the bound: two, not four
+    assert l1.spill_ahead(low_watermark=0.99, max_objects=8, max_bytes=1) == entries[2:3]  # at least one
+    assert l1.spill_ahead(low_watermark=0.99, max_objects=8) == entries[3:]
+
+
+def test_flush_batches_hold_many_small_objects_or_few_large_ones(arena, tmp_path):
+    from hybridkv.server.objects import SPILL_BATCH, SPILL_BATCH_BYTES, spill_batches
+
+    small = fill(L1Cache(arena), 4)
+    assert list(spill_batches(small)) == [small]       # tiny objects share one worker hand-off
+    many = small * (SPILL_BATCH // 2)                  # 2 * SPILL_BATCH objects of one slot each
+    assert [len(b) for b in spill_batches(many)] == [SPILL_BATCH, SPILL_BATCH]
+    big_len = SPILL_BATCH_BYTES // 2 - SLOT_ALIGN      # three of them cross the byte bound
+    big_arena = Arena(6 * (big_len + SLOT_ALIGN), tmp_path)
+    try:
+        l1 = L1Cache(big_arena)
+        big = [l1.reserve(key(i), 0, NS, big_len) for i in range(6)]
+        assert [[e.oid for e in b] for b in spill_batches(big)] == [[e.oid for e in big[:3]], [e.oid for e in big[3:]]]
+    finally:
+        big_arena.close()
+    assert list(spill_batches([])) == []

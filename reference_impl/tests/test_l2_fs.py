@@ -496,7 +496,7 @@ class _ReplaceWhileReading(FilesystemL2):
 
     def _read(self, key, group, out, stamp):
         try:
-            super()._read(key, group, out, stamp)
+            return super()._read(key, group, out, stamp)
         finally:
             self.put(key, group, NS_A, payload(77, 3000))
 

@@ -1,8 +1,9 @@
 """Storage ceilings, measured in the same run as the L2 rates they bound.
 
 - `disk_ceiling`: sequential O_DIRECT write (then fsync) and read of one file in the L2's own directory,
-  in 16 MiB requests, with one writer and with several (the L2 spills on several I/O threads); the
-  better of the two is the disk's rate.
+  in 16 MiB requests (or `block` bytes: the L2 workload also probes at its object size, the size of
+  the L2's own requests), with one writer and with several (the L2 spills on several I/O threads);
+  the better of the two is the disk's rate.
 - `redis_ceiling`: large SET and GET of distinct keys on the same Redis the L2 uses, through the same
   client library, from one client and from several at once.
 Nothing here imports torch.
@@ -35,6 +36,7 @@ class DiskCeiling:
     probe_bytes: int
     direct_io: bool
     page_cache_dropped: bool
+    block_bytes: int = _BLOCK
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -64,9 +66,13 @@ def drop_page_cache() -> bool:
         return False
 
 
-def disk_ceiling(directory: str | Path, nbytes: int = 1 << 30, threads: tuple[int, ...] = (1, 4)) -> DiskCeiling:
-    """O_DIRECT sequential write + fsync, then read, of `nbytes` in `directory`, per thread count."""
-    nbytes = max(_BLOCK, nbytes - nbytes % _BLOCK)
+def disk_ceiling(directory: str | Path, nbytes: int = 1 << 30, threads: tuple[int, ...] = (1, 4),
+                 block: int = _BLOCK) -> DiskCeiling:
+    """O_DIRECT sequential write + fsync, then read, of `nbytes` in `directory` in `block`-byte
+    requests (a multiple of 4096), per thread count."""
+    if block <= 0 or block % 4096:
+        raise StorageProbeError(f"probe block must be a positive multiple of 4096 bytes, got {block}")
+    nbytes = max(block, nbytes - nbytes % block)
     path = Path(directory) / f".disk-probe-{uuid.uuid4().hex[:8]}"
     direct = getattr(os, "O_DIRECT", 0)
     writes: dict[int, float] = {}
@@ -74,33 +80,33 @@ def disk_ceiling(directory: str | Path, nbytes: int = 1 << 30, threads: tuple[in
     dropped = False
     try:
         for n in threads:
-            writes[n] = _timed(path, nbytes, n, os.O_WRONLY | os.O_CREAT | direct, write=True)
+            writes[n] = _timed(path, nbytes, n, os.O_WRONLY | os.O_CREAT | direct, write=True, block=block)
             dropped = drop_page_cache()
-            reads[n] = _timed(path, nbytes, n, os.O_RDONLY | direct, write=False)
+            reads[n] = _timed(path, nbytes, n, os.O_RDONLY | direct, write=False, block=block)
     except OSError as e:
         if direct and e.errno == 22:  # EINVAL: this file system takes no O_DIRECT (tmpfs, some FUSE)
             raise StorageProbeError(f"{directory} does not take O_DIRECT ({e}): no disk ceiling there") from e
         raise StorageProbeError(f"disk probe in {directory} failed: {e}") from e
     finally:
         path.unlink(missing_ok=True)
-    return DiskCeiling(max(writes.values()), max(reads.values()), writes, reads, nbytes, bool(direct), dropped)
+    return DiskCeiling(max(writes.values()), max(reads.values()), writes, reads, nbytes, bool(direct), dropped, block)
 
 
-def _timed(path: Path, nbytes: int, threads: int, flags: int, write: bool) -> float:
-    """GB/s of moving `nbytes` through `path` in 16 MiB requests on `threads` threads (one range each)."""
+def _timed(path: Path, nbytes: int, threads: int, flags: int, write: bool, block: int = _BLOCK) -> float:
+    """GB/s of moving `nbytes` through `path` in `block`-byte requests on `threads` threads (interleaved)."""
     fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
-    blocks = nbytes // _BLOCK
+    blocks = nbytes // block
     errors: list[BaseException] = []
 
     def worker(i: int) -> None:
-        buf = mmap.mmap(-1, _BLOCK)  # page-aligned, as O_DIRECT wants
+        buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT wants
         view = memoryview(buf)
         if write:
-            view[:] = os.urandom(4096) * (_BLOCK // 4096)
+            view[:] = os.urandom(4096) * (block // 4096)
         try:
             for b in range(i, blocks, threads):
-                done = os.pwrite(fd, view, b * _BLOCK) if write else os.preadv(fd, [view], b * _BLOCK)
-                if done != _BLOCK:
+                done = os.pwrite(fd, view, b * block) if write else os.preadv(fd, [view], b * block)
+                if done != block:
                     raise OSError(5, f"short {'write' if write else 'read'} of {done} B at block {b}")
         except BaseException as e:  # noqa: BLE001 - re-raised by the caller
             errors.append(e)

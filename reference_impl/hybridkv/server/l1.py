@@ -300,19 +300,23 @@ class L1Cache:
                 return off
         return NoSlot.FULL
 
-    def spill_ahead(self, low_watermark: float, max_objects: int) -> list[Entry]:
-        """Dirty LRU objects to copy to L2 now, so later evictions find clean victims and never wait."""
+    def spill_ahead(self, low_watermark: float, max_objects: int, max_bytes: int | None = None) -> list[Entry]:
+        """Dirty LRU objects to copy to L2 now, so later evictions find clean victims and never wait.
+
+        At most `max_objects` objects, and no more once `max_bytes` bytes are taken (at least one)."""
         if self._start_spill is None:
             return []
         target = low_watermark * self.alloc.size
         clean = self.alloc.free_bytes + self.pending_free + self._clean.bytes + self._ahead.bytes
         out: list[Entry] = []
+        taken = 0
         dirty = self._dirty
-        while dirty.od and clean < target and len(out) < max_objects:
+        while dirty.od and clean < target and len(out) < max_objects and (max_bytes is None or taken < max_bytes):
             e = dirty.oldest()
             e.spilling = True
             self._enqueue(e, self._ahead)
             clean += e.size
+            taken += e.length
             out.append(e)
         return out
 

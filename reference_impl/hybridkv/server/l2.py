@@ -14,11 +14,26 @@ from __future__ import annotations
 import abc
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hybridkv.server.config import ServerConfig
+
+# The payload checksum is CRC-32 (zlib's polynomial, the same value as `zlib.crc32`). ISA-L's
+# carry-less-multiply implementation (the `isal` package) computes it about 6x faster than zlib's on
+# the same core and, like zlib, without the GIL, so checksumming keeps up with the disk even on a
+# small, busy host; without the package zlib computes the same values (files stay interchangeable).
+crc32: Callable[[Any, int], int]
+try:
+    from isal.isal_zlib import crc32 as _isal_crc32
+except ImportError:  # pragma: no cover - isal is a dependency; zlib gives identical values
+    crc32 = zlib.crc32
+    CRC32_IMPL = "zlib"
+else:
+    crc32 = _isal_crc32
+    CRC32_IMPL = "isal"
 
 KEY_BYTES = 16
 NS_BYTES = 16
@@ -56,7 +71,7 @@ class ObjectHeader:
         """The 64 header bytes; `data_offset` (where the payload starts) is recorded in them."""
         fields = _FIELDS.pack(MAGIC, FORMAT_VERSION, data_offset, self.group, self.ns, self.key,
                               self.payload_len, self.payload_crc)
-        return fields + _HEADER_CRC.pack(zlib.crc32(fields))
+        return fields + _HEADER_CRC.pack(crc32(fields, 0))
 
     @classmethod
     def unpack(cls, raw: bytes | memoryview, data_offset: int = HEADER_BYTES) -> ObjectHeader:
@@ -68,7 +83,7 @@ class ObjectHeader:
         if magic != MAGIC:
             raise BadObject(f"bad magic {magic!r}")
         (header_crc,) = _HEADER_CRC.unpack_from(raw, _FIELDS.size)
-        if zlib.crc32(fields) != header_crc:
+        if crc32(fields, 0) != header_crc:
             raise BadObject("header checksum mismatch")
         if version != FORMAT_VERSION or header_len != data_offset:
             raise BadObject(f"format version {version} / data offset {header_len}, "

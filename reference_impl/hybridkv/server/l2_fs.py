@@ -48,7 +48,7 @@ _KEY_LOCK_STRIPES = 64
 # keep microseconds (not nanoseconds) still order them after a restart.
 _STAMP_STEP_NS = 1000
 _COUNTERS = ("puts", "gets", "hits", "misses", "corrupt_removed", "evictions", "bytes_written",
-             "bytes_read", "tmp_removed", "write_errors", "syncs")
+             "bytes_read", "tmp_removed", "write_errors", "syncs", "direct_bytes_written", "direct_bytes_read")
 # Read errors that condemn the file itself (media or file-system damage), not this process's state.
 _BAD_FILE_ERRNOS = frozenset({errno.EIO, errno.ENODATA, errno.EUCLEAN, errno.EBADMSG, errno.ELOOP})
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
@@ -149,7 +149,7 @@ class FilesystemL2(L2Adapter):
         committed = False
         try:
             try:
-                tmp = self._dir.write_temp(key, group, ns, view, stamp)
+                tmp, direct = self._dir.write_temp(key, group, ns, view, stamp)
             except OSError as e:
                 raise self._write_error(f"cannot write L2 object {self._dir.path(key, group)}", e) from e
             with self._key_lock(okey):
@@ -168,6 +168,7 @@ class FilesystemL2(L2Adapter):
                     self._disk += need
                     self._counters["puts"] += 1
                     self._counters["bytes_written"] += size
+                    self._counters["direct_bytes_written"] += direct
                     self._release(okey, need)
                     committed = True
         finally:
@@ -201,7 +202,7 @@ class FilesystemL2(L2Adapter):
             gen = entry.gen
             stamp = self._next_stamp()
         try:
-            self._read(key, group, out, stamp)
+            direct = self._read(key, group, out, stamp)
         except FileNotFoundError:
             reason = "file missing"
         except OSError as e:
@@ -218,6 +219,7 @@ class FilesystemL2(L2Adapter):
             with self._lock:
                 self._counters["hits"] += 1
                 self._counters["bytes_read"] += out.nbytes
+                self._counters["direct_bytes_read"] += direct
             return True
         self._drop_bad(okey, gen, reason)
         with self._lock:
@@ -407,8 +409,8 @@ class FilesystemL2(L2Adapter):
             self._unlink(okey[0], ObjectDir.name(*okey))
         log.warning("L2: removed bad object file %s: %s", self._dir.path(*okey), reason)
 
-    def _read(self, key: bytes, group: int, out: memoryview, stamp: int) -> None:
-        self._dir.read_into(key, group, out, stamp)
+    def _read(self, key: bytes, group: int, out: memoryview, stamp: int) -> int:
+        return self._dir.read_into(key, group, out, stamp)
 
     def _unlink(self, key: bytes, name: str) -> None:
         try:

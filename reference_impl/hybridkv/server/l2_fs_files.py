@@ -17,14 +17,13 @@ import os
 import secrets
 import stat
 import threading
-import zlib
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
-from hybridkv.server.l2 import BadObject, L2Error, ObjectHeader
+from hybridkv.server.l2 import BadObject, L2Error, ObjectHeader, crc32
 
 TMP_PREFIX = ".tmp-"
 LOCK_NAME = ".lock"
@@ -144,20 +143,22 @@ class ObjectDir:
 
     # ---- object files ----
 
-    def write_temp(self, key: bytes, group: int, ns: bytes, payload: memoryview, stamp: int) -> str:
-        """Write a new temp file (header block + payload) beside the object's name; returns its name.
+    def write_temp(self, key: bytes, group: int, ns: bytes, payload: memoryview, stamp: int) -> tuple[str, int]:
+        """Write a new temp file (header block + payload) beside the object's name.
+
+        Returns its name and how many payload bytes went with O_DIRECT.
 
         The payload's crc32 is computed on a helper thread while the payload is on its way to the disk
-        (zlib and the writes both release the GIL), and the header holding it is written last.
+        (the checksum and the writes both release the GIL), and the header holding it is written last.
         """
         sub = self._fds[key[0]]
         tmp = f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600, dir_fd=sub)
         try:
             try:
-                crc = self._crc_pool.submit(zlib.crc32, payload)
+                crc = self._crc_pool.submit(crc32, payload, 0)
                 try:
-                    self._write_payload(fd, payload)
+                    direct = self._write_payload(fd, payload)
                 finally:
                     payload_crc = crc.result()
                 header = ObjectHeader(ns, key, group, payload.nbytes, payload_crc)
@@ -168,10 +169,11 @@ class ObjectDir:
         except BaseException:
             self.unlink(key, tmp)
             raise
-        return tmp
+        return tmp, direct
 
-    def _write_payload(self, fd: int, payload: memoryview) -> None:
-        """Write the payload at DATA_OFFSET: O_DIRECT for its aligned part when the file system takes it."""
+    def _write_payload(self, fd: int, payload: memoryview) -> int:
+        """Write the payload at DATA_OFFSET: O_DIRECT for its aligned part when the file system takes it.
+        Returns the bytes written with O_DIRECT."""
         n = payload.nbytes
         bulk = n - n % _ALIGN if self.direct and _address(payload) % _ALIGN == 0 else 0
         if bulk:
@@ -185,9 +187,11 @@ class ObjectDir:
                     os.close(dfd)
         if bulk < n:
             _pwrite_all(fd, payload[bulk:], DATA_OFFSET + bulk)
+        return bulk
 
-    def read_into(self, key: bytes, group: int, out: memoryview, stamp: int) -> None:
-        """Fill `out` with the object's payload; raises BadObject or OSError when it cannot be trusted."""
+    def read_into(self, key: bytes, group: int, out: memoryview, stamp: int) -> int:
+        """Fill `out` with the object's payload; raises BadObject or OSError when it cannot be trusted.
+        Returns the payload bytes read with O_DIRECT."""
         sub = self._fds[key[0]]
         fd = os.open(self.name(key, group), os.O_RDONLY | _NOFOLLOW, dir_fd=sub)
         try:
@@ -197,7 +201,7 @@ class ObjectDir:
             size = os.fstat(fd).st_size
             if size != DATA_OFFSET + hdr.payload_len:
                 raise BadObject(f"file is {size} bytes, header says {DATA_OFFSET} + {hdr.payload_len}")
-            crc = self._read_payload(fd, out)
+            crc, direct = self._read_payload(fd, out)
             if crc != hdr.payload_crc:
                 raise BadObject("payload checksum mismatch")
             try:
@@ -206,10 +210,12 @@ class ObjectDir:
                 pass
         finally:
             os.close(fd)
+        return direct
 
-    def _read_payload(self, fd: int, out: memoryview) -> int:
+    def _read_payload(self, fd: int, out: memoryview) -> tuple[int, int]:
         """Read the payload into `out` piece by piece; the crc32 of each piece runs on a helper thread
-        while the next is read, so a reload costs about max(read, checksum), not their sum."""
+        while the next is read, so a reload costs about max(read, checksum), not their sum.
+        Returns (crc32, bytes read with O_DIRECT)."""
         n = out.nbytes
         bulk = n - n % _ALIGN if self.direct and _address(out) % _ALIGN == 0 else 0
         dfd = _reopen_direct(fd, os.O_RDONLY) if bulk else -1
@@ -228,7 +234,7 @@ class ObjectDir:
             if dfd >= 0:
                 os.close(dfd)
             value = crc.result() if crc is not None else 0
-        return value
+        return value, bulk
 
     def read_header(self, sub_index: int, name: str) -> tuple[ObjectHeader, int, int]:
         """(header, file size, mtime ns) of one object file, for the index rebuild."""
@@ -321,7 +327,7 @@ def _syncfs_or_sync(fd: int) -> None:
 
 def _crc_after(prev: Future[int] | None, piece: memoryview) -> int:
     """crc32 of `piece` continuing the crc of everything before it (chained futures keep the order)."""
-    return zlib.crc32(piece, prev.result() if prev is not None else 0)
+    return crc32(piece, prev.result() if prev is not None else 0)
 
 
 def _address(buf: memoryview) -> int:

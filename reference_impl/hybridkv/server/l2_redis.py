@@ -22,7 +22,6 @@ import logging
 import struct
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -40,6 +39,7 @@ from hybridkv.server.l2 import (
     byte_view,
     check_key,
     check_ns,
+    crc32,
 )
 from hybridkv.server.l2_redis_link import DOWN, StoreHealth, redis_client
 
@@ -113,7 +113,7 @@ class RedisL2(L2Adapter):
         except DOWN as e:
             self._down("put", e)
         cb = self.spec.chunk_bytes
-        meta = ObjectHeader(ns, key, group, size, zlib.crc32(view)).pack() + _CHUNK.pack(cb)
+        meta = ObjectHeader(ns, key, group, size, crc32(view, 0)).pack() + _CHUNK.pack(cb)
         names = self._dkeys(key, group, size, cb)
         pipe = self._data.pipeline(transaction=False)
         for i, name in enumerate(names):
@@ -324,7 +324,7 @@ class RedisL2(L2Adapter):
                 raise BadObject(f"chunk {i} is {len(c)} bytes, expected {want}")
             out[pos:pos + want] = c
             pos += want
-        if zlib.crc32(out) != hdr.payload_crc:
+        if crc32(out, 0) != hdr.payload_crc:
             raise BadObject("payload checksum mismatch")
         self._remember((key, group), size, hdr.ns)
         return True

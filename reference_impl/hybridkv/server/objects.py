@@ -22,8 +22,26 @@ from hybridkv.server.workers import Workers
 log = logging.getLogger("hybridkv.server")
 
 SPILL_BATCH = 64          # objects per spill job: one hand-off to a worker, not one per tiny object
+# ... and bytes per spill job: a job of large objects ends early, so a flush or a burst of spills keeps
+# every I/O thread writing (64 Qwen3.6-27B objects in one job would leave the other threads idle).
+SPILL_BATCH_BYTES = 8 << 20
 SPILL_RETRY_S = 10.0      # an object whose L2 write failed is tried again after this long
 FAILURE_LOG_EVERY_S = 10.0
+
+
+def spill_batches(entries: list[Entry]) -> Iterator[list[Entry]]:
+    """`entries` in order, cut into jobs of at most SPILL_BATCH objects that stop once they hold
+    SPILL_BATCH_BYTES: many tiny objects share one hand-off, large ones spread over every I/O thread."""
+    batch: list[Entry] = []
+    size = 0
+    for e in entries:
+        batch.append(e)
+        size += e.length
+        if len(batch) == SPILL_BATCH or size >= SPILL_BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
 
 
 class ObjectStore:
@@ -164,7 +182,7 @@ class ObjectStore:
             return
         room = self.config.io_threads - self._spills_inflight
         while room > 0:
-            batch = self.l1.spill_ahead(self.config.spill_watermark, SPILL_BATCH)
+            batch = self.l1.spill_ahead(self.config.spill_watermark, SPILL_BATCH, SPILL_BATCH_BYTES)
             if not batch:
                 return
             self._spill(batch)
@@ -174,9 +192,8 @@ class ObjectStore:
         """Write every dirty object to L2 (shutdown with --flush-on-exit)."""
         if self.l2 is None:
             return
-        dirty = self.l1.take_unspilled()
-        for i in range(0, len(dirty), SPILL_BATCH):
-            self._spill(dirty[i:i + SPILL_BATCH])
+        for batch in spill_batches(self.l1.take_unspilled()):
+            self._spill(batch)
 
     def _spill(self, batch: list[Entry]) -> None:
         l2 = self.l2
