@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -22,13 +23,14 @@ from hybridkv_kernels import CopyEngine, PagedLayers, build_plan, choose_impl, r
 
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
-from hybridkv.engine.handles import Hit, TransferHandle
+from hybridkv.engine.handles import Hit, PreparedStore, TransferHandle
 from hybridkv.engine.wire import WIRE_FORMATS, WIRES, ObjectJob, WireContext
 from hybridkv.keys import chunk_keys
 from hybridkv.layout import LayoutError, ModelLayout
 from hybridkv.policy import Policy, check_policy, chunk_objects, object_blocks
 
-__all__ = ["COPY_ENGINES", "STREAM_MODES", "WIRE_FORMATS", "Hit", "KVTransfer", "TransferConfig", "TransferHandle"]
+__all__ = ["COPY_ENGINES", "STREAM_MODES", "WIRE_FORMATS", "Hit", "KVTransfer", "PreparedStore", "TransferConfig",
+           "TransferHandle"]
 
 Streams = Literal["single", "per_group"]
 STREAM_MODES: tuple[Streams, ...] = get_args(Streams)
@@ -66,9 +68,8 @@ class TransferConfig:
 
 Direction = Literal["gather", "scatter"]
 Kind = Literal["store", "load"]
-# handle, chunk keys, (chunk, group) objects, block ids per group, the event the copies wait for
-_StoreItem = tuple[TransferHandle, list[bytes], list[tuple[int, int]], Sequence[Sequence[int]],
-                   "torch.cuda.Event | None"]
+# handle, its prepare, every asked-for object's blocks, the event the copies wait for
+_StoreItem = tuple[TransferHandle, PreparedStore, list[ObjectJob], "torch.cuda.Event | None"]
 _LoadItem = tuple[TransferHandle, Hit, list[ObjectJob]]
 
 
@@ -168,18 +169,50 @@ class KVTransfer:
         self._load_q.put((h, hit, jobs))
         return h
 
-    def store(self, request_id: str, token_ids: Sequence[int] | np.ndarray,
-              block_ids: Sequence[Sequence[int]], start_chunk: int = 0) -> TransferHandle:
-        """Store every full chunk of `token_ids` from the engine's blocks, asynchronously and delta-aware.
-
-        Copies start after the work already queued on the caller's current CUDA stream. `done` says the
-        engine may reuse the blocks; `committed` that the server made the objects visible.
-        """
+    def prepare_store(self, request_id: str, token_ids: Sequence[int] | np.ndarray,
+                      start_chunk: int = 0) -> PreparedStore:
+        """Reserve the server's slots for a store ahead of it (e.g. when the request is scheduled, before its
+        prefill), so that the store itself is copy + commit. Returns at once; the reply comes on the
+        client's I/O thread. Delta-aware: objects the server holds when it answers get no slot."""
         keys = self.keys(token_ids)
         objects = chunk_objects(self.layout, self.config.store_policy, start_chunk, len(keys))
+        t0 = time.perf_counter()
+        if objects:
+            reply = self.client.submit(P.PrepareStore(engine=self.engine_id, request=request_id, keys=keys,
+                                                      objects=objects))
+        else:
+            reply = Future()
+            reply.set_result((P.Prepared(reservation=0, slots=[], present=[], refused=[]), []))
+        return PreparedStore(request_id, keys, start_chunk, objects, reply, t0)
+
+    def store(self, request_id: str, token_ids: Sequence[int] | np.ndarray,
+              block_ids: Sequence[Sequence[int]], start_chunk: int = 0,
+              prepared: PreparedStore | None = None) -> TransferHandle:
+        """Store every full chunk of `token_ids` from the engine's blocks, asynchronously and delta-aware.
+
+        With `prepared` (from `prepare_store` of the same request, tokens and start chunk) the slots are
+        already reserved and the store is copy + commit; without, the prepare is sent now. Copies start
+        after the work already queued on the caller's current CUDA stream. `done` says the engine may
+        reuse the blocks; `committed` that the server made the objects visible.
+        """
         h = TransferHandle("store", request_id)
-        locs = [P.ObjectLoc(c, g, 0, self.object_bytes[g]) for c, g in objects]
-        self._object_blocks(locs, block_ids)  # validate block lists now, in the caller's thread
+        if prepared is None:
+            objects = chunk_objects(self.layout, self.config.store_policy, start_chunk,
+                                    len(token_ids) // self.chunk_tokens)
+            jobs = self._all_blocks(objects, block_ids)  # bad block ids reserve nothing
+            prepared = self.prepare_store(request_id, token_ids, start_chunk)
+            prepared.t_submit = h.t_submit  # one span: the store's own prepare is part of it
+        else:
+            self._check_prepared(prepared, request_id, token_ids, start_chunk)
+            prepared.used = True
+            objects = prepared.objects
+            try:
+                jobs = self._all_blocks(objects, block_ids)
+            except BaseException:
+                prepared.reply.add_done_callback(self._abort_prepared)
+                raise
+        prepared.used = True
+        h.t_prepare = prepared.t_submit
         ready = None
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
@@ -188,8 +221,19 @@ class KVTransfer:
             h.done.set_result(h)
             h.committed.set_result(h)
             return h
-        self._store_q.put((h, keys, objects, block_ids, ready))
+        self._store_q.put((h, prepared, jobs, ready))
         return h
+
+    def _check_prepared(self, prep: PreparedStore, request_id: str, token_ids: Sequence[int] | np.ndarray,
+                        start_chunk: int) -> None:
+        """A prepared store must be this request's, unused, and of the same chunks (keys are not hashed again)."""
+        if prep.used:
+            raise ValueError(f"the prepared store of {prep.request_id!r} was used by a store already")
+        chunks = len(token_ids) // self.chunk_tokens
+        if (prep.request_id, len(prep.keys), prep.start_chunk) != (request_id, chunks, start_chunk):
+            raise ValueError(f"prepared store of {prep.request_id!r} ({len(prep.keys)} chunks from chunk "
+                             f"{prep.start_chunk}) does not match store of {request_id!r} ({chunks} chunks from "
+                             f"chunk {start_chunk})")
 
     def end_session(self, request_id: str) -> int:
         """The request is finished: the server drops its pins and open reservations."""
@@ -250,6 +294,10 @@ class KVTransfer:
             self._finished[h.kind].add(h.request_id)
         h.done.set_result(h)
 
+    def _all_blocks(self, objects: list[tuple[int, int]], block_ids: Sequence[Sequence[int]]) -> list[ObjectJob]:
+        """Every (chunk, group) object's blocks, validated in the caller's thread before anything is reserved."""
+        return self._object_blocks([P.ObjectLoc(c, g, 0, self.object_bytes[g]) for c, g in objects], block_ids)
+
     def _object_blocks(self, objects: Sequence[P.ObjectLoc], block_ids: Sequence[Sequence[int]]) -> list[ObjectJob]:
         """For each object, its group's block ids: a chunk's blocks (attention) or its last block (state)."""
         if len(block_ids) != len(self.groups):
@@ -284,32 +332,58 @@ class KVTransfer:
 
         return copy
 
-    def _do_store(self, h: TransferHandle, keys: list[bytes], objects: list[tuple[int, int]],
-                  block_ids: Sequence[Sequence[int]], ready: torch.cuda.Event | None) -> None:
-        prep, _ = self.client.call(P.PrepareStore(engine=self.engine_id, request=h.request_id, keys=keys,
-                                                  objects=objects))
-        h.skipped, h.refused = len(prep.present), len(prep.refused)
-        if not prep.slots:
+    def _do_store(self, h: TransferHandle, prep: PreparedStore, jobs: list[ObjectJob],
+                  ready: torch.cuda.Event | None) -> None:
+        reply = prep.wait(self.config.timeout_s + 5)
+        h.skipped, h.refused = len(reply.present), len(reply.refused)
+        if not reply.slots:
             h.t_copy_start = h.t_done = h.t_committed = time.perf_counter()
             self._resolve_done(h)
             h.committed.set_result(h)
             return
 
         def pages_read() -> None:
-            h.nbytes, h.objects = sum(s.length for s in prep.slots), len(prep.slots)
+            h.nbytes, h.objects = sum(s.length for s in reply.slots), len(reply.slots)
             self._resolve_done(h)
 
         try:
-            jobs = self._object_blocks(prep.slots, block_ids)
-            self.wire.store(h, prep.reservation, jobs, self._copier(h, "gather", ready), ready, pages_read)
+            by_object = {(o.chunk, o.group): ids for o, ids in jobs}
+            slot_jobs = [(s, by_object[s.chunk, s.group]) for s in reply.slots]
+            commit = self.wire.store(h, reply.reservation, slot_jobs, self._copier(h, "gather", ready), ready,
+                                     pages_read)
         except BaseException:
-            try:  # nothing half-written may stay reserved on the server
-                self.client.call(P.AbortStore(engine=self.engine_id, reservation=prep.reservation), timeout=5)
-            except Exception:
-                pass
+            self._abort(reply.reservation)
             raise
-        h.t_committed = time.perf_counter()
-        h.committed.set_result(h)
+        # Resolved on the client's I/O thread as the reply arrives: no hand-off back to this worker, which
+        # goes on with the next store meanwhile.
+        commit.add_done_callback(lambda f: self._committed(h, reply.reservation, f))
+
+    def _committed(self, h: TransferHandle, reservation: int, commit: Future) -> None:
+        exc = commit.exception()
+        if exc is None:
+            h.t_committed = time.perf_counter()
+            h.committed.set_result(h)
+            return
+        self._abort(reservation, wait=False)  # on the I/O thread: never wait for a reply here
+        for f in (h.done, h.committed):
+            if not f.done():
+                f.set_exception(exc)
+
+    def _abort_prepared(self, reply: Future) -> None:
+        """A prepared store that will never run: free its slots once the server's answer is in."""
+        if reply.exception() is None:
+            self._abort(reply.result()[0].reservation, wait=False)
+
+    def _abort(self, reservation: int, wait: bool = True) -> None:
+        """Nothing half-written may stay reserved on the server."""
+        if not reservation:
+            return
+        try:
+            fut = self.client.submit(P.AbortStore(engine=self.engine_id, reservation=reservation))
+            if wait:
+                fut.result(timeout=5)
+        except Exception:
+            pass  # end_session or the server's reclaim of a silent engine frees it anyway
 
     def _do_load(self, h: TransferHandle, hit: Hit, jobs: list[ObjectJob]) -> None:
         try:
