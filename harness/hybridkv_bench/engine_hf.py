@@ -123,7 +123,7 @@ class HFEngine:
             t0 = time.perf_counter()
             hit = kv.lookup(request_id, tokens[:S - 1] if self.reserve_last_token else tokens)
             lookup_s = time.perf_counter() - t0
-            prepared = kv.prepare_store(request_id, tokens)  # before the load and the prefill, as a scheduler
+            prepared = kv.prepare_store(request_id, tokens, block_ids=blocks)  # before load and prefill
             if self.before_retrieve is not None:
                 self.before_retrieve(hit)
             h = hit.hit_tokens

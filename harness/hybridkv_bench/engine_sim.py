@@ -242,7 +242,8 @@ class SimEngine:
             t0 = time.perf_counter()
             hit = kv.lookup(request_id, tokens)
             lookup_s = time.perf_counter() - t0
-            prepared = kv.prepare_store(request_id, tokens)  # as a scheduler would, before load and prefill
+            prepared = kv.prepare_store(request_id, tokens, block_ids=blocks)  # as a scheduler would: before
+            # the load and the prefill, with the blocks the store will read
             if self.before_retrieve is not None:
                 self.before_retrieve(hit)
             load_s, load_copy_s, loaded, verified, corrupt, load_start = 0.0, 0.0, 0, 0, 0, 0.0

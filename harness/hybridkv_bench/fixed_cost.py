@@ -10,6 +10,10 @@ Each step is timed on its own (p50 over `rounds`), then the whole call as an eng
   (what is left on the critical path when the engine prepares at schedule time);
 - `load`: `lookup` + `retrieve()` submitted -> pages written.
 
+A whole store is split by its handle's timestamps: `.to_copy` (submit -> the copier starts: the hand-off
+to the store worker, the prepare's answer, the slots' block lists), `.copier` (plan, copy, wait for it),
+`.to_commit` (copy finished -> committed: the commit round trip).
+
     python -m hybridkv_bench.fixed_cost [--rounds 200] [--chunks 2 71] [--json]
 """
 
@@ -106,20 +110,26 @@ def profile(endpoint: str, layout: ModelLayout, chunks: int, rounds: int) -> dic
             def run() -> None:
                 t = tokens()
                 rid = f"s{next(fresh)}"
-                prep = kv.prepare_store(rid, t) if prepared else None
+                prep = kv.prepare_store(rid, t, block_ids=src) if prepared else None
                 if prep is not None:
                     prep.wait(30)
                 t0 = time.perf_counter()
                 h = kv.store(rid, t, src, prepared=prep).wait_committed(30)
                 spans.append(time.perf_counter() - t0)
+                steps.append((h.t_copy_start - t0, h.t_done - h.t_copy_start, h.t_committed - h.t_done))
                 assert h.objects == len(objects), (h.objects, len(objects))
                 kv.end_session(rid)
             return run
 
         for name, prepared in (("store", False), ("store_prepared", True)):
             spans = []
+            steps: list[tuple[float, float, float]] = []
             _p50_us(whole(prepared), rounds)
             out[name] = statistics.median(spans) * 1e6
+            # where it went: submit -> the copier starts (hand-off, prepare answer, jobs), the copier (plan,
+            # copy, wait), the copy finished -> committed (commit round trip, resolved on the I/O thread)
+            for i, part in enumerate(("to_copy", "copier", "to_commit")):
+                out[f"{name}.{part}"] = statistics.median(s[i] for s in steps) * 1e6
         stored = tokens()
         kv.store("L", stored, src).wait_committed(30)
         kv.end_session("L")

@@ -55,10 +55,14 @@ def blocks_for(kv: KVTransfer, alloc: BlockAllocator, chunks: int) -> list[list[
     return [alloc.allocate(chunks * (kv.chunk_tokens // g.block_tokens) + 1) for g in LAYOUT.groups]
 
 
-def test_prepared_store_round_trips_and_times_the_prepare_apart(engine):
+@pytest.mark.parametrize("blocks_at_prepare", ["none", "same", "other"])
+def test_prepared_store_round_trips_and_times_the_prepare_apart(engine, blocks_at_prepare):
+    """Blocks given to the prepare are planned ahead; a store from other blocks plans its own."""
     srv, kv, pools, alloc = engine
     tokens, src = prompt(kv, 3, 1), blocks_for(kv, alloc, 3)
-    prep = kv.prepare_store("a", tokens)
+    early = {"none": None, "same": src, "other": blocks_for(kv, alloc, 3)}[blocks_at_prepare]
+    prep = kv.prepare_store("a", tokens, block_ids=early)
+    assert (prep.pages is not None) == (early is not None)
     reply = prep.wait(10)
     assert len(reply.slots) == 3 + 3 and not reply.present  # 3 attention objects, 3 boundary states
     assert counters(srv.endpoint)["reservations"] == 1
@@ -97,8 +101,9 @@ def test_delta_aware_objects_present_at_the_prepare_are_not_copied(engine):
     tokens = prompt(kv, 3, 4)
     kv.store("a", tokens[:2 * kv.chunk_tokens], blocks_for(kv, alloc, 2)).wait_committed(10)
     kv.end_session("a")
-    prep = kv.prepare_store("b", tokens)
-    h = kv.store("b", tokens, blocks_for(kv, alloc, 3), prepared=prep).wait_committed(10)
+    blocks = blocks_for(kv, alloc, 3)
+    prep = kv.prepare_store("b", tokens, block_ids=blocks)  # the plan's engine half lists all 6 objects
+    h = kv.store("b", tokens, blocks, prepared=prep).wait_committed(10)
     # chunks 0-1's attention is held: chunk 2's attention and its 3 boundary states move
     assert (h.objects, h.skipped, h.refused) == (4, 2, 0)
     kv.end_session("b")
@@ -135,6 +140,17 @@ def test_bad_block_ids_abort_the_prepared_reservation(engine):
     assert counters(srv.endpoint)["objects_aborted"] == 5
     with pytest.raises(ValueError, match="used by a store already"):
         kv.store("a", tokens, [[0, 1]] * len(LAYOUT.groups), prepared=prep)
+
+
+def test_bad_block_ids_at_the_prepare_reserve_nothing(engine):
+    srv, kv, _, _ = engine
+    tokens = prompt(kv, 2, 10)
+    with pytest.raises(ValueError, match="needs 2"):
+        kv.prepare_store("a", tokens, block_ids=[[0]] * len(LAYOUT.groups))
+    with pytest.raises(ValueError, match=f"block id {NUM_BLOCKS + 3}"):
+        kv.prepare_store("a", tokens, block_ids=[[0, NUM_BLOCKS + 3]] * len(LAYOUT.groups))
+    wait_for(lambda: counters(srv.endpoint)["reservations"] == 0)
+    assert counters(srv.endpoint)["l1_objects"] == 0
 
 
 def test_a_prepare_matches_its_store(engine):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from hybridkv import protocol as P
 
@@ -47,6 +47,11 @@ class PreparedStore:
     reply: Future  # -> (P.Prepared, frames)
     t_submit: float = field(default_factory=time.perf_counter)
     used: bool = False
+    # Given block ids: every object's blocks, validated, and the engine half of the copy plan per stream,
+    # made while the prepare was in flight; a store from the same blocks binds the slots to them.
+    block_ids: Any = None
+    jobs: list | None = None
+    pages: dict[int, tuple[Any, list[tuple[int, int]]]] | None = None
 
     def wait(self, timeout: float | None = None) -> P.Prepared:
         """The server's answer (slots reserved, objects present, objects refused); re-raises a failure."""

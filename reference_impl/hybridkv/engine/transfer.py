@@ -15,15 +15,16 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
-from hybridkv_kernels import CopyEngine, PagedLayers, build_plan, choose_impl, run_plan
+from hybridkv_kernels import CopyEngine, build_plan, choose_impl, plan_pages, run_plan
 
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.engine.handles import Hit, PreparedStore, TransferHandle
+from hybridkv.engine.paged import paged_groups, same_blocks
 from hybridkv.engine.wire import WIRE_FORMATS, WIRES, ObjectJob, WireContext
 from hybridkv.keys import chunk_keys
 from hybridkv.layout import LayoutError, ModelLayout
@@ -68,8 +69,8 @@ class TransferConfig:
 
 Direction = Literal["gather", "scatter"]
 Kind = Literal["store", "load"]
-# handle, its prepare, every asked-for object's blocks, the event the copies wait for
-_StoreItem = tuple[TransferHandle, PreparedStore, list[ObjectJob], "torch.cuda.Event | None"]
+# handle, its prepare, every asked-for object's blocks, the plans' engine halves if made, the event the copies wait for
+_StoreItem = tuple[TransferHandle, PreparedStore, list[ObjectJob], dict | None, "torch.cuda.Event | None"]
 _LoadItem = tuple[TransferHandle, Hit, list[ObjectJob]]
 
 
@@ -81,7 +82,7 @@ class KVTransfer:
                  config: TransferConfig | None = None, client: CacheClient | None = None):
         self.layout = layout
         self.config = config = config or TransferConfig()
-        self.groups = self._paged_groups(layout, pages)
+        self.groups = paged_groups(layout, pages)
         self.device = self.groups[0].device
         self.chunk_tokens = config.chunk_tokens or layout.default_chunk_tokens()
         layout.check_chunk_tokens(self.chunk_tokens)
@@ -115,32 +116,6 @@ class KVTransfer:
         for w in self._workers:
             w.start()
 
-    # ---- construction helpers ---------------------------------------------------------------------
-
-    @staticmethod
-    def _paged_groups(layout: ModelLayout, pages) -> list[PagedLayers]:
-        """Page views per group, checked against the layout (layer count, names, page size)."""
-        if isinstance(pages, Mapping):
-            missing = [n for g in layout.groups for n in g.layer_names if n not in pages]
-            if missing:
-                raise LayoutError(f"no cache tensor for layers {missing[:4]}{'...' if len(missing) > 4 else ''}")
-            per_group = [[pages[n] for n in g.layer_names] for g in layout.groups]
-        else:
-            per_group = [list(p) for p in pages]
-        if len(per_group) != len(layout.groups):
-            raise LayoutError(f"layout has {len(layout.groups)} groups, pages were given for {len(per_group)}")
-        out = []
-        for i, (g, views) in enumerate(zip(layout.groups, per_group, strict=True)):
-            if len(views) != g.num_layers:
-                raise LayoutError(f"group {i} has {g.num_layers} layers, {len(views)} page views were given")
-            paged = PagedLayers.from_views(views)
-            if paged.page_bytes != g.page_bytes:
-                raise LayoutError(f"group {i}: pages of {paged.page_bytes} B, the layout says {g.page_bytes} B")
-            out.append(paged)
-        if len({p.device for p in out}) != 1:
-            raise LayoutError("every group's pages must be on one device")
-        return out
-
     # ---- public API -------------------------------------------------------------------------------
 
     def keys(self, token_ids: Sequence[int] | np.ndarray) -> list[bytes]:
@@ -169,13 +144,16 @@ class KVTransfer:
         self._load_q.put((h, hit, jobs))
         return h
 
-    def prepare_store(self, request_id: str, token_ids: Sequence[int] | np.ndarray,
-                      start_chunk: int = 0) -> PreparedStore:
+    def prepare_store(self, request_id: str, token_ids: Sequence[int] | np.ndarray, start_chunk: int = 0,
+                      block_ids: Sequence[Sequence[int]] | None = None) -> PreparedStore:
         """Reserve the server's slots for a store ahead of it (e.g. when the request is scheduled, before its
         prefill), so that the store itself is copy + commit. Returns at once; the reply comes on the
-        client's I/O thread. Delta-aware: objects the server holds when it answers get no slot."""
+        client's I/O thread. Delta-aware: objects the server holds when it answers get no slot. With the
+        blocks the store will read (`block_ids`), they are validated now and the copy plan's engine half is
+        built while the prepare is in flight."""
         keys = self.keys(token_ids)
         objects = chunk_objects(self.layout, self.config.store_policy, start_chunk, len(keys))
+        jobs = self._all_blocks(objects, block_ids) if block_ids is not None else None  # before reserving
         t0 = time.perf_counter()
         if objects:
             reply = self.client.submit(P.PrepareStore(engine=self.engine_id, request=request_id, keys=keys,
@@ -183,7 +161,24 @@ class KVTransfer:
         else:
             reply = Future()
             reply.set_result((P.Prepared(reservation=0, slots=[], present=[], refused=[]), []))
-        return PreparedStore(request_id, keys, start_chunk, objects, reply, t0)
+        prep = PreparedStore(request_id, keys, start_chunk, objects, reply, t0)
+        if jobs:
+            try:
+                prep.pages = self._plan_pages("gather", jobs)
+            except BaseException:
+                reply.add_done_callback(self._abort_prepared)
+                raise
+            prep.block_ids, prep.jobs = block_ids, jobs
+        return prep
+
+    def _plan_pages(self, direction: Direction, jobs: list[ObjectJob]) -> dict[int, tuple[Any, list[tuple[int, int]]]]:
+        """Per stream: the engine half of the copy plan over `jobs`' blocks, and the (chunk, group) it lists."""
+        n = len(self._streams["store" if direction == "gather" else "load"])
+        by_stream: dict[int, list[ObjectJob]] = {}
+        for o, ids in jobs:
+            by_stream.setdefault(o.group % n, []).append((o, ids))
+        return {i: (plan_pages(direction, [(self.groups[o.group], ids) for o, ids in js]),
+                    [(o.chunk, o.group) for o, _ in js]) for i, js in by_stream.items()}
 
     def store(self, request_id: str, token_ids: Sequence[int] | np.ndarray,
               block_ids: Sequence[Sequence[int]], start_chunk: int = 0,
@@ -196,6 +191,7 @@ class KVTransfer:
         reuse the blocks; `committed` that the server made the objects visible.
         """
         h = TransferHandle("store", request_id)
+        pages = None
         if prepared is None:
             objects = chunk_objects(self.layout, self.config.store_policy, start_chunk,
                                     len(token_ids) // self.chunk_tokens)
@@ -207,7 +203,10 @@ class KVTransfer:
             prepared.used = True
             objects = prepared.objects
             try:
-                jobs = self._all_blocks(objects, block_ids)
+                if prepared.jobs is not None and same_blocks(prepared.block_ids, block_ids):
+                    jobs, pages = prepared.jobs, prepared.pages
+                else:
+                    jobs = self._all_blocks(objects, block_ids)
             except BaseException:
                 prepared.reply.add_done_callback(self._abort_prepared)
                 raise
@@ -221,7 +220,7 @@ class KVTransfer:
             h.done.set_result(h)
             h.committed.set_result(h)
             return h
-        self._store_q.put((h, prepared, jobs, ready))
+        self._store_q.put((h, prepared, jobs, pages, ready))
         return h
 
     def _check_prepared(self, prep: PreparedStore, request_id: str, token_ids: Sequence[int] | np.ndarray,
@@ -305,19 +304,27 @@ class KVTransfer:
         return [(o, np.asarray(object_blocks(self.layout, self.chunk_tokens, o.group, o.chunk, block_ids[o.group]),
                                dtype=np.int64)) for o in objects]
 
-    def _copier(self, h: TransferHandle, direction: Direction, ready: torch.cuda.Event | None = None):
-        """The page-copy step a wire strategy runs: timed into `h`, grouped per stream, waited for here."""
+    def _copier(self, h: TransferHandle, direction: Direction, ready: torch.cuda.Event | None = None,
+                pages: dict | None = None):
+        """The page-copy step a wire strategy runs: timed into `h`, grouped per stream, waited for here.
+        With `pages` (from `_plan_pages`) the plans' engine halves exist: only the objects are bound."""
         streams = self._streams[h.kind]
+
+        def plans(items: list[tuple[P.ObjectLoc, np.ndarray, torch.Tensor]]) -> list:
+            if pages is not None:
+                hosts = {(o.chunk, o.group): host for o, _, host in items}
+                return [(i, half.bind([hosts.get(k) for k in order])) for i, (half, order) in pages.items()
+                        if any(k in hosts for k in order)]
+            by_stream: dict[int, list] = {}
+            for o, ids, host in items:
+                by_stream.setdefault(o.group % len(streams), []).append((self.groups[o.group], ids, host))
+            return [(i, build_plan(direction, transfers)) for i, transfers in by_stream.items()]
 
         def copy(items: list[tuple[P.ObjectLoc, np.ndarray, torch.Tensor]]) -> None:
             if not h.t_copy_start:
                 h.t_copy_start = time.perf_counter()
-            by_stream: dict[int, list] = {}
-            for o, ids, host in items:
-                by_stream.setdefault(o.group % len(streams), []).append((self.groups[o.group], ids, host))
             events = []
-            for i, transfers in by_stream.items():
-                plan = build_plan(direction, transfers)
+            for i, plan in plans(items):
                 s = streams[i]
                 if s is not None and ready is not None:
                     s.wait_event(ready)
@@ -332,7 +339,7 @@ class KVTransfer:
 
         return copy
 
-    def _do_store(self, h: TransferHandle, prep: PreparedStore, jobs: list[ObjectJob],
+    def _do_store(self, h: TransferHandle, prep: PreparedStore, jobs: list[ObjectJob], pages: dict | None,
                   ready: torch.cuda.Event | None) -> None:
         reply = prep.wait(self.config.timeout_s + 5)
         h.skipped, h.refused = len(reply.present), len(reply.refused)
@@ -349,7 +356,7 @@ class KVTransfer:
         try:
             by_object = {(o.chunk, o.group): ids for o, ids in jobs}
             slot_jobs = [(s, by_object[s.chunk, s.group]) for s in reply.slots]
-            commit = self.wire.store(h, reply.reservation, slot_jobs, self._copier(h, "gather", ready), ready,
+            commit = self.wire.store(h, reply.reservation, slot_jobs, self._copier(h, "gather", ready, pages), ready,
                                      pages_read)
         except BaseException:
             self._abort(reply.reservation)
