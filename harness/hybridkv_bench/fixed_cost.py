@@ -15,6 +15,10 @@ to the store worker, the prepare's answer, the slots' block lists), `.copier` (p
 `.to_commit` (copy finished -> committed: the commit round trip).
 
     python -m hybridkv_bench.fixed_cost [--rounds 200] [--chunks 2 71] [--json]
+    python -m hybridkv_bench.fixed_cost --device cuda --page-bytes 0 --l1-gib 24   # on a GPU, real pages
+
+With `--page-bytes 0` the presets' own pages are kept: the copy is then real, and the split of a whole
+store shows what is fixed around it.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from collections.abc import Callable
 
 import msgspec
 import numpy as np
+import torch
 from hybridkv import protocol as P
 from hybridkv.engine.transfer import KVTransfer
 from hybridkv.layout import ModelLayout
@@ -58,11 +63,11 @@ def _p50_us(fn: Callable[[], object], rounds: int) -> float:
     return statistics.median(out) * 1e6
 
 
-def profile(endpoint: str, layout: ModelLayout, chunks: int, rounds: int) -> dict[str, float]:
+def profile(endpoint: str, layout: ModelLayout, chunks: int, rounds: int, device: str = "cpu") -> dict[str, float]:
     """p50 microseconds of each step of a `chunks`-chunk store and load, and of the whole calls."""
     blocks_per_group = chunks + 1
     num_blocks = blocks_per_group * len(layout.groups) * 2
-    pools = vllm_pools(layout, num_blocks, "cpu")
+    pools = vllm_pools(layout, num_blocks, device)
     fill_random(pools, 0)
     alloc = BlockAllocator(num_blocks)
     src = [alloc.allocate(blocks_per_group) for _ in layout.groups]
@@ -101,7 +106,8 @@ def profile(endpoint: str, layout: ModelLayout, chunks: int, rounds: int) -> dic
         transfers = [(kv.groups[o.group], ids, host) for o, ids, host in triples]
         out["build_plan"] = _p50_us(lambda: build_plan("gather", transfers), rounds)
         plan = build_plan("gather", transfers)
-        out["run_plan"] = _p50_us(lambda: run_plan(plan, kv.impl, None), rounds)
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        out["run_plan"] = _p50_us(lambda: (run_plan(plan, kv.impl, None), sync()), rounds)
         commit = P.CommitStore(engine=kv.engine_id, reservation=prep.reservation)
         out["commit_rt"] = _p50_us(lambda: kv.client.call(commit), 1)  # a reservation commits once
         out["end_session_rt"] = _p50_us(lambda: kv.end_session("p"), rounds)
@@ -134,14 +140,18 @@ def profile(endpoint: str, layout: ModelLayout, chunks: int, rounds: int) -> dic
         kv.store("L", stored, src).wait_committed(30)
         kv.end_session("L")
 
-        def load() -> None:
+        lookups: list[float] = []
+        loads: list[float] = []
+        for _ in range(rounds):  # each timed alone; the session's end (untimed) drops the pins
+            t0 = time.perf_counter()
             hit = kv.lookup("l", stored)
+            t1 = time.perf_counter()
             kv.retrieve(hit, dst).wait(30)
+            loads.append(time.perf_counter() - t0)
+            lookups.append(t1 - t0)
             kv.end_session("l")
-
-        out["lookup_rt"] = _p50_us(lambda: (kv.lookup("l", stored), kv.end_session("l")), rounds) - \
-            out["end_session_rt"]
-        out["load"] = _p50_us(load, rounds) - out["end_session_rt"]
+        out["lookup_rt"] = statistics.median(lookups) * 1e6
+        out["load"] = statistics.median(loads) * 1e6
     return out
 
 
@@ -149,20 +159,27 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hybridkv_bench.fixed_cost", description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--chunks", type=int, nargs="+", default=[2, 71])
-    ap.add_argument("--page-bytes", type=int, default=64)
+    ap.add_argument("--page-bytes", type=int, default=64, help="0: the presets' own pages")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--l1-gib", type=float, default=0.25)
     ap.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
     args = ap.parse_args(argv)
-    if args.rounds < 1 or args.page_bytes < 16 or args.page_bytes % 16 or any(c < 1 for c in args.chunks):
-        ap.error("--rounds and --chunks must be >= 1, --page-bytes a multiple of 16")
+    if args.rounds < 1 or args.page_bytes < 0 or args.page_bytes % 16 or any(c < 1 for c in args.chunks):
+        ap.error("--rounds and --chunks must be >= 1, --page-bytes 0 or a multiple of 16")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here")
     d = tempfile.mkdtemp(prefix="hkv-", dir="/tmp")
-    server = start_server(f"ipc://{d}/s.sock", l1_gib=0.25)
+    server = start_server(f"ipc://{d}/s.sock", l1_gib=args.l1_gib)
     try:
         for name, tp in PRESETS:
-            layout = small_pages(preset_layout(name, tp), args.page_bytes)
+            layout = preset_layout(name, tp)
+            if args.page_bytes:
+                layout = small_pages(layout, args.page_bytes)
             for chunks in args.chunks:
-                row = profile(server.endpoint, layout, chunks, args.rounds)
+                row = profile(server.endpoint, layout, chunks, args.rounds, args.device)
                 if args.json:
-                    print(json.dumps({"preset": name, "tp": tp, "chunks": chunks, "p50_us": row}))
+                    print(json.dumps({"preset": name, "tp": tp, "chunks": chunks, "device": args.device,
+                                      "page_bytes": layout.groups[0].page_bytes, "p50_us": row}))
                 else:
                     print(f"{name} TP{tp} {chunks} chunks (p50 us): " +
                           "  ".join(f"{k} {v:.0f}" for k, v in row.items()))

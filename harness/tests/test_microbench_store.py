@@ -19,7 +19,7 @@ import torch
 from hybridkv.engine.transfer import KVTransfer
 from hybridkv.presets import preset_layout
 from hybridkv.server.launch import start_server
-from hybridkv_bench.fixed_cost import small_pages
+from hybridkv_bench.fixed_cost import profile, small_pages
 from hybridkv_bench.pools import BlockAllocator, fill_random, vllm_pools
 from hybridkv_kernels import PagedLayers, build_plan, plan_pages
 
@@ -30,17 +30,22 @@ CHUNKS = 2
 
 
 @pytest.fixture(scope="module")
-def kv():
+def endpoint():
     d = tempfile.mkdtemp(prefix="hkv-", dir="/tmp")
     s = start_server(f"ipc://{d}/s.sock", l1_gib=0.05)
-    pools = vllm_pools(LAYOUT, 4 * 2 * (CHUNKS + 1), "cpu")
-    fill_random(pools, 0)
     try:
-        with KVTransfer(s.endpoint, LAYOUT, pools) as t:
-            yield t
+        yield s.endpoint
     finally:
         s.close()
         shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def kv(endpoint):
+    pools = vllm_pools(LAYOUT, 4 * 2 * (CHUNKS + 1), "cpu")
+    fill_random(pools, 0)
+    with KVTransfer(endpoint, LAYOUT, pools) as t:
+        yield t
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +121,12 @@ def test_plan_bind_71_chunks_qwen36(benchmark):
     ref = build_plan("gather", transfers)
     assert plan.num_pages == ref.num_pages == 74 * 16
     np.testing.assert_array_equal(plan.dst_addr, ref.dst_addr)
+
+
+def test_fixed_cost_profile_times_every_step(endpoint):
+    """The profiler behind the closing note's breakdown runs its steps for real (two rounds, one chunk)."""
+    row = profile(endpoint, small_pages(preset_layout("qwen3-next-80b-a3b"), 64), chunks=1, rounds=2)
+    steps = ("keys", "prepare_rt", "object_blocks", "build_plan", "run_plan", "commit_rt", "store",
+             "store.to_copy", "store.copier", "store.to_commit", "store_prepared", "lookup_rt", "load")
+    assert all(row[k] > 0 for k in steps), row
+    assert row["store"] >= row["store.copier"] and row["store_prepared"] >= row["store_prepared.copier"]
