@@ -106,8 +106,12 @@ def profile(endpoint: str, layout: ModelLayout, chunks: int, rounds: int, device
         transfers = [(kv.groups[o.group], ids, host) for o, ids, host in triples]
         out["build_plan"] = _p50_us(lambda: build_plan("gather", transfers), rounds)
         plan = build_plan("gather", transfers)
-        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-        out["run_plan"] = _p50_us(lambda: (run_plan(plan, kv.impl, None), sync()), rounds)
+        def copy() -> None:
+            run_plan(plan, kv.impl, None)
+            if device == "cuda":
+                torch.cuda.synchronize()
+
+        out["run_plan"] = _p50_us(copy, rounds)
         commit = P.CommitStore(engine=kv.engine_id, reservation=prep.reservation)
         out["commit_rt"] = _p50_us(lambda: kv.client.call(commit), 1)  # a reservation commits once
         out["end_session_rt"] = _p50_us(lambda: kv.end_session("p"), rounds)

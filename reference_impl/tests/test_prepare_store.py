@@ -217,3 +217,20 @@ def test_a_prepare_of_an_engine_that_vanished_is_reclaimed(server_factory):
         child.stderr.close()
     st = wait_for(lambda: (s := counters(srv.endpoint))["reservations_reclaimed"] == 1 and s)
     assert st["reservations"] == 0 and st["l1_objects"] == 0 and st["objects_committed"] == 0
+
+
+def test_close_waits_for_commits_in_flight(server_factory):
+    """Commits resolve on the client's I/O thread; closing the engine right after a store still lands it."""
+    srv = server_factory()
+    pools = vllm_pools(LAYOUT, NUM_BLOCKS, DEVICE)
+    alloc = BlockAllocator(NUM_BLOCKS)
+    kv = KVTransfer(srv.endpoint, LAYOUT, pools)
+    tokens = prompt(kv, 3, 11)
+    handles = [kv.store(f"r{i}", tokens[:(i + 1) * kv.chunk_tokens], blocks_for(kv, alloc, i + 1))
+               for i in range(3)]
+    kv.close()
+    assert all(h.committed.done() and h.committed.exception() is None for h in handles)
+    assert counters(srv.endpoint)["objects_committed"] == sum(h.objects for h in handles) > 0
+    with KVTransfer(srv.endpoint, LAYOUT, pools) as again:
+        assert again.lookup("q", tokens).hit_chunks == 3
+        again.end_session("q")

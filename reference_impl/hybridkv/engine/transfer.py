@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
@@ -108,6 +109,7 @@ class KVTransfer:
             for k in ("store", "load")}
         self._finished: dict[Kind, set[str]] = {"store": set(), "load": set()}
         self._finished_lock = threading.Lock()
+        self._commits: set[Future] = set()  # stores' commits in flight (close waits for them)
         self._store_q: queue.SimpleQueue[_StoreItem | None] = queue.SimpleQueue()
         self._load_q: queue.SimpleQueue[_LoadItem | None] = queue.SimpleQueue()
         # Stores and loads on their own threads: a store parked behind L2 never delays a retrieve.
@@ -252,6 +254,9 @@ class KVTransfer:
         self._load_q.put(None)
         for w in self._workers:
             w.join(timeout=self.config.timeout_s)
+        with self._finished_lock:
+            commits = list(self._commits)
+        futures.wait(commits, timeout=self.config.timeout_s + 5)  # commits resolve on the client's thread
         try:
             self.client.forget(self.engine_id)
             self.client.call(P.Unregister(engine=self.engine_id), timeout=5)
@@ -363,9 +368,13 @@ class KVTransfer:
             raise
         # Resolved on the client's I/O thread as the reply arrives: no hand-off back to this worker, which
         # goes on with the next store meanwhile.
+        with self._finished_lock:
+            self._commits.add(commit)
         commit.add_done_callback(lambda f: self._committed(h, reply.reservation, f))
 
     def _committed(self, h: TransferHandle, reservation: int, commit: Future) -> None:
+        with self._finished_lock:
+            self._commits.discard(commit)
         exc = commit.exception()
         if exc is None:
             h.t_committed = time.perf_counter()
