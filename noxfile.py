@@ -131,7 +131,8 @@ def microbench(session: nox.Session) -> None:
     storage = "results/runs/benchmarks"  # per machine; results of one machine say nothing of another
     saved = glob.glob(f"{storage}/*/*.json")
     args = ["--benchmark-autosave"] if not saved else ["--benchmark-compare", "--benchmark-compare-fail=mean:25%"]
-    _run(session, "pytest", "-q", "-m", "benchmark", "harness/tests/test_microbench.py", "--benchmark-enable",
+    _run(session, "pytest", "-q", "-m", "benchmark", "harness/tests/test_microbench.py",
+                "harness/tests/test_microbench_store.py", "--benchmark-enable",
                 "--benchmark-only", f"--benchmark-storage={storage}", *args, *session.posargs)
 
 

@@ -123,6 +123,7 @@ class HFEngine:
             t0 = time.perf_counter()
             hit = kv.lookup(request_id, tokens[:S - 1] if self.reserve_last_token else tokens)
             lookup_s = time.perf_counter() - t0
+            prepared = kv.prepare_store(request_id, tokens, block_ids=blocks)  # before load and prefill
             if self.before_retrieve is not None:
                 self.before_retrieve(hit)
             h = hit.hit_tokens
@@ -174,7 +175,7 @@ class HFEngine:
             verdict = self._oracle(ids, reference, h, ends, keep_from, logits) if reference is not None else None
             self.last_verdict = verdict
             del cache
-            stored = timed_store(kv, request_id, tokens, blocks, self.timeout_s)
+            stored = timed_store(kv, request_id, tokens, blocks, self.timeout_s, prepared)
         finally:
             for b in blocks:
                 self.pools.allocator.free(b)
@@ -183,7 +184,7 @@ class HFEngine:
             hit_tokens=h, lookup_s=lookup_s, load_s=load_s, prefill_s=self.prefill(S - h, h),
             prefill_measured_s=prefill_measured_s, adapter_s=adapter_s,
             load_copy_s=load_copy_s, store_s=stored.store_s, store_done_s=stored.store_done_s,
-            store_copy_s=stored.store_copy_s,
+            store_copy_s=stored.store_copy_s, store_span_s=stored.store_span_s,
             bytes_stored=stored.bytes_stored, store_start=stored.start,
             bytes_loaded=loaded, verified_chunks=hit.hit_chunks if ok else 0,
             corrupt_chunks=hit.hit_chunks if ok is False else 0,

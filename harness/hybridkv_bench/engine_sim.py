@@ -10,10 +10,12 @@ corrupt. Destination blocks are zeroed before each retrieve (a pattern page is n
 load that silently skips a page cannot pass on stale bytes of an earlier request.
 
 One request (`SimEngine.run`): allocate blocks for the prompt in every group; zero the blocks a hit
-could fill; lookup (timed); retrieve the hit into the blocks (timed, submit to `done`); verify; write the
-pages of the uncached blocks, as a prefill would (untimed: prefill time is modeled, `prefill_s`); store
-every full chunk (timed, submit to `committed`; the time to `done`, when the engine could reuse the
-blocks, is kept beside it); end the session; free the blocks.
+could fill; lookup (timed); prepare the store (reserve its slots on the server, as a serving engine does
+when it schedules the request: the round trip runs during the load and the prefill); retrieve the hit into
+the blocks (timed, submit to `done`); verify; write the pages of the uncached blocks, as a prefill would
+(untimed: prefill time is modeled, `prefill_s`); store every full chunk (timed, submit to `committed`: copy
++ commit; the time to `done`, when the engine could reuse the blocks, and the whole span from the prepare
+to `committed` are kept beside it); end the session; free the blocks.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from hybridkv.engine.transfer import Hit, KVTransfer
+from hybridkv.engine.transfer import Hit, KVTransfer, PreparedStore
 from hybridkv.layout import ModelLayout
 from hybridkv.policy import chunk_objects, object_blocks
 from hybridkv.protocol import ObjectLoc
@@ -111,6 +113,7 @@ class RequestResult:
     corrupt_chunks: int
     load_start: float = 0.0   # perf_counter when the retrieve was submitted (0: no load)
     store_start: float = 0.0  # perf_counter when the store was submitted
+    store_span_s: float = 0.0  # prepare submitted -> committed (0: the engine does not record it)
 
     @property
     def ttft_s(self) -> float:
@@ -127,18 +130,22 @@ class StoreTiming:
     store_done_s: float   # submitted -> the engine's blocks reusable
     store_copy_s: float   # the copies alone
     bytes_stored: int
+    store_span_s: float   # prepare submitted -> committed (the prepare's round trip, hidden or not, included)
 
 
 def timed_store(kv: KVTransfer, request_id: str, tokens: np.ndarray, blocks: Sequence[Sequence[int]],
-                timeout_s: float) -> StoreTiming:
-    """Store every full chunk of `tokens` from `blocks`, wait until committed, end the session; timed."""
+                timeout_s: float, prepared: PreparedStore | None = None) -> StoreTiming:
+    """Store every full chunk of `tokens` from `blocks` (with the reservation `prepared` made earlier, if
+    given), wait until committed, end the session; timed."""
     t0 = time.perf_counter()
-    sh = kv.store(request_id, tokens, blocks).wait_committed(timeout_s)
-    store_s = time.perf_counter() - t0
+    sh = kv.store(request_id, tokens, blocks, prepared=prepared).wait_committed(timeout_s)
+    t1 = time.perf_counter()
     kv.end_session(request_id)
     if not sh.nbytes:
-        return StoreTiming(t0, 0.0, 0.0, 0.0, 0)
-    return StoreTiming(t0, store_s, sh.t_done - t0 if sh.t_done else store_s, sh.copy_s, sh.nbytes)
+        return StoreTiming(t0, 0.0, 0.0, 0.0, 0, 0.0)
+    store_s = t1 - t0
+    return StoreTiming(t0, store_s, sh.t_done - t0 if sh.t_done else store_s, sh.copy_s, sh.nbytes,
+                       t1 - (prepared.t_submit if prepared is not None else t0))
 
 
 class HitMismatch(RuntimeError):
@@ -235,6 +242,8 @@ class SimEngine:
             t0 = time.perf_counter()
             hit = kv.lookup(request_id, tokens)
             lookup_s = time.perf_counter() - t0
+            prepared = kv.prepare_store(request_id, tokens, block_ids=blocks)  # as a scheduler would: before
+            # the load and the prefill, with the blocks the store will read
             if self.before_retrieve is not None:
                 self.before_retrieve(hit)
             load_s, load_copy_s, loaded, verified, corrupt, load_start = 0.0, 0.0, 0, 0, 0, 0.0
@@ -248,7 +257,7 @@ class SimEngine:
             self._sync()  # the store starts after the "prefill" writes, not racing them
             if gate is not None:
                 gate("store")
-            stored = timed_store(kv, request_id, tokens, blocks, self.timeout_s)
+            stored = timed_store(kv, request_id, tokens, blocks, self.timeout_s, prepared)
         finally:
             for ids in blocks:
                 self.pools.allocator.free(ids)
@@ -256,4 +265,5 @@ class SimEngine:
                              load_copy_s=load_copy_s, bytes_loaded=loaded, verified_chunks=verified,
                              corrupt_chunks=corrupt, load_start=load_start,
                              store_s=stored.store_s, store_done_s=stored.store_done_s, store_copy_s=stored.store_copy_s,
-                             bytes_stored=stored.bytes_stored, store_start=stored.start)
+                             bytes_stored=stored.bytes_stored, store_start=stored.start,
+                             store_span_s=stored.store_span_s)

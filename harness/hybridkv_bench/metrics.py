@@ -89,6 +89,7 @@ class RequestRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     load_s: float
     store_done_s: float = 0.0  # store submitted -> the engine's blocks reusable (`done`); store_s runs to `committed`
     store_copy_s: float = 0.0  # the store's page copies alone (no round trips); 0 when not recorded
+    store_span_s: float = 0.0  # prepare submitted -> committed: store_s plus the prepare made ahead (0: not recorded)
     load_copy_s: float = 0.0   # the retrieve's page copies alone (for raw/legacy: decode and copy)
     prefill_s: float
     ttft_s: float

@@ -292,6 +292,7 @@ class Runner:
                              prompt_tokens=len(req.tokens), hit_tokens=res.hit_tokens, lookup_s=res.lookup_s,
                              store_s=res.store_s, store_done_s=res.store_done_s, load_s=res.load_s,
                              store_copy_s=res.store_copy_s, load_copy_s=res.load_copy_s,
+                             store_span_s=getattr(res, "store_span_s", 0.0),
                              prefill_s=res.prefill_s, ttft_s=res.ttft_s, bytes_stored=res.bytes_stored,
                              bytes_loaded=res.bytes_loaded, verified_chunks=res.verified_chunks,
                              corrupt_chunks=res.corrupt_chunks, engine=req.engine, step=step,

@@ -14,13 +14,21 @@ from hybridkv_kernels.engines import COPY_ENGINES, DMA_MIN_PAGE_BYTES, IMPLS, Co
 if TYPE_CHECKING:
     from hybridkv_kernels.dispatch import available_impls, choose_impl, gather_pages, run_plan, scatter_pages
     from hybridkv_kernels.pages import PagedLayers, page_view, storage_bytes
-    from hybridkv_kernels.plan import PageCopyPlan, PageTransfer, build_plan, plan_gather, plan_scatter
+    from hybridkv_kernels.plan import (
+        EnginePages,
+        PageCopyPlan,
+        PageTransfer,
+        build_plan,
+        plan_gather,
+        plan_pages,
+        plan_scatter,
+    )
 
 _LAZY = {
     "available_impls": "dispatch", "choose_impl": "dispatch", "gather_pages": "dispatch", "run_plan": "dispatch",
     "scatter_pages": "dispatch", "PagedLayers": "pages", "page_view": "pages", "storage_bytes": "pages",
     "PageCopyPlan": "plan", "PageTransfer": "plan", "build_plan": "plan", "plan_gather": "plan",
-    "plan_scatter": "plan",
+    "plan_scatter": "plan", "EnginePages": "plan", "plan_pages": "plan",
 }
 
 
@@ -36,6 +44,7 @@ __all__ = [
     "COPY_ENGINES",
     "DMA_MIN_PAGE_BYTES",
     "IMPLS",
+    "EnginePages",
     "CopyEngine",
     "Impl",
     "PageCopyPlan",
@@ -47,6 +56,7 @@ __all__ = [
     "gather_pages",
     "page_view",
     "plan_gather",
+    "plan_pages",
     "plan_scatter",
     "run_plan",
     "scatter_pages",

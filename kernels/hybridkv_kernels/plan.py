@@ -108,43 +108,95 @@ def _check_no_overlap(plan_dst: np.ndarray, page_bytes: int, describe) -> None:
         raise ValueError(f"destination pages overlap: {describe(a)} and {describe(b)}")
 
 
-def build_plan(direction: Direction, transfers: Sequence[PageTransfer | tuple]) -> PageCopyPlan:
-    """Validate `transfers` and lay out every page copy of a gather or scatter over all of them."""
+@dataclass(frozen=True, slots=True, eq=False)
+class EnginePages:
+    """The engine half of a plan: every page of some (layers, block_ids) transfers, validated and addressed,
+    with the objects still to come. Built from the block ids alone (e.g. while a store's reservation is in
+    flight), then `bind` gives each transfer its object, or None to leave it out, and returns the plan."""
+
+    direction: Direction
+    device: torch.device
+    page_bytes: int
+    layers: tuple[PagedLayers, ...]
+    block_ids: tuple[np.ndarray, ...]  # int64, one per transfer
+    counts: np.ndarray  # int64 (T,): pages of each transfer
+    page_transfer: np.ndarray  # int64 (P,)
+    page_k: np.ndarray  # int64 (P,): page index within its object
+    page_layer: np.ndarray  # int64 (P,)
+    page_block: np.ndarray  # int64 (P,)
+    engine_addr: np.ndarray  # int64 (P,)
+    engine_storage: np.ndarray  # int64 (P,)
+    anchor: torch.Tensor
+
+    def bind(self, objects: Sequence[torch.Tensor | None]) -> PageCopyPlan:
+        """The plan moving transfer i's pages to or from objects[i] (None: transfer i is left out)."""
+        if len(objects) != len(self.layers):
+            raise ValueError(f"{len(objects)} objects given for {len(self.layers)} transfers")
+        given = [(i, o) for i, o in enumerate(objects) if o is not None]
+        if not given:
+            raise ValueError("a plan needs at least one transfer")
+        for i, o in given:
+            _check_object(o, self.layers[i], self.block_ids[i].size, self.device, i)
+        keep = [i for i, _ in given]
+        transfers = tuple(PageTransfer(self.layers[i], self.block_ids[i], o) for i, o in given)
+        renumber = np.full(len(objects), -1, dtype=np.int64)
+        renumber[keep] = np.arange(len(keep))
+        if len(keep) == len(objects):
+            sel: slice | np.ndarray = slice(None)
+        else:
+            sel = np.repeat(renumber >= 0, self.counts)
+        page_tr = renumber[self.page_transfer[sel]]
+        k, layer, block = self.page_k[sel], self.page_layer[sel], self.page_block[sel]
+        obj_addr = np.array([t.obj.data_ptr() for t in transfers], dtype=np.int64)
+        objects_addr = obj_addr[page_tr] + k * self.page_bytes
+        engine = self.engine_addr[sel]
+        src, dst = (engine, objects_addr) if self.direction == "gather" else (objects_addr, engine)
+
+        def describe(p: int) -> str:
+            """Name page p the way its caller knows it."""
+            return f"transfer {keep[int(page_tr[p])]} layer {int(layer[p])} block {int(block[p])}"
+
+        _check_no_overlap(dst, self.page_bytes, describe)
+        # The anchor and its storage base join the alignment so a typed anchor view of that width exists.
+        elem = _widest_alignment(src, dst, self.page_bytes, self.anchor.data_ptr(),
+                                 self.anchor.untyped_storage().data_ptr())
+        return PageCopyPlan(self.direction, self.device, self.page_bytes, elem, src, dst, page_tr, layer,
+                            self.engine_storage[sel], transfers, self.anchor)
+
+
+def plan_pages(direction: Direction, transfers: Sequence[tuple[PagedLayers, Sequence[int] | np.ndarray | torch.Tensor]]
+               ) -> EnginePages:
+    """Validate (layers, block_ids) transfers and address every engine page of them; objects come in `bind`."""
     if direction not in ("gather", "scatter"):
         raise ValueError(f"direction must be 'gather' or 'scatter', got {direction!r}")
-    given = tuple(PageTransfer(*t) for t in transfers)
-    if not given:
+    if not transfers:
         raise ValueError("a plan needs at least one transfer")
-    for i, t in enumerate(given):
-        if not isinstance(t.layers, PagedLayers):
-            raise ValueError(f"transfer {i}: layers must be PagedLayers, got {type(t.layers).__name__}")
-    first = given[0].layers
+    for i, t in enumerate(transfers):
+        if not isinstance(t[0], PagedLayers):
+            raise ValueError(f"transfer {i}: layers must be PagedLayers, got {type(t[0]).__name__}")
+    first = transfers[0][0]
     page_bytes, device = first.page_bytes, first.device
     groups: dict[int, int] = {}  # id(PagedLayers) -> index into group_layers
     group_layers: list[PagedLayers] = []
-    normalized: list[PageTransfer] = []
     ids_list: list[np.ndarray] = []
     tr_group: list[int] = []
-    for i, (layers, ids, obj) in enumerate(given):
+    for i, (layers, ids) in enumerate(transfers):
         if layers.page_bytes != page_bytes:
             raise ValueError(f"transfer {i}: page_bytes {layers.page_bytes} differs from the plan's "
                              f"{page_bytes}; groups with other page sizes need their own plan")
         if layers.device != device:
             raise ValueError(f"transfer {i}: layers on {layers.device}, the plan's engine device is {device}")
-        arr = _block_ids(ids, i)
-        _check_object(obj, layers, arr.size, device, i)
         g = groups.setdefault(id(layers), len(group_layers))
         if g == len(group_layers):
             group_layers.append(layers)
         tr_group.append(g)
-        ids_list.append(arr)
-        normalized.append(PageTransfer(layers, arr, obj))
+        ids_list.append(_block_ids(ids, i))
 
     n = np.array([a.size for a in ids_list], dtype=np.int64)
     tr_group_arr = np.array(tr_group, dtype=np.int64)
     num_blocks = np.array([g.num_blocks for g in group_layers], dtype=np.int64)[tr_group_arr]
-    ids_all = np.concatenate(ids_list) if ids_list else np.zeros(0, np.int64)
-    tr_of_id = np.repeat(np.arange(len(given)), n)
+    ids_all = np.concatenate(ids_list)
+    tr_of_id = np.repeat(np.arange(len(transfers)), n)
     bad = np.flatnonzero((ids_all < 0) | (ids_all >= num_blocks[tr_of_id]))
     if bad.size:
         which = int(tr_of_id[bad[0]])
@@ -160,27 +212,21 @@ def build_plan(direction: Direction, transfers: Sequence[PageTransfer | tuple]) 
     counts = num_layers[tr_group_arr] * n
     starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
     id_starts = np.concatenate(([0], np.cumsum(n)[:-1]))
-    page_tr = np.repeat(np.arange(len(given), dtype=np.int64), counts)
+    page_tr = np.repeat(np.arange(len(transfers), dtype=np.int64), counts)
     k = np.arange(int(counts.sum()), dtype=np.int64) - starts[page_tr]
     n_p = n[page_tr]
     layer = k // np.maximum(n_p, 1)
     block = ids_all[id_starts[page_tr] + k % np.maximum(n_p, 1)]
     glayer = layer_off[tr_group_arr][page_tr] + layer
     engine = base_all[glayer] + block * stride_all[glayer]
-    obj_addr = np.array([t.obj.data_ptr() for t in normalized], dtype=np.int64)
-    objects = obj_addr[page_tr] + k * page_bytes
-    src, dst = (engine, objects) if direction == "gather" else (objects, engine)
+    return EnginePages(direction, device, page_bytes, tuple(t[0] for t in transfers), tuple(ids_list), counts,
+                       page_tr, k, layer, block, engine, storage_all[glayer], first.views[0])
 
-    def describe(p: int) -> str:
-        """Name page p the way its caller knows it."""
-        return f"transfer {int(page_tr[p])} layer {int(layer[p])} block {int(block[p])}"
 
-    _check_no_overlap(dst, page_bytes, describe)
-    anchor = first.views[0]
-    # The anchor and its storage base join the alignment so a typed anchor view of that width exists.
-    elem = _widest_alignment(src, dst, page_bytes, anchor.data_ptr(), anchor.untyped_storage().data_ptr())
-    return PageCopyPlan(direction, device, page_bytes, elem, src, dst, page_tr, layer,
-                        storage_all[glayer], tuple(normalized), anchor)
+def build_plan(direction: Direction, transfers: Sequence[PageTransfer | tuple]) -> PageCopyPlan:
+    """Validate `transfers` and lay out every page copy of a gather or scatter over all of them."""
+    given = tuple(PageTransfer(*t) for t in transfers)
+    return plan_pages(direction, [(t.layers, t.block_ids) for t in given]).bind([t.obj for t in given])
 
 
 def plan_gather(transfers: Sequence[PageTransfer | tuple]) -> PageCopyPlan:

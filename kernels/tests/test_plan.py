@@ -154,3 +154,28 @@ def test_zero_block_transfer_is_a_no_op(gen):
     layers = PagedLayers.from_views([torch.zeros(4, 32, dtype=torch.uint8)])
     plan = plan_gather([(layers, [], torch.empty(0, dtype=torch.uint8))])
     assert plan.num_pages == 0
+
+
+@pytest.mark.parametrize("direction", ["gather", "scatter"])
+def test_engine_half_bound_later_equals_a_plan_of_the_bound_transfers(gen, direction):
+    """plan_pages(...).bind(objects) with some objects left out (None) is the plan of the others."""
+    from hybridkv_kernels import build_plan, plan_pages
+
+    transfers = _qwen_scale(gen, chunks=5)
+    half = plan_pages(direction, [(layers, ids) for layers, ids, _ in transfers])
+    keep = [i % 3 != 1 for i in range(len(transfers))]
+    plan = half.bind([obj if k else None for (_, _, obj), k in zip(transfers, keep, strict=True)])
+    ref = build_plan(direction, [t for t, k in zip(transfers, keep, strict=True) if k])
+    assert plan.num_pages == ref.num_pages == 16 * sum(keep)
+    for f in ("src_addr", "dst_addr", "page_transfer", "page_layer", "engine_storage"):
+        np.testing.assert_array_equal(getattr(plan, f), getattr(ref, f), err_msg=f)
+    assert plan.elem_bytes == ref.elem_bytes
+    assert [t.obj.data_ptr() for t in plan.transfers] == [t.obj.data_ptr() for t in ref.transfers]
+    with pytest.raises(ValueError, match="at least one transfer"):
+        half.bind([None] * len(transfers))
+    with pytest.raises(ValueError, match="objects given"):
+        half.bind([None])
+    wrong = [obj for _, _, obj in transfers]
+    wrong[2] = wrong[2][:-1]  # one byte short: refused, named by its index among all transfers
+    with pytest.raises(ValueError, match="transfer 2: object has"):
+        half.bind(wrong)

@@ -1,11 +1,12 @@
-"""What the transfer library hands back: a lookup's `Hit` and the asynchronous `TransferHandle`."""
+"""What the transfer library hands back: a lookup's `Hit`, a store's early reservation (`PreparedStore`)
+and the asynchronous `TransferHandle`."""
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from hybridkv import protocol as P
 
@@ -31,6 +32,37 @@ class Hit:
 
 
 @dataclass(eq=False)
+class PreparedStore:
+    """A store's reservation, asked for before its pages exist (when the engine schedules the request).
+
+    `reply` resolves to the server's `Prepared` answer on the client's I/O thread: no engine thread waits
+    for it. One `store(..., prepared=...)` uses it; `end_session` (or the server's reclaim of a silent
+    engine) aborts a reservation whose store never comes.
+    """
+
+    request_id: str
+    keys: list[bytes]
+    start_chunk: int
+    objects: list[tuple[int, int]]  # (chunk, group) asked for, in the order the server answers
+    reply: Future  # -> (P.Prepared, frames)
+    t_submit: float = field(default_factory=time.perf_counter)
+    used: bool = False
+    # Given block ids: every object's blocks, validated, and the engine half of the copy plan per stream,
+    # made while the prepare was in flight; a store from the same blocks binds the slots to them.
+    block_ids: Any = None
+    jobs: list | None = None
+    pages: dict[int, tuple[Any, list[tuple[int, int]]]] | None = None
+
+    def wait(self, timeout: float | None = None) -> P.Prepared:
+        """The server's answer (slots reserved, objects present, objects refused); re-raises a failure."""
+        return self.reply.result(timeout)[0]
+
+    @property
+    def answered(self) -> bool:
+        return self.reply.done()
+
+
+@dataclass(eq=False)
 class TransferHandle:
     """An asynchronous store or retrieve. `done` resolves when the engine's pages are free to use
     (store: read; retrieve: written); for a store `committed` resolves once the server made it visible."""
@@ -40,6 +72,7 @@ class TransferHandle:
     done: Future = field(default_factory=Future)
     committed: Future = field(default_factory=Future)
     t_submit: float = field(default_factory=time.perf_counter)
+    t_prepare: float = 0.0  # a store: when its prepare was submitted (== t_submit unless prepared ahead)
     t_copy_start: float = 0.0
     t_done: float = 0.0
     t_committed: float = 0.0
@@ -65,3 +98,8 @@ class TransferHandle:
     @property
     def total_s(self) -> float:
         return (self.t_committed or self.t_done) - self.t_submit
+
+    @property
+    def span_s(self) -> float:
+        """A store: prepare submitted -> committed, the round trips an early prepare hid included."""
+        return (self.t_committed or self.t_done) - (self.t_prepare or self.t_submit)

@@ -13,22 +13,26 @@ import queue
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
-from hybridkv_kernels import CopyEngine, PagedLayers, build_plan, choose_impl, run_plan
+from hybridkv_kernels import CopyEngine, build_plan, choose_impl, plan_pages, run_plan
 
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
-from hybridkv.engine.handles import Hit, TransferHandle
+from hybridkv.engine.handles import Hit, PreparedStore, TransferHandle
+from hybridkv.engine.paged import paged_groups, same_blocks
 from hybridkv.engine.wire import WIRE_FORMATS, WIRES, ObjectJob, WireContext
 from hybridkv.keys import chunk_keys
 from hybridkv.layout import LayoutError, ModelLayout
 from hybridkv.policy import Policy, check_policy, chunk_objects, object_blocks
 
-__all__ = ["COPY_ENGINES", "STREAM_MODES", "WIRE_FORMATS", "Hit", "KVTransfer", "TransferConfig", "TransferHandle"]
+__all__ = ["COPY_ENGINES", "STREAM_MODES", "WIRE_FORMATS", "Hit", "KVTransfer", "PreparedStore", "TransferConfig",
+           "TransferHandle"]
 
 Streams = Literal["single", "per_group"]
 STREAM_MODES: tuple[Streams, ...] = get_args(Streams)
@@ -67,9 +71,8 @@ class TransferConfig:
 
 Direction = Literal["gather", "scatter"]
 Kind = Literal["store", "load"]
-# handle, chunk keys, (chunk, group) objects, block ids per group, the event the copies wait for
-_StoreItem = tuple[TransferHandle, list[bytes], list[tuple[int, int]], Sequence[Sequence[int]],
-                   "torch.cuda.Event | None"]
+# handle, its prepare, every asked-for object's blocks, the plans' engine halves if made, the event the copies wait for
+_StoreItem = tuple[TransferHandle, PreparedStore, list[ObjectJob], dict | None, "torch.cuda.Event | None"]
 _LoadItem = tuple[TransferHandle, Hit, list[ObjectJob]]
 
 
@@ -81,7 +84,7 @@ class KVTransfer:
                  config: TransferConfig | None = None, client: CacheClient | None = None):
         self.layout = layout
         self.config = config = config or TransferConfig()
-        self.groups = self._paged_groups(layout, pages)
+        self.groups = paged_groups(layout, pages)
         self.device = self.groups[0].device
         self.chunk_tokens = config.chunk_tokens or layout.default_chunk_tokens()
         layout.check_chunk_tokens(self.chunk_tokens)
@@ -107,6 +110,7 @@ class KVTransfer:
             for k in ("store", "load")}
         self._finished: dict[Kind, set[str]] = {"store": set(), "load": set()}
         self._finished_lock = threading.Lock()
+        self._commits: set[Future] = set()  # stores' commits in flight (close waits for them)
         self._store_q: queue.SimpleQueue[_StoreItem | None] = queue.SimpleQueue()
         self._load_q: queue.SimpleQueue[_LoadItem | None] = queue.SimpleQueue()
         # Stores and loads on their own threads: a store parked behind L2 never delays a retrieve.
@@ -114,32 +118,6 @@ class KVTransfer:
                          threading.Thread(target=self._load_worker, name="hkv-load", daemon=True)]
         for w in self._workers:
             w.start()
-
-    # ---- construction helpers ---------------------------------------------------------------------
-
-    @staticmethod
-    def _paged_groups(layout: ModelLayout, pages) -> list[PagedLayers]:
-        """Page views per group, checked against the layout (layer count, names, page size)."""
-        if isinstance(pages, Mapping):
-            missing = [n for g in layout.groups for n in g.layer_names if n not in pages]
-            if missing:
-                raise LayoutError(f"no cache tensor for layers {missing[:4]}{'...' if len(missing) > 4 else ''}")
-            per_group = [[pages[n] for n in g.layer_names] for g in layout.groups]
-        else:
-            per_group = [list(p) for p in pages]
-        if len(per_group) != len(layout.groups):
-            raise LayoutError(f"layout has {len(layout.groups)} groups, pages were given for {len(per_group)}")
-        out = []
-        for i, (g, views) in enumerate(zip(layout.groups, per_group, strict=True)):
-            if len(views) != g.num_layers:
-                raise LayoutError(f"group {i} has {g.num_layers} layers, {len(views)} page views were given")
-            paged = PagedLayers.from_views(views)
-            if paged.page_bytes != g.page_bytes:
-                raise LayoutError(f"group {i}: pages of {paged.page_bytes} B, the layout says {g.page_bytes} B")
-            out.append(paged)
-        if len({p.device for p in out}) != 1:
-            raise LayoutError("every group's pages must be on one device")
-        return out
 
     # ---- public API -------------------------------------------------------------------------------
 
@@ -169,18 +147,74 @@ class KVTransfer:
         self._load_q.put((h, hit, jobs))
         return h
 
-    def store(self, request_id: str, token_ids: Sequence[int] | np.ndarray,
-              block_ids: Sequence[Sequence[int]], start_chunk: int = 0) -> TransferHandle:
-        """Store every full chunk of `token_ids` from the engine's blocks, asynchronously and delta-aware.
-
-        Copies start after the work already queued on the caller's current CUDA stream. `done` says the
-        engine may reuse the blocks; `committed` that the server made the objects visible.
-        """
+    def prepare_store(self, request_id: str, token_ids: Sequence[int] | np.ndarray, start_chunk: int = 0,
+                      block_ids: Sequence[Sequence[int]] | None = None) -> PreparedStore:
+        """Reserve the server's slots for a store ahead of it (e.g. when the request is scheduled, before its
+        prefill), so that the store itself is copy + commit. Returns at once; the reply comes on the
+        client's I/O thread. Delta-aware: objects the server holds when it answers get no slot. With the
+        blocks the store will read (`block_ids`), they are validated now and the copy plan's engine half is
+        built while the prepare is in flight."""
         keys = self.keys(token_ids)
         objects = chunk_objects(self.layout, self.config.store_policy, start_chunk, len(keys))
+        jobs = self._all_blocks(objects, block_ids) if block_ids is not None else None  # before reserving
+        t0 = time.perf_counter()
+        if objects:
+            reply = self.client.submit(P.PrepareStore(engine=self.engine_id, request=request_id, keys=keys,
+                                                      objects=objects))
+        else:
+            reply = Future()
+            reply.set_result((P.Prepared(reservation=0, slots=[], present=[], refused=[]), []))
+        prep = PreparedStore(request_id, keys, start_chunk, objects, reply, t0)
+        if jobs:
+            try:
+                prep.pages = self._plan_pages("gather", jobs)
+            except BaseException:
+                reply.add_done_callback(self._abort_prepared)
+                raise
+            prep.block_ids, prep.jobs = block_ids, jobs
+        return prep
+
+    def _plan_pages(self, direction: Direction, jobs: list[ObjectJob]) -> dict[int, tuple[Any, list[tuple[int, int]]]]:
+        """Per stream: the engine half of the copy plan over `jobs`' blocks, and the (chunk, group) it lists."""
+        n = len(self._streams["store" if direction == "gather" else "load"])
+        by_stream: dict[int, list[ObjectJob]] = {}
+        for o, ids in jobs:
+            by_stream.setdefault(o.group % n, []).append((o, ids))
+        return {i: (plan_pages(direction, [(self.groups[o.group], ids) for o, ids in js]),
+                    [(o.chunk, o.group) for o, _ in js]) for i, js in by_stream.items()}
+
+    def store(self, request_id: str, token_ids: Sequence[int] | np.ndarray,
+              block_ids: Sequence[Sequence[int]], start_chunk: int = 0,
+              prepared: PreparedStore | None = None) -> TransferHandle:
+        """Store every full chunk of `token_ids` from the engine's blocks, asynchronously and delta-aware.
+
+        With `prepared` (from `prepare_store` of the same request, tokens and start chunk) the slots are
+        already reserved and the store is copy + commit; without, the prepare is sent now. Copies start
+        after the work already queued on the caller's current CUDA stream. `done` says the engine may
+        reuse the blocks; `committed` that the server made the objects visible.
+        """
         h = TransferHandle("store", request_id)
-        locs = [P.ObjectLoc(c, g, 0, self.object_bytes[g]) for c, g in objects]
-        self._object_blocks(locs, block_ids)  # validate block lists now, in the caller's thread
+        pages = None
+        if prepared is None:
+            objects = chunk_objects(self.layout, self.config.store_policy, start_chunk,
+                                    len(token_ids) // self.chunk_tokens)
+            jobs = self._all_blocks(objects, block_ids)  # bad block ids reserve nothing
+            prepared = self.prepare_store(request_id, token_ids, start_chunk)
+            prepared.t_submit = h.t_submit  # one span: the store's own prepare is part of it
+        else:
+            self._check_prepared(prepared, request_id, token_ids, start_chunk)
+            prepared.used = True
+            objects = prepared.objects
+            try:
+                if prepared.jobs is not None and same_blocks(prepared.block_ids, block_ids):
+                    jobs, pages = prepared.jobs, prepared.pages
+                else:
+                    jobs = self._all_blocks(objects, block_ids)
+            except BaseException:
+                prepared.reply.add_done_callback(self._abort_prepared)
+                raise
+        prepared.used = True
+        h.t_prepare = prepared.t_submit
         ready = None
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
@@ -189,8 +223,19 @@ class KVTransfer:
             h.done.set_result(h)
             h.committed.set_result(h)
             return h
-        self._store_q.put((h, keys, objects, block_ids, ready))
+        self._store_q.put((h, prepared, jobs, pages, ready))
         return h
+
+    def _check_prepared(self, prep: PreparedStore, request_id: str, token_ids: Sequence[int] | np.ndarray,
+                        start_chunk: int) -> None:
+        """A prepared store must be this request's, unused, and of the same chunks (keys are not hashed again)."""
+        if prep.used:
+            raise ValueError(f"the prepared store of {prep.request_id!r} was used by a store already")
+        chunks = len(token_ids) // self.chunk_tokens
+        if (prep.request_id, len(prep.keys), prep.start_chunk) != (request_id, chunks, start_chunk):
+            raise ValueError(f"prepared store of {prep.request_id!r} ({len(prep.keys)} chunks from chunk "
+                             f"{prep.start_chunk}) does not match store of {request_id!r} ({chunks} chunks from "
+                             f"chunk {start_chunk})")
 
     def end_session(self, request_id: str) -> int:
         """The request is finished: the server drops its pins and open reservations."""
@@ -210,6 +255,9 @@ class KVTransfer:
         self._load_q.put(None)
         for w in self._workers:
             w.join(timeout=self.config.timeout_s)
+        with self._finished_lock:
+            commits = list(self._commits)
+        futures.wait(commits, timeout=self.config.timeout_s + 5)  # commits resolve on the client's thread
         try:
             self.client.forget(self.engine_id)
             self.client.call(P.Unregister(engine=self.engine_id), timeout=5)
@@ -251,6 +299,10 @@ class KVTransfer:
             self._finished[h.kind].add(h.request_id)
         h.done.set_result(h)
 
+    def _all_blocks(self, objects: list[tuple[int, int]], block_ids: Sequence[Sequence[int]]) -> list[ObjectJob]:
+        """Every (chunk, group) object's blocks, validated in the caller's thread before anything is reserved."""
+        return self._object_blocks([P.ObjectLoc(c, g, 0, self.object_bytes[g]) for c, g in objects], block_ids)
+
     def _object_blocks(self, objects: Sequence[P.ObjectLoc], block_ids: Sequence[Sequence[int]]) -> list[ObjectJob]:
         """For each object, its group's block ids: a chunk's blocks (attention) or its last block (state)."""
         if len(block_ids) != len(self.groups):
@@ -258,19 +310,27 @@ class KVTransfer:
         return [(o, np.asarray(object_blocks(self.layout, self.chunk_tokens, o.group, o.chunk, block_ids[o.group]),
                                dtype=np.int64)) for o in objects]
 
-    def _copier(self, h: TransferHandle, direction: Direction, ready: torch.cuda.Event | None = None):
-        """The page-copy step a wire strategy runs: timed into `h`, grouped per stream, waited for here."""
+    def _copier(self, h: TransferHandle, direction: Direction, ready: torch.cuda.Event | None = None,
+                pages: dict | None = None):
+        """The page-copy step a wire strategy runs: timed into `h`, grouped per stream, waited for here.
+        With `pages` (from `_plan_pages`) the plans' engine halves exist: only the objects are bound."""
         streams = self._streams[h.kind]
+
+        def plans(items: list[tuple[P.ObjectLoc, np.ndarray, torch.Tensor]]) -> list:
+            if pages is not None:
+                hosts = {(o.chunk, o.group): host for o, _, host in items}
+                return [(i, half.bind([hosts.get(k) for k in order])) for i, (half, order) in pages.items()
+                        if any(k in hosts for k in order)]
+            by_stream: dict[int, list] = {}
+            for o, ids, host in items:
+                by_stream.setdefault(o.group % len(streams), []).append((self.groups[o.group], ids, host))
+            return [(i, build_plan(direction, transfers)) for i, transfers in by_stream.items()]
 
         def copy(items: list[tuple[P.ObjectLoc, np.ndarray, torch.Tensor]]) -> None:
             if not h.t_copy_start:
                 h.t_copy_start = time.perf_counter()
-            by_stream: dict[int, list] = {}
-            for o, ids, host in items:
-                by_stream.setdefault(o.group % len(streams), []).append((self.groups[o.group], ids, host))
             events = []
-            for i, transfers in by_stream.items():
-                plan = build_plan(direction, transfers)
+            for i, plan in plans(items):
                 s = streams[i]
                 if s is not None and ready is not None:
                     s.wait_event(ready)
@@ -285,32 +345,62 @@ class KVTransfer:
 
         return copy
 
-    def _do_store(self, h: TransferHandle, keys: list[bytes], objects: list[tuple[int, int]],
-                  block_ids: Sequence[Sequence[int]], ready: torch.cuda.Event | None) -> None:
-        prep, _ = self.client.call(P.PrepareStore(engine=self.engine_id, request=h.request_id, keys=keys,
-                                                  objects=objects))
-        h.skipped, h.refused = len(prep.present), len(prep.refused)
-        if not prep.slots:
+    def _do_store(self, h: TransferHandle, prep: PreparedStore, jobs: list[ObjectJob], pages: dict | None,
+                  ready: torch.cuda.Event | None) -> None:
+        reply = prep.wait(self.config.timeout_s + 5)
+        h.skipped, h.refused = len(reply.present), len(reply.refused)
+        if not reply.slots:
             h.t_copy_start = h.t_done = h.t_committed = time.perf_counter()
             self._resolve_done(h)
             h.committed.set_result(h)
             return
 
         def pages_read() -> None:
-            h.nbytes, h.objects = sum(s.length for s in prep.slots), len(prep.slots)
+            h.nbytes, h.objects = sum(s.length for s in reply.slots), len(reply.slots)
             self._resolve_done(h)
 
         try:
-            jobs = self._object_blocks(prep.slots, block_ids)
-            self.wire.store(h, prep.reservation, jobs, self._copier(h, "gather", ready), ready, pages_read)
+            by_object = {(o.chunk, o.group): ids for o, ids in jobs}
+            slot_jobs = [(s, by_object[s.chunk, s.group]) for s in reply.slots]
+            commit = self.wire.store(h, reply.reservation, slot_jobs, self._copier(h, "gather", ready, pages), ready,
+                                     pages_read)
         except BaseException:
-            try:  # nothing half-written may stay reserved on the server
-                self.client.call(P.AbortStore(engine=self.engine_id, reservation=prep.reservation), timeout=5)
-            except Exception:
-                pass
+            self._abort(reply.reservation)
             raise
-        h.t_committed = time.perf_counter()
-        h.committed.set_result(h)
+        # Resolved on the client's I/O thread as the reply arrives: no hand-off back to this worker, which
+        # goes on with the next store meanwhile.
+        with self._finished_lock:
+            self._commits.add(commit)
+        commit.add_done_callback(lambda f: self._committed(h, reply.reservation, f))
+
+    def _committed(self, h: TransferHandle, reservation: int, commit: Future) -> None:
+        with self._finished_lock:
+            self._commits.discard(commit)
+        exc = commit.exception()
+        if exc is None:
+            h.t_committed = time.perf_counter()
+            h.committed.set_result(h)
+            return
+        self._abort(reservation, wait=False)  # on the I/O thread: never wait for a reply here
+        for f in (h.done, h.committed):
+            if not f.done():
+                f.set_exception(exc)
+
+    def _abort_prepared(self, reply: Future) -> None:
+        """A prepared store that will never run: free its slots once the server's answer is in."""
+        if reply.exception() is None:
+            self._abort(reply.result()[0].reservation, wait=False)
+
+    def _abort(self, reservation: int, wait: bool = True) -> None:
+        """Nothing half-written may stay reserved on the server."""
+        if not reservation:
+            return
+        try:
+            fut = self.client.submit(P.AbortStore(engine=self.engine_id, reservation=reservation))
+            if wait:
+                fut.result(timeout=5)
+        except Exception:
+            pass  # end_session or the server's reclaim of a silent engine frees it anyway
 
     def _do_load(self, h: TransferHandle, hit: Hit, jobs: list[ObjectJob]) -> None:
         try:

@@ -14,6 +14,7 @@ import time
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -139,8 +140,9 @@ class WireStrategy(ABC):
 
     @abstractmethod
     def store(self, h: TransferHandle, reservation: int, jobs: list[ObjectJob], copy: CopyFn,
-              ready: torch.cuda.Event | None, pages_read: Callable[[], None]) -> None:
-        """Move a reservation's objects and commit them; call `pages_read` once the engine's pages were read."""
+              ready: torch.cuda.Event | None, pages_read: Callable[[], None]) -> Future:
+        """Move a reservation's objects and send their commit; call `pages_read` once the engine's pages were
+        read. Returns the commit's reply future (the caller resolves the store's `committed` from it)."""
 
     @abstractmethod
     def load(self, h: TransferHandle, hit: Hit, jobs: list[ObjectJob], copy: CopyFn) -> None:
@@ -149,10 +151,10 @@ class WireStrategy(ABC):
     def close(self) -> None:  # noqa: B027 - a hook: only strategies that hold something override it
         """Give back what the strategy holds (the arena mapping)."""
 
-    def _commit(self, reservation: int, frames: Sequence = (), blocks: list[list[int]] | None = None) -> None:
+    def _commit(self, reservation: int, frames: Sequence = (), blocks: list[list[int]] | None = None) -> Future:
         msg = P.CommitStore(engine=self.ctx.engine_id, reservation=reservation, format=self.format,
                             blocks=blocks or [])
-        self.ctx.client.call(msg, list(frames))
+        return self.ctx.client.submit(msg, list(frames))
 
 
 class ShmWire(WireStrategy):
@@ -167,10 +169,10 @@ class ShmWire(WireStrategy):
     def _slots(self, jobs: list[ObjectJob]) -> list[tuple[P.ObjectLoc, np.ndarray, torch.Tensor]]:
         return [(o, ids, self.arena.slot(o.offset, o.length)) for o, ids in jobs]
 
-    def store(self, h, reservation, jobs, copy, ready, pages_read) -> None:
+    def store(self, h, reservation, jobs, copy, ready, pages_read) -> Future:
         copy(self._slots(jobs))
         pages_read()
-        self._commit(reservation)
+        return self._commit(reservation)
 
     def load(self, h, hit, jobs, copy) -> None:
         copy(self._slots(jobs))
@@ -194,16 +196,22 @@ class StagedWire(WireStrategy):
     def decode(self, frames: list, lengths: list[int]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Scatter sources for received frames, and the staging buffer to give back (or None)."""
 
-    def store(self, h, reservation, jobs, copy, ready, pages_read) -> None:
+    def store(self, h, reservation, jobs, copy, ready, pages_read) -> Future:
         lengths = [o.length for o, _ in jobs]
         staging = self.staging.get(sum(lengths))
         dsts = list(torch.split(staging, lengths))
         copy([(o, ids, d) for (o, ids), d in zip(jobs, dsts, strict=True)])
         pages_read()
-        self._commit(reservation, self.encode(dsts, [self.ctx.dtypes[o.group] for o, _ in jobs]))
-        # Only after the reply: frames were sent zero-copy from the staging buffer. On a failure it is not
-        # pooled again (the socket may still hold it); the garbage collector frees it with the frames.
-        self.staging.put(staging)
+        commit = self._commit(reservation, self.encode(dsts, [self.ctx.dtypes[o.group] for o, _ in jobs]))
+
+        def reuse(f: Future) -> None:
+            # Only after the reply: frames were sent zero-copy from the staging buffer. On a failure it is not
+            # pooled again (the socket may still hold it); the garbage collector frees it with the frames.
+            if f.exception() is None:
+                self.staging.put(staging)
+
+        commit.add_done_callback(reuse)
+        return commit
 
     def load(self, h, hit, jobs, copy) -> None:
         rep, frames = self.ctx.client.call(P.Retrieve(engine=self.ctx.engine_id, lease=hit.lease, format=self.format))
@@ -287,14 +295,16 @@ class CudaIpcWire(WireStrategy):
 
         ctx.client.call(P.ShareCuda(engine=ctx.engine_id, groups=export_views(list(ctx.groups))))
 
-    def store(self, h, reservation, jobs, copy, ready, pages_read) -> None:
+    def store(self, h, reservation, jobs, copy, ready, pages_read) -> Future:
         if ready is not None:  # the server's copies cannot wait on our stream: wait here
             ready.synchronize()
         h.t_copy_start = time.perf_counter()
-        # the reply means the server read the pages and committed them
-        self._commit(reservation, blocks=[ids.tolist() for _, ids in jobs])
+        # the reply means the server read the pages and committed them (the client times a silent server out)
+        commit = self._commit(reservation, blocks=[ids.tolist() for _, ids in jobs])
+        commit.result()
         h.t_done = time.perf_counter()
         pages_read()
+        return commit
 
     def load(self, h, hit, jobs, copy) -> None:
         self.ctx.client.call(P.Retrieve(engine=self.ctx.engine_id, lease=hit.lease, format=self.format,

@@ -1,7 +1,8 @@
 """The connector's worker half: `hybridkv.engine.transfer.KVTransfer` moves the bytes, the same code the
 CUDA suite covers on the GPU machine. Loads run before the forward (GDN layers never wait per layer), stores
-after it; a store's copy is awaited in `wait_for_save` so vLLM may free or reuse the blocks at once, its
-commit to the server goes on in the background.
+after it; a store's reservation is asked for before the forward too (`prepare_store`, with the blocks vLLM
+gave it), so the store after the forward is copy + commit. A store's copy is awaited in `wait_for_save` so
+vLLM may free or reuse the blocks at once, its commit to the server goes on in the background.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, cast
 from hybridkv_kernels import CopyEngine
 
 from hybridkv.engine.client import ServerError
-from hybridkv.engine.transfer import KVTransfer, Streams, TransferConfig, TransferHandle
+from hybridkv.engine.transfer import KVTransfer, PreparedStore, Streams, TransferConfig, TransferHandle
 from hybridkv.engine.vllm.plan import HybridKVMetadata, LoadJob
 from hybridkv.engine.vllm.settings import ConnectorSettings
 from hybridkv.layout import LayoutError, ModelLayout
@@ -63,6 +64,7 @@ class WorkerSide:
         self._failed_blocks: set[int] = set()
         self._in_flight: dict[str, list[TransferHandle]] = {}
         self._ending: dict[str, _Ending] = {}
+        self._prepared: dict[tuple[str, int], PreparedStore] = {}  # (request, start chunk) -> this step's prepare
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Page views of vLLM's cache tensors, checked against the layout, then the server connection."""
@@ -113,12 +115,15 @@ class WorkerSide:
             self.transfer = None
         self._in_flight.clear()
         self._ending.clear()
+        self._prepared.clear()
         self._unreachable(e)
 
     # ---- loads: before the forward ---------------------------------------------------------------
 
     def start_load(self, meta: HybridKVMetadata) -> None:
-        """Run every planned load to completion; a load that fails marks its blocks for recompute."""
+        """Reserve this step's stores (their round trips overlap the loads and the forward), then run every
+        planned load to completion; a load that fails marks its blocks for recompute."""
+        self._prepare_stores(meta)
         for job in meta.loads:
             t0 = time.perf_counter()
             try:
@@ -158,7 +163,20 @@ class WorkerSide:
         out, self._failed_blocks = self._failed_blocks, set()
         return out
 
-    # ---- stores: after the forward ---------------------------------------------------------------
+    # ---- stores: prepared before the forward, copied after it ------------------------------------
+
+    def _prepare_stores(self, meta: HybridKVMetadata) -> None:
+        """Send each planned store's prepare now; a store whose prepare failed here prepares itself later."""
+        self._prepared.clear()  # an earlier step's leftovers: end_session aborts them on the server
+        if not meta.stores or self.transfer is None:
+            return
+        for job in meta.stores:
+            try:
+                self._prepared[job.request_id, job.start_chunk] = self.transfer.prepare_store(
+                    job.request_id, job.token_ids, job.start_chunk, block_ids=job.block_ids)
+            except Exception as e:
+                log.warning("hybridkv: prepare of the store of %s failed (%s); the store prepares itself",
+                            job.request_id, e)
 
     def save(self, meta: HybridKVMetadata) -> None:
         """Copy every planned store out of vLLM's blocks; commits finish in the background."""
@@ -168,7 +186,8 @@ class WorkerSide:
         t0 = time.perf_counter()
         for job in meta.stores:
             try:
-                h = self.transfer.store(job.request_id, job.token_ids, job.block_ids, start_chunk=job.start_chunk)
+                h = self.transfer.store(job.request_id, job.token_ids, job.block_ids, start_chunk=job.start_chunk,
+                                        prepared=self._prepared.pop((job.request_id, job.start_chunk), None))
                 h.wait(self.settings.timeout_s)  # pages read: vLLM may reuse the blocks
             except Exception as e:
                 self.stats.store_failures += 1
