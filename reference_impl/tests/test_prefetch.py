@@ -13,6 +13,7 @@ import time
 import pytest
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerError
+from hybridkv.presets import preset_layout
 from serverkit import Engine, RawDealer
 from test_l2_server import TINY_L1, counters, fill, l2_flags, lookup_checked
 
@@ -219,3 +220,42 @@ def test_prefetch_into_an_l1_full_of_held_objects_refuses_and_evicts_none(server
         assert r.refused == 0 and r.started + r.waiting + r.in_l1 == RESUME_5
         settled(client)
         lookup_checked(eng, keys, 5, policy="boundary")
+
+
+def test_kvtransfer_prefetch_returns_a_future_and_the_retrieve_after_it_is_exact(server_factory, l2_dir):
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    from hybridkv.engine.transfer import KVTransfer
+    from hybridkv_bench.pools import BlockAllocator, fill_random, vllm_pools
+
+    srv = server_factory(*l2_flags(l2_dir), "--max-keys", "6", l1_gib=TINY_L1)
+    layout = preset_layout("tiny-hybrid")
+    pools = vllm_pools(layout, 64, "cpu")
+    fill_random(pools, 7)
+    alloc = BlockAllocator(64)
+    with CacheClient(srv.endpoint, timeout_s=20) as client, KVTransfer(srv.endpoint, layout, pools) as kv:
+        ct = kv.chunk_tokens
+        bpc = [ct // g.block_tokens for g in layout.groups]
+        tokens = np.random.default_rng(7).integers(0, 150_000, 5 * ct + 3)
+        src = [alloc.allocate(5 * b + 1) for b in bpc]
+        kv.store("a", tokens, src).wait_committed(20)
+        kv.end_session("a")
+        fill(Engine(client, salt="filler"), 16, seed=8)  # pushes the 5 chunks out to L2
+        settled(client)
+        assert kv.prefetch(tokens[:ct - 1]).result(timeout=5).hit_chunks == 0  # no full chunk: no request
+        r = kv.prefetch(tokens).result(timeout=20)
+        assert r.hit_chunks == 5 and r.started + r.waiting == RESUME_5
+        c = settled(client)
+        hit = kv.lookup("b", tokens)
+        assert hit.hit_chunks == 5
+        assert counters(client)["lookup_l2_waits"] == c["lookup_l2_waits"], "the lookup found it all in L1"
+        dst = [alloc.allocate(5 * b + 1) for b in bpc]
+        kv.retrieve(hit, dst).wait(20)
+        for g, grp in enumerate(layout.groups):
+            moved = range(5 * bpc[g]) if grp.kind == "attention" else [5 * bpc[g] - 1]
+            for t in pools[g]:
+                assert all(torch.equal(t[src[g][j]], t[dst[g][j]]) for j in moved), g
+        kv.end_session("b")
+        with pytest.raises(ServerError) as e:  # an error arrives through the future, never raised at the call
+            kv.prefetch(np.concatenate([tokens, tokens[:2 * ct]])).result(timeout=20)
+        assert e.value.code == P.ErrorCode.LIMIT
