@@ -36,7 +36,7 @@ def prefetch(ctx: Context, ident: bytes, msg: P.Prefetch, frames: Frames) -> Ans
     capacity = ctx.objects.l1.alloc.size
     absent = sum(length for oid, length in todo if ctx.objects.get(oid) is None)
     if absent > capacity:
-        # Its own reads would evict its first objects before the last ones arrive.
+        # It could never hold the whole prefix: its reads would fill L1 with its own objects, then be refused.
         raise RequestError(E.LIMIT, f"prefetch of {n} chunks needs {absent} B of L1 for objects not in it; "
                            f"L1 holds {capacity} B")
     ctx.counters.prefetch_requests += 1
