@@ -9,11 +9,12 @@
 #   bash harness/campaign/h200_coverage.sh next OUT        # the same on Qwen3-Next-80B TP1 (544-token blocks)
 #   bash harness/campaign/h200_coverage.sh concurrent OUT  # store while load (bidir); 4 TP4 / 8 TP8 engines on one GPU
 #   bash harness/campaign/h200_coverage.sh x8 OUT          # 8 TP8 engines on 8 GPUs (nvidia-h200-x8 only)
+#   bash harness/campaign/h200_coverage.sh prefetch OUT    # conversation prefetch: warm TTFT from L1 / L2 / L2 + hint
 # Add --quick F after OUT to shrink every scenario (F in (0, 1]; the tests run the parts this way on CPU).
 # Results land in OUT/<part>/<scenario>[-<cases>]/ (run.json, requests.csv, plots, report.md) beside
 # OUT/gpu-<part>.csv. A run is "scenario" or "scenario:GLOB" (only the cases GLOB selects).
 set -euo pipefail
-part=${1:?part: tp1, tp1w, tp4, tp8, next, concurrent or x8}
+part=${1:?part: tp1, tp1w, tp4, tp8, next, concurrent, x8 or prefetch}
 out=${2:?output directory}
 shift 2
 export PYTHONUNBUFFERED=1
@@ -26,8 +27,9 @@ case "$part" in
   next) runs=("h200_cov_qwen3next_tp1") ;;
   concurrent) runs=("h200_cov_store_while_load" "h200_cov_engines_one_gpu" "tp4_engines:shm-*") ;;
   x8) runs=("h200x8_tp8_engines") ;;
+  prefetch) runs=("h200_prefetch") ;;
   *)
-    echo "unknown part $part (tp1, tp1w, tp4, tp8, next, concurrent or x8)" >&2
+    echo "unknown part $part (tp1, tp1w, tp4, tp8, next, concurrent, x8 or prefetch)" >&2
     exit 2
     ;;
 esac

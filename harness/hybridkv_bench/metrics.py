@@ -36,6 +36,15 @@ With a real model (the `transformers` engine; None for the simulated one):
 - logits_max_abs_diff: the largest |restored - full prefill| logit difference over warm rows;
   logits_bitwise_equal / oracle_pass: every warm row's restored continuation equalled the in-memory split /
   passed the oracle (a False fails the case in the gate).
+Prefetch from L2 (a multi_turn workload with prefetch = "compare"; None otherwise), over measured warm
+rows of each tier (`l1`: the prefix still in L1; `l2`: brought back from L2 by the lookup; `l2_prefetch`:
+brought back by a prefetch hint sent at the start of the think time):
+- ttft_warm_l1_s / ttft_warm_l2_s / ttft_warm_l2_prefetch_s: p50 of ttft_s per tier.
+- restore_l1_s / restore_l2_s / restore_l2_prefetch_s: p50 of lookup_s + load_s per tier (the TTFT
+  without its modeled prefill: what the tiers differ in).
+- prefetch_ttft_ratio = ttft_warm_l2_prefetch_s / ttft_warm_l1_s (issue 15's target: <= 1.1);
+  prefetch_restore_ratio the same for restore; l2_ttft_ratio = ttft_warm_l2_s / ttft_warm_l1_s (without
+  the hint, the reference).
 A metric that cannot be computed (no warm rows, no NVML) is None, written as null: never 0.
 """
 
@@ -63,8 +72,11 @@ RATIO_METRICS = ("store_ceiling_ratio", "load_ceiling_ratio", "ttft_speedup")
 MODEL_METRICS = ("ttft_cold_measured_s", "ttft_warm_measured_s", "ttft_speedup_measured", "logits_max_abs_diff",
                  "logits_bitwise_equal", "oracle_pass")
 CONCURRENT_RATIO_METRICS = ("aggregate_store_ceiling_ratio", "aggregate_load_ceiling_ratio", "bidir_ceiling_ratio")
+PREFETCH_TIERS = ("l1", "l2", "l2_prefetch")
+PREFETCH_METRICS = (*(f"ttft_warm_{t}_s" for t in PREFETCH_TIERS), *(f"restore_{t}_s" for t in PREFETCH_TIERS),
+                    "prefetch_ttft_ratio", "prefetch_restore_ratio", "l2_ttft_ratio")
 METRICS = (*REQUEST_METRICS, *CALIBRATION_METRICS, *SERVER_METRICS, *RATIO_METRICS, *CONCURRENT_METRICS,
-           *CONCURRENT_RATIO_METRICS, *MODEL_METRICS)
+           *CONCURRENT_RATIO_METRICS, *MODEL_METRICS, *PREFETCH_METRICS)
 
 # How each metric improves; the gate's --write-baseline and the report read this.
 HIGHER_IS_BETTER = frozenset({"store_gbps", "load_gbps", "store_copy_gbps", "load_copy_gbps",
@@ -109,6 +121,7 @@ class RequestRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     step: int = 0
     load_start_s: float = 0.0
     store_start_s: float = 0.0
+    tier: str = ""  # multi_turn with prefetch = "compare": l1, l2 or l2_prefetch (warm rows); "" otherwise
     verified_chunks: int  # the last two columns: tests and readers of requests.csv find them there
     corrupt_chunks: int
 
@@ -214,6 +227,7 @@ def case_metrics(rows: Iterable[RequestRow], calibration: Mapping | None = None,
     m["aggregate_load_ceiling_ratio"] = _ratio(m["aggregate_load_gbps"], h2d)
     m["bidir_ceiling_ratio"] = _ratio(m["bidir_gbps"], m["bidir_peak_gbps"])
     m.update(_model_metrics(measured, rows, m["ttft_cold_s"]))
+    m.update(_prefetch_metrics(measured))
     assert tuple(m) == METRICS, "metric order drifted from METRICS"
     return m
 
@@ -235,3 +249,15 @@ def _model_metrics(measured: list[RequestRow], rows: list[RequestRow], cold_mode
     m["logits_bitwise_equal"] = all(r.logits_bitwise_equal for r in judged) if judged else None
     m["oracle_pass"] = all(r.oracle_pass for r in judged) if judged else None
     return m
+
+
+def _prefetch_metrics(measured: list[RequestRow]) -> dict[str, Number]:
+    """Warm TTFT and restore time (lookup + load) per tier of a prefetch comparison; None without one."""
+    m: dict[str, Number] = {}
+    for kind, value in (("ttft_warm", lambda r: r.ttft_s), ("restore", lambda r: r.lookup_s + r.load_s)):
+        for t in PREFETCH_TIERS:
+            m[f"{kind}_{t}_s"] = _p([value(r) for r in measured if r.phase == "warm" and r.tier == t], 50)
+    m["prefetch_ttft_ratio"] = _ratio(m["ttft_warm_l2_prefetch_s"], m["ttft_warm_l1_s"])
+    m["prefetch_restore_ratio"] = _ratio(m["restore_l2_prefetch_s"], m["restore_l1_s"])
+    m["l2_ttft_ratio"] = _ratio(m["ttft_warm_l2_s"], m["ttft_warm_l1_s"])
+    return {k: m[k] for k in PREFETCH_METRICS}

@@ -134,6 +134,10 @@ RESULT_TABLES: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         ("store_gbps", "store GB/s"), ("store_ceiling_ratio", "store/peak"), ("store_copy_gbps", "store copy GB/s"),
         ("load_gbps", "load GB/s"), ("load_ceiling_ratio", "load/peak"), ("load_copy_gbps", "load copy GB/s"),
         ("bytes_stored", "GB stored"), ("bytes_loaded", "GB loaded"))),
+    ("prefetch from L2 (multi_turn, prefetch = compare)", (
+        ("ttft_warm_l1_s", "warm TTFT L1 s"), ("ttft_warm_l2_s", "L2 s"), ("ttft_warm_l2_prefetch_s", "L2+prefetch s"),
+        ("prefetch_ttft_ratio", "prefetch/L1"), ("l2_ttft_ratio", "L2/L1"), ("restore_l1_s", "restore L1 s"),
+        ("restore_l2_prefetch_s", "restore L2+prefetch s"), ("prefetch_restore_ratio", "restore prefetch/L1"))),
     ("cache server", (
         ("server_vram_mib", "VRAM MiB"), ("server_cuda_mapped", "CUDA libs"), ("server_rss_mib", "RSS MiB"),
         ("arena_used_mib", "arena used MiB"), ("arena_capacity_mib", "arena MiB"), ("server_cpu_s", "CPU s"))),
@@ -154,6 +158,8 @@ def _results_tables(df: pd.DataFrame) -> str:
         out.append(f"### {wl}")
         for title, cols in RESULT_TABLES:
             rows = [[r["case"], *(_cell(r, k) for k, _ in cols)] for r in records]
+            if title.startswith("prefetch") and all(v is None for row in rows for v in row[1:]):
+                continue  # only a prefetch comparison fills it
             out.append(f"{title}:\n\n" + markdown_table(["case", *(h for _, h in cols)], rows, "l" + "r" * len(cols)))
     return "\n\n".join(out) or "_No case finished._"
 

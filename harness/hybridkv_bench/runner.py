@@ -158,7 +158,16 @@ def headline(result: CaseResult, wall_s: float) -> str:
             f"({_fmt(m['store_ceiling_ratio'], '', 2)} of peak)  load {_fmt(m['load_gbps'], ' GB/s')} "
             f"({_fmt(m['load_ceiling_ratio'], '', 2)} of peak)  hit {m['hit_tokens']} tok  "
             f"verified {m['verified_chunks']} corrupt {m['corrupt_chunks']}  server VRAM {vram}, CUDA libs {cuda}"
-            + model_headline(m))
+            + model_headline(m) + prefetch_headline(m))
+
+
+def prefetch_headline(m: dict) -> str:
+    """Warm TTFT per tier of a prefetch comparison, or nothing."""
+    if m.get("ttft_warm_l1_s") is None:
+        return ""
+    return (f"  warm TTFT from L1 {_fmt(m['ttft_warm_l1_s'], ' s')}, from L2 {_fmt(m['ttft_warm_l2_s'], ' s')}, "
+            f"from L2 with prefetch {_fmt(m['ttft_warm_l2_prefetch_s'], ' s')} (x{_fmt(m['prefetch_ttft_ratio'])} "
+            f"of L1; restore x{_fmt(m['prefetch_restore_ratio'])})")
 
 
 def model_headline(m: dict) -> str:
@@ -276,6 +285,11 @@ class Runner:
             expect = oracle.lookup(req.tokens)
             barrier = aligned[step]
             name = f"r{repeat}-{req.name}"
+            if req.think_s or req.hint_tokens:  # multi_turn: the user's think time, the hint sent as it starts
+                hint = eng.kv.prefetch(req.tokens[:req.hint_tokens]) if req.hint_tokens else None
+                time.sleep(req.think_s)  # nothing else runs on this engine meanwhile; the server reads L2
+                if hint is not None:
+                    hint.result(timeout=CLIENT_TIMEOUT_S)  # answered before any read ends; an error fails the case
             if barrier is not None and req.align:
                 def gate(point: str, barrier: threading.Barrier = barrier) -> None:
                     if point == req.align:
@@ -298,7 +312,7 @@ class Runner:
                              corrupt_chunks=res.corrupt_chunks, engine=req.engine, step=step,
                              gpu=_gpu_index(eng),
                              load_start_s=_since(getattr(res, "load_start", 0.0), origin),
-                             store_start_s=_since(getattr(res, "store_start", 0.0), origin),
+                             store_start_s=_since(getattr(res, "store_start", 0.0), origin), tier=req.tier,
                              **{f: getattr(res, f) for f in MODEL_COLUMNS if hasattr(res, f)})
             with lock:
                 rows.append(row)

@@ -177,16 +177,36 @@ class LongDocQA(_Workload, frozen=True, tag="long_doc_qa", kw_only=True):
         _positive(self, "prompt_tokens", "question_tokens", "documents")
 
 
+PrefetchMode = Literal["off", "on", "compare"]
+MAX_THINK_S = 60.0
+
+
 class MultiTurn(_Workload, frozen=True, tag="multi_turn", kw_only=True):
-    """Chats whose prefix grows by `turn_tokens` a turn; every turn after the first resumes the last."""
+    """Chats whose prefix grows by `turn_tokens` a turn; every turn after the first resumes the last.
+
+    `think_s`: before each warm turn the engine waits this long, from the moment a frontend knows the
+    user is back (the next message arrives, or the user starts typing) to the request's arrival; TTFT
+    starts at the arrival. `prefetch = "on"` sends `KVTransfer.prefetch(history)` as that time starts.
+    `prefetch = "compare"` runs three passes of fresh conversations in one case and labels their warm
+    turns by tier: `l1` (one conversation after another: the prefix is still in L1), `l2` (conversations
+    interleaved, their working set larger than L1: the prefix comes back from L2 at the lookup) and
+    `l2_prefetch` (the same, with the hint)."""
 
     system_tokens: int
     turn_tokens: int
     turns: int
     conversations: int = 1
+    think_s: float = 0.0
+    prefetch: PrefetchMode = "off"
 
     def __post_init__(self) -> None:
         _positive(self, "system_tokens", "turn_tokens", "turns", "conversations")
+        if not 0 <= self.think_s <= MAX_THINK_S:
+            raise ValueError(f"think_s must lie in [0, {MAX_THINK_S:g}] seconds, got {self.think_s}")
+        if self.prefetch != "off" and self.turns < 2:
+            raise ValueError(f"prefetch = {self.prefetch!r} needs turns >= 2 (a warm turn to prefetch for)")
+        if self.prefetch == "compare" and self.conversations < 2:
+            raise ValueError("prefetch = 'compare' needs conversations >= 2 (interleaved, to push each other to L2)")
 
 
 class FanOut(_Workload, frozen=True, tag="fan_out", kw_only=True):

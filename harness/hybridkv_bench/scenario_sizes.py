@@ -60,7 +60,8 @@ def working_set_bytes(w: Workload, layout: ModelLayout, chunk_tokens: int, polic
         case LongDocQA():
             return w.documents * one(w.prompt_tokens + w.question_tokens)
         case MultiTurn():
-            return w.conversations * one(w.system_tokens + w.turns * w.turn_tokens)
+            passes = 3 if w.prefetch == "compare" else 1  # l1, l2, l2_prefetch: fresh conversations each
+            return passes * w.conversations * one(w.system_tokens + w.turns * w.turn_tokens)
         case FanOut():
             shared = one(w.system_tokens)
             return shared + w.requests * (one(w.system_tokens + w.user_tokens) - shared)
@@ -131,6 +132,8 @@ def validate(scenario: Scenario, source: str = "<scenario>") -> None:
                            f"which fits in server.l1_gib {scenario.server.l1_gib}: nothing would spill")
             if scenario.server.l2_gib <= 0:
                 raise fail(f"{where}: needs an L2 to spill to (server.l2_gib is 0)")
+        if isinstance(w, MultiTurn) and (problem := _prefetch_problem(w, scenario, layout, chunk, smallest)):
+            raise fail(f"{where}: {problem}")
         room = scenario.server.l1_bytes + scenario.server.l2_bytes
         if not isinstance(w, L1Pressure) or scenario.server.l2_gib > 0:
             # Hits are checked exactly, with no model of eviction: what a case stores must stay cached.
@@ -143,6 +146,31 @@ def validate(scenario: Scenario, source: str = "<scenario>") -> None:
                     raise fail(f"{where}: its working set under store_policy {policy!r} is {total / GIB:.2f} GiB, "
                                f"more than {tiers} = {room / GIB:.2f} GiB hold; early prefixes would be evicted "
                                "and their hits lost (raise l1_gib, add an L2, or shrink the workload)")
+
+
+def _prefetch_problem(w: MultiTurn, scenario: Scenario, layout: ModelLayout, chunk: int, policy: str) -> str:
+    """Why a multi_turn's prefetch setting cannot measure what it is for ("" when it can)."""
+    if w.prefetch == "off":
+        return ""
+    if scenario.server.l2_gib <= 0:
+        return f"prefetch = {w.prefetch!r} brings prefixes back from L2, and server.l2_gib is 0"
+    if scenario.engine == "vllm":
+        return "prefetch hints are sent by the sim and transformers engines; the vllm engine sends none"
+    if w.prefetch != "compare":
+        return ""
+    l1 = scenario.server.l1_bytes
+    conv = prefix_bytes(layout, chunk, w.system_tokens + w.turns * w.turn_tokens, policy)
+    if conv > l1:
+        return (f"one conversation stores {conv / GIB:.3f} GiB, more than server.l1_gib {scenario.server.l1_gib:g}: "
+                "the l1 tier would not come from L1")
+    # Between two turns of one conversation the others each look up and store at least their first
+    # turn's prefix: that must exceed L1 for this conversation's prefix to have left it.
+    others = (w.conversations - 1) * prefix_bytes(layout, chunk, w.system_tokens + w.turn_tokens, policy)
+    if others <= l1:
+        return (f"the other {w.conversations - 1} conversations' first turns store {others / GIB:.3f} GiB, which "
+                f"fits in server.l1_gib {scenario.server.l1_gib:g}: the l2 tiers would still come from L1 "
+                "(add conversations or shrink L1)")
+    return ""
 
 
 # ---- scaling -------------------------------------------------------------------------------------
@@ -186,7 +214,8 @@ def scaled(scenario: Scenario, factor: float) -> Scenario:
                          documents=count(w.documents, 1))
             case MultiTurn():
                 return r(w, system_tokens=prefix(w.system_tokens), turn_tokens=step(w.turn_tokens),
-                         turns=count(w.turns, 3), conversations=count(w.conversations, 1))
+                         turns=count(w.turns, 3),
+                         conversations=count(w.conversations, 2 if w.prefetch == "compare" else 1))
             case FanOut():
                 return r(w, system_tokens=prefix(w.system_tokens), user_tokens=tail(w.user_tokens),
                          requests=count(w.requests, 2))
@@ -211,8 +240,15 @@ def scaled(scenario: Scenario, factor: float) -> Scenario:
         if size(old) <= scenario.server.l1_gib:
             l1 = max(l1, size(new))
         l1 = max(l1, prefix_bytes(layout, chunk, request_prefix_tokens(new), smallest) / GIB)
+        if isinstance(new, MultiTurn) and new.prefetch == "compare":  # the l1 tier: one conversation fits
+            l1 = max(l1, prefix_bytes(layout, chunk, new.system_tokens + new.turns * new.turn_tokens, smallest) / GIB)
     fixed = []
     for old, w in zip(scenario.workloads, workloads, strict=True):
+        if isinstance(w, MultiTurn) and w.prefetch == "compare":
+            # enough interleaved conversations to push each other out of the new L1, as before scaling
+            first = prefix_bytes(layout, chunk, w.system_tokens + w.turn_tokens, smallest) / GIB
+            w = msgspec.structs.replace(w, conversations=max(w.conversations, math.floor(l1 / first) + 2))
+            l2 = max(l2, size(w, smallest))
         if isinstance(w, L1Pressure):
             if size(w, smallest) <= l1:
                 doc = prefix_bytes(layout, chunk, w.prompt_tokens, smallest) / GIB

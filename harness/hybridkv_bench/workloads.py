@@ -35,6 +35,12 @@ class Request:
     # "load" / "store": this request's lookup+load (its store) starts together with the other aligned
     # requests of its phase, so their transfers overlap; "": no alignment
     align: Literal["", "load", "store"] = ""
+    # multi_turn: where the warm prefix is meant to come from (`l1`, `l2`, `l2_prefetch`; "": not compared),
+    # the user's think time before the request arrives, and the tokens known when it starts (the
+    # conversation so far) that a prefetch hint names (0: no hint)
+    tier: str = ""
+    think_s: float = 0.0
+    hint_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,13 +91,7 @@ def build_plan(w: Workload, chunk_tokens: int, seed: int, tp: int = 1) -> Plan:
                          Request(f"doc{d}-warm", _cat(doc, q_warm), "warm")]
             return Plan((0,), (tuple(reqs),))
         case MultiTurn():
-            # Independent conversations (own system prompt), turns interleaved round-robin as a server
-            # sees them; turn t's prompt is turn t-1's plus turn_tokens new tokens.
-            convs = [(_stream(rng, w.system_tokens), [_stream(rng, w.turn_tokens) for _ in range(w.turns)])
-                     for _ in range(w.conversations)]
-            reqs = [Request(f"conv{c}-turn{t}", _cat(sys_, *turns[:t + 1]), "cold" if t == 0 else "warm")
-                    for t in range(w.turns) for c, (sys_, turns) in enumerate(convs)]
-            return Plan((0,), (tuple(reqs),))
+            return Plan((0,), (tuple(_multi_turn(w, rng)),))
         case FanOut():
             system = _stream(rng, w.system_tokens)
             reqs = [Request(f"user{i}", _cat(system, tail), "cold" if i == 0 else "warm")
@@ -134,6 +134,28 @@ def build_plan(w: Workload, chunk_tokens: int, seed: int, tp: int = 1) -> Plan:
                        for r in range(1, w.rounds + 1)]
             return Plan((0, 0), tuple(phases))
     raise AssertionError(w)
+
+
+def _multi_turn(w: MultiTurn, rng: np.random.Generator) -> list[Request]:
+    """Independent conversations (own system prompt); turn t's prompt is turn t-1's plus turn_tokens new
+    tokens. Interleaved round-robin as a server sees them, or (the `l1` pass of `compare`) one
+    conversation after another. Each pass of `compare` draws fresh conversations."""
+    passes = ((("l1", False, False), ("l2", True, False), ("l2_prefetch", True, True)) if w.prefetch == "compare"
+              else (("", True, w.prefetch == "on"),))
+    reqs: list[Request] = []
+    for tier, interleaved, hint in passes:
+        convs = [(_stream(rng, w.system_tokens), [_stream(rng, w.turn_tokens) for _ in range(w.turns)])
+                 for _ in range(w.conversations)]
+        order = ([(t, c) for t in range(w.turns) for c in range(w.conversations)] if interleaved
+                 else [(t, c) for c in range(w.conversations) for t in range(w.turns)])
+        prefix = f"{tier}-" if tier else ""
+        for t, c in order:
+            system, turns = convs[c]
+            history = w.system_tokens + t * w.turn_tokens  # what the previous turn's prompt held
+            reqs.append(Request(f"{prefix}conv{c}-turn{t}", _cat(system, *turns[:t + 1]), "cold" if t == 0 else "warm",
+                                tier=tier if t else "", think_s=w.think_s if t else 0.0,
+                                hint_tokens=history if hint and t else 0))
+    return reqs
 
 
 class ExpectedHits:

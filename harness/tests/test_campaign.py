@@ -26,7 +26,7 @@ def parts() -> dict[str, list[str]]:
 
 def test_every_part_names_scenarios_that_validate():
     table = parts()
-    assert set(table) == {"tp1", "tp1w", "tp4", "tp8", "next", "concurrent", "x8"}
+    assert set(table) == {"tp1", "tp1w", "tp4", "tp8", "next", "concurrent", "x8", "prefetch"}
     for part, names in table.items():
         for name in names:
             s = load_scenario(SCENARIOS / f"{name}.toml").scenario

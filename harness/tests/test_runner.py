@@ -33,6 +33,8 @@ SHIPPED = {
     "fan_out": (0.05, "shm-kernel-single-boundary-all"),
     "multi_turn": (0.05, "shm-kernel-single-boundary-boundary"),
     "l1_pressure": (0.05, "*"),
+    "prefetch": (1.0, "*"),  # already CPU-sized; test_prefetch_bench runs it in the default suite
+    "h200_prefetch": (0.05, "*"),
     "tp4_engines": (0.05, "raw-kernel-single-boundary-boundary"),
     "h200_zero_copy": (0.05, "shm-auto-per_group-boundary-all"),
     # issue 15/14 coverage: one workload each here; harness/tests/test_campaign.py runs the parts whole (slow)

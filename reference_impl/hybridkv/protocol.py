@@ -60,6 +60,14 @@ class Lookup(Message, tag="lookup"):
     pin: bool = True
 
 
+class Prefetch(Message, tag="prefetch"):
+    """Start L2 -> L1 reads of the longest resumable prefix of `keys` ahead of need, pinning nothing;
+    answered at once, before any read ends (a later Lookup of the prefix then finds it in L1)."""
+    engine: int
+    keys: list[bytes]
+    policy: RetrievePolicy = "boundary"
+
+
 class PrepareStore(Message, tag="prepare_store"):
     """Reserve L1 slots for the objects (chunk index into keys, group) that the server lacks."""
     engine: int
@@ -139,7 +147,7 @@ class Health(Message, tag="health"):
     """Ask whether the server is up."""
 
 
-Request = (Register | Unregister | Heartbeat | Lookup | PrepareStore | CommitStore | AbortStore | ShareCuda
+Request = (Register | Unregister | Heartbeat | Lookup | Prefetch | PrepareStore | CommitStore | AbortStore | ShareCuda
            | Retrieve | Release | EndSession | Stats | Clear | Health)
 
 
@@ -180,6 +188,16 @@ class LookupResult(Message, tag="lookup_result"):
     objects: list[ObjectLoc]     # the pinned objects, in retrieve order
 
 
+class Prefetching(Message, tag="prefetching"):
+    """What a Prefetch found and started, counted in objects of its prefix (chunks for hit_chunks)."""
+    hit_chunks: int              # the resumable prefix, in L1 or L2 (the Lookup hit rule); the rest is unknown
+    in_l1: int                   # already READY in L1 (refreshed as most recently used)
+    loading: int                 # already being read from L2 (no second read is started)
+    started: int                 # L2 reads started by this request
+    waiting: int                 # to start once in-flight spills free room (the server starts them itself)
+    refused: int                 # no room: L1 is full of pinned, reserved or loading objects
+
+
 class Prepared(Message, tag="prepared"):
     reservation: int             # 0 when nothing was reserved
     slots: list[ObjectLoc]       # reserved, to be written then committed, in this order
@@ -211,7 +229,7 @@ class HealthResult(Message, tag="health_result"):
     pid: int
 
 
-Reply = (Error | Registered | LookupResult | Prepared | Committed | Retrieved | Done | StatsResult
+Reply = (Error | Registered | LookupResult | Prefetching | Prepared | Committed | Retrieved | Done | StatsResult
          | HealthResult)
 
 

@@ -13,6 +13,7 @@ after warm-up, and a store then retrieve afterwards must return the stored bytes
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import sys
@@ -80,12 +81,17 @@ def _as_dict(msg: P.Message) -> dict:
     return msgspec.msgpack.decode(P.encode(msg))
 
 
+_ROUNDS = itertools.count()
+
+
 def _seeds(client: SocketClient) -> list[tuple[dict, list[bytes]]]:
     """Valid requests of every type, with live ids of this connection."""
     from serverkit import Engine
 
     layout = preset_layout("tiny-hybrid")
-    eng = Engine(client, layout=layout)
+    # A namespace per seeding: a reservation committed by the previous round's fuzz must not leave this
+    # round's prepare with no slot to name.
+    eng = Engine(client, layout=layout, salt=f"round{next(_ROUNDS)}")
     keys = eng.keys(3, seed=1)
     eng.store(keys)
     hit = eng.lookup(keys)
@@ -97,6 +103,7 @@ def _seeds(client: SocketClient) -> list[tuple[dict, list[bytes]]]:
         (P.Heartbeat(engine=eng.id), []),
         (P.Lookup(engine=eng.id, request="f", keys=keys), []),
         (P.Lookup(engine=eng.id, request="f", keys=keys, pin=False, policy="all", skip_chunks=1), []),
+        (P.Prefetch(engine=eng.id, keys=keys, policy="all"), []),
         (P.PrepareStore(engine=eng.id, request="f", keys=keys, objects=[(0, 0), (1, 1)]), []),
         (P.CommitStore(engine=eng.id, reservation=prep.reservation), []),
         (P.CommitStore(engine=eng.id, reservation=prep.reservation, format="raw"), [b"\0" * prep.slots[0].length]),

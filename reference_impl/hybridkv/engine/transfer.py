@@ -135,6 +135,25 @@ class KVTransfer:
                                          skip_chunks=skip_tokens // self.chunk_tokens))
         return Hit(request_id, keys, r.hit_chunks, self.chunk_tokens, r.lease, r.objects)
 
+    def prefetch(self, token_ids: Sequence[int] | np.ndarray) -> Future[P.Prefetching]:
+        """Ask the server to bring the cached prefix of `token_ids` from L2 into L1 ahead of the lookup.
+
+        Returns at once: the future holds the server's `Prefetching` answer (sent before any L2 read
+        ends), or its error; nothing is pinned, and the caller need never wait for it."""
+        out: Future[P.Prefetching] = Future()
+        keys = self.keys(token_ids)
+        if not keys:
+            out.set_result(P.Prefetching(hit_chunks=0, in_l1=0, loading=0, started=0, waiting=0, refused=0))
+            return out
+        sent = self.client.submit(P.Prefetch(engine=self.engine_id, keys=keys, policy=self.config.retrieve_policy))
+
+        def answered(f: Future) -> None:
+            e = f.exception()
+            out.set_exception(e) if e is not None else out.set_result(f.result()[0])
+
+        sent.add_done_callback(answered)
+        return out
+
     def retrieve(self, hit: Hit, block_ids: Sequence[Sequence[int]]) -> TransferHandle:
         """Load a hit's objects into the engine's blocks (one list per group), asynchronously."""
         h = TransferHandle("load", hit.request_id)

@@ -68,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     p.add_argument("--max-pending", type=int, default=256,
                    help="requests per client waiting for an answer (parked or on a worker) (default: %(default)s)")
+    p.add_argument("--max-prefetches", type=int, default=16,
+                   help="prefetch requests per engine still waiting for L1 room to start their L2 reads "
+                        "(default: %(default)s)")
     add_l2_and_seed_arguments(p)
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                    help="log level (default: %(default)s)")
@@ -171,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
             cuda_ipc=args.cuda_ipc, admin=args.admin, max_keys=args.max_keys,
             max_message_bytes=args.max_message_bytes, max_frame_bytes=args.max_frame_bytes,
             max_engines=args.max_engines, max_leases=args.max_leases, max_reservations=args.max_reservations,
-            max_queued_replies=args.max_queued_replies, max_pending=args.max_pending, l2_redis=l2_redis)
+            max_queued_replies=args.max_queued_replies, max_pending=args.max_pending,
+            max_prefetches=args.max_prefetches, l2_redis=l2_redis)
         server = CacheServer(cfg)
         try:
             endpoint = server.bind()

@@ -80,6 +80,7 @@ class ServerConfig:
     max_reservations: int = 1024    # per engine
     max_queued_replies: int = 1000  # per client: ZMQ send high-water mark (replies beyond it are dropped)
     max_pending: int = 256          # per client: requests answered later (parked or on a worker)
+    max_prefetches: int = 16        # per engine: Prefetch requests still waiting for L1 room to start reads
 
     def __post_init__(self) -> None:
         if not self.endpoint:
@@ -104,7 +105,7 @@ class ServerConfig:
         if not 1 <= self.io_threads <= 64:
             raise ConfigError(f"io threads must be in 1..64, got {self.io_threads}")
         for name in ("max_keys", "max_message_bytes", "max_frame_bytes", "max_engines", "max_leases",
-                     "max_reservations", "max_queued_replies", "max_pending"):
+                     "max_reservations", "max_queued_replies", "max_pending", "max_prefetches"):
             if not 0 < getattr(self, name) < 1 << 62:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if not 0 <= self.spill_watermark < 1:

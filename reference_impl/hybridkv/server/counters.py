@@ -14,6 +14,11 @@ class Counters:
     lookups: int = 0
     lookup_chunks: int = 0
     hit_chunks: int = 0
+    lookup_l2_waits: int = 0            # pinned lookups that had to wait for an L2 read before answering
+    prefetch_requests: int = 0
+    prefetch_objects_started: int = 0   # L2 -> L1 reads started by Prefetch requests (also in l2_prefetches)
+    prefetch_objects_in_l1: int = 0     # objects a Prefetch found READY in L1 already
+    prefetch_objects_refused: int = 0   # objects a Prefetch could not bring in: no evictable room in L1
     objects_committed: int = 0
     bytes_committed: int = 0
     objects_skipped_present: int = 0

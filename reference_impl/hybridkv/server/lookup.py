@@ -58,6 +58,7 @@ class LookupOp:
         self.pinned: dict[ObjectKey, Entry] = {}
         self.missing: set[ObjectKey] = set()
         self.loading: list[Entry] = []  # prefetches this op waits for
+        self.waited = False  # counted once in lookup_l2_waits
 
     def _pin(self, e: Entry) -> None:
         old = self.pinned.get(e.oid)
@@ -111,6 +112,9 @@ class LookupOp:
             if not restart:
                 break
         if self.loading or any((keys[c], g) not in self.pinned for c, g in needed):
+            if self.loading and not self.waited:
+                self.waited = True
+                ctx.counters.lookup_l2_waits += 1
             return False
         wanted = {(keys[c], g) for c, g in needed}
         self._unpin(wanted)

@@ -16,7 +16,7 @@ import zmq
 
 from hybridkv import protocol as P
 from hybridkv.arena import Arena, remove_dead_arenas
-from hybridkv.server import admin, lookup, retrieve, store
+from hybridkv.server import admin, lookup, prefetch, retrieve, store
 from hybridkv.server.config import ServerConfig
 from hybridkv.server.context import Answer, Context, Frames, RequestError
 from hybridkv.server.counters import Counters
@@ -215,6 +215,8 @@ class CacheServer:
                 return admin.heartbeat(ctx, ident, msg, frames)
             case P.Lookup():
                 return lookup.lookup(ctx, ident, msg, frames)
+            case P.Prefetch():
+                return prefetch.prefetch(ctx, ident, msg, frames)
             case P.PrepareStore():
                 return store.prepare(ctx, ident, msg, frames)
             case P.CommitStore():

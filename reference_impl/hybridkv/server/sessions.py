@@ -58,6 +58,7 @@ class Engine:
     last_seen: float
     reservations: dict[int, Reservation] = field(default_factory=dict)
     leases: dict[int, Lease] = field(default_factory=dict)
+    prefetches: int = 0  # its Prefetch requests still waiting for room (bounded by max_prefetches)
 
 
 @dataclass(slots=True)
