@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
-# Issue 15's measurements beside the coverage scenarios, in parts that each fit one device command with room
-# to spare. Run from the repository root on the GPU machine, after `. harness/campaign/gpu_env.sh`:
+# Issue 15's measurements beside the coverage scenarios (h200_coverage.sh), in parts that each fit one device
+# command with room to spare. Run from the repository root on the GPU machine, after `. harness/campaign/gpu_env.sh`:
 #   bash harness/campaign/h200_extras.sh kernels OUT     # CUDA test suite + copy mechanisms vs the ceiling (~1 min)
 #   bash harness/campaign/h200_extras.sh microbench OUT  # round-trip microbenchmarks beside a bare ZMQ echo (~1 min)
 #   bash harness/campaign/h200_extras.sh l2 OUT          # L2 spill/reload vs the disk's O_DIRECT rates (~2 min)
-#   bash harness/campaign/h200_extras.sh prefetch OUT    # conversation prefetch: warm TTFT from L1, L2, L2 + prefetch (~2 min)
 # Results land in OUT/<part>/; every figure there is beside a ceiling measured in the same run.
 set -euo pipefail
-part=${1:?part: kernels, microbench, l2 or prefetch}
+part=${1:?part: kernels, microbench or l2}
 out=${2:?output directory}
 export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
@@ -30,11 +29,8 @@ case "$part" in
   l2)
     "$py" -m hybridkv.cli l2bench scenarios/l2/h200_disk.toml --out "$out/$part/h200_disk"
     ;;
-  prefetch)
-    "$py" -m hybridkv.cli bench scenarios/h200_prefetch.toml --out "$out/$part/h200_prefetch"
-    ;;
   *)
-    echo "unknown part $part (kernels, microbench, l2 or prefetch)" >&2
+    echo "unknown part $part (kernels, microbench or l2)" >&2
     exit 2
     ;;
 esac
