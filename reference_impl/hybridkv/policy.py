@@ -32,8 +32,13 @@ def chunk_objects(layout: ModelLayout, policy: str, first: int, n: int) -> list[
     """(chunk, group) objects of chunks first..n-1 under `policy`, chunk-major, groups in layout order.
     Recurrent groups appear at every chunk under `all`, at chunk n-1 only under `boundary`."""
     every = check_policy(policy) == "all"
-    return [(c, g) for c in range(first, n) for g, grp in enumerate(layout.groups)
-            if grp.kind == "attention" or every or c == n - 1]
+    if first >= n:
+        return []
+    groups = range(len(layout.groups))
+    # the same list as one comprehension over every (chunk, group) with the rule per pair, without asking
+    # each group's kind per chunk: a server lookup of a long prompt builds it for every hit
+    inner = groups if every else layout.attention_groups
+    return [(c, g) for c in range(first, n - 1) for g in inner] + [(n - 1, g) for g in groups]
 
 
 def resume_objects(layout: ModelLayout, policy: str, n: int, skip: int = 0) -> list[tuple[int, int]]:
