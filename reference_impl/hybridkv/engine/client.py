@@ -1,8 +1,8 @@
 """A small client of the cache server: one DEALER socket, shared by the threads that use the client.
 
 A ZMQ socket is not thread-safe, so every use of it is under one lock. A thread in `call()` sends its
-request itself and then *leads*: it holds the socket, polls it and hands every reply to the future it
-belongs to, its own included, until its own reply has come. No other thread is woken on that path
+request itself and then *leads*: it holds the socket, polls it and hands every reply to the request it
+answers, its own included, until its own reply has come. No other thread is woken on that path
 (issue 15: two thread hand-offs per request cost more than the server's work). Another thread that needs
 the socket meanwhile asks the leader to step down (a byte on a wake-up socket) and takes over; the old
 leader then waits as a follower until its reply is handed to it or the socket is free again.
@@ -22,11 +22,12 @@ import select
 import socket
 import threading
 import time
-from concurrent.futures import Future
-from typing import Any, NamedTuple
+from concurrent.futures import Future, InvalidStateError
+from typing import Any
 
 import msgspec
 import zmq
+from zmq.backend import zmq_poll
 
 from hybridkv import protocol as P
 
@@ -46,11 +47,33 @@ class ServerTimeout(TimeoutError):
     """No reply within the timeout: the server is gone, stalled, or the endpoint is wrong."""
 
 
-class _Pending(NamedTuple):
-    future: Future
-    deadline: float
-    op: str
-    waited: bool  # a caller waits on it in call() and leads the socket; else the I/O thread receives for it
+class _Pending:
+    """A request sent and not yet answered. A submit()'s outcome goes to its Future; a call()'s is kept
+    here for the waiting caller (no Future, no lock of its own: the caller usually receives it itself)."""
+    __slots__ = ("deadline", "op", "future", "done", "reply", "error")
+
+    def __init__(self, deadline: float, op: str, future: Future | None):
+        self.deadline, self.op, self.future = deadline, op, future
+        self.done = False
+        self.reply: tuple[P.Message, list] | None = None
+        self.error: BaseException | None = None
+
+    def finish(self, reply: tuple[P.Message, list] | None, error: BaseException | None) -> None:
+        if self.future is not None:
+            try:
+                if error is not None:
+                    self.future.set_exception(error)
+                else:
+                    self.future.set_result(reply)
+            except InvalidStateError:
+                pass  # the submitter cancelled it
+        self.reply, self.error, self.done = reply, error, True
+
+    def outcome(self) -> tuple[P.Message, list]:
+        if self.error is not None:
+            raise self.error
+        assert self.reply is not None
+        return self.reply
 
 
 class _Wake:
@@ -96,9 +119,7 @@ class CacheClient:
         self._owner = 0                     # thread id holding _sock_lock
         self._lead_wake = _Wake()           # asks the thread polling the socket to step down
         self._io_wake = _Wake()             # wakes the I/O thread
-        self._poller = zmq.Poller()
-        self._poller.register(self._sock, zmq.POLLIN)
-        self._poller.register(self._lead_wake.fd, zmq.POLLIN)
+        self._poll_items = [(self._sock, zmq.POLLIN), (self._lead_wake.fd, zmq.POLLIN)]  # for zmq_poll
         self._lock = threading.Lock()       # the tables and counts below
         self._turn = threading.Condition(self._lock)  # followers wait here for their reply or the socket
         self._pending: dict[int, _Pending] = {}
@@ -114,12 +135,13 @@ class CacheClient:
 
     def submit(self, msg: P.Message, frames: list | tuple = ()) -> Future:
         """Send `msg` (+ payload frames); the future gives (reply, reply frames) or raises ServerError."""
-        fut = self._register(msg, waited=False)
+        fut: Future = Future()
+        entry = self._register(msg, fut)
         mine = self._owner == threading.get_ident()  # a reply callback of the leading thread
         if not mine:
             self._acquire()
         try:
-            self._send(msg, frames)
+            self._send(msg, frames, entry)
         finally:
             if not mine:
                 self._release()
@@ -131,15 +153,15 @@ class CacheClient:
         if self._owner == threading.get_ident():
             raise RuntimeError("call() from a reply callback would wait on the thread that must receive its reply")
         wait_s = timeout if timeout is not None else self.timeout_s + 5
-        fut = self._register(msg, waited=True)
+        entry = self._register(msg, None)
         until = time.monotonic() + wait_s
         self._acquire()
         try:
-            self._send(msg, frames)
+            self._send(msg, frames, entry)
         except BaseException:
             self._release()
             raise
-        return self._wait(fut, min(until, time.monotonic() + self.timeout_s), until, wait_s)
+        return self._wait(entry, min(until, entry.deadline), until, wait_s)
 
     def keepalive(self, engine: int, interval_s: float) -> None:
         """Heartbeat `engine` every interval_s from the I/O thread, until forget(engine)."""
@@ -179,15 +201,16 @@ class CacheClient:
 
     # ---- the socket: taking it, sending, leading -------------------------------------------------
 
-    def _register(self, msg: P.Message, waited: bool) -> Future:
+    def _register(self, msg: P.Message, future: Future | None) -> _Pending:
+        """Give `msg` its id and a pending entry; `future` None: a call() waits on the entry itself."""
         msg.id = next(self._ids)
-        fut: Future = Future()
+        entry = _Pending(time.monotonic() + self.timeout_s, type(msg).__name__, future)
         with self._lock:
             if self._closed:
                 raise RuntimeError("client is closed")
-            self._pending[msg.id] = _Pending(fut, time.monotonic() + self.timeout_s, type(msg).__name__, waited)
-            self._unwaited += not waited
-        return fut
+            self._pending[msg.id] = entry
+            self._unwaited += future is not None
+        return entry
 
     def _acquire(self) -> None:
         """Take the socket; a thread leading (blocked in poll) steps down for us."""
@@ -212,76 +235,81 @@ class CacheClient:
         elif self._unwaited:
             self._io_wake.poke()
 
-    def _send(self, msg: P.Message, frames: list | tuple) -> None:
-        """Send under the socket lock; a request that cannot be sent fails its own future."""
+    def _send(self, msg: P.Message, frames: list | tuple, entry: _Pending) -> None:
+        """Send under the socket lock; a request that cannot be sent fails its own entry."""
         try:
             if self._closed:
                 raise RuntimeError("client closed")
-            data = P.encode(msg)
+            parts = [P.encode(msg), *frames]
             try:
-                self._sock.send_multipart([data, *frames], flags=zmq.NOBLOCK, copy=False)
+                self._send_parts(parts)
             except zmq.Again:
                 # the server reads nothing (SNDHWM messages queued): wait for room up to this request's timeout
                 if not self._sock.poll(self.timeout_s * 1000, zmq.POLLOUT):
-                    raise ServerTimeout(f"{type(msg).__name__}: {self.endpoint} reads no requests: "
+                    raise ServerTimeout(f"{entry.op}: {self.endpoint} reads no requests: "
                                         f"the send queue stayed full for {self.timeout_s:g}s") from None
-                self._sock.send_multipart([data, *frames], flags=zmq.NOBLOCK, copy=False)
+                self._send_parts(parts)
         except BaseException as e:
-            entry = self._pop(msg.id)
-            if entry is not None:
-                entry.future.set_exception(e)
+            if self._pop(msg.id) is entry:
+                entry.finish(None, e)
 
-    def _lead(self, fut: Future | None, until: float) -> None:
-        """Receive for everyone until `fut` is done (fut None: until no submit() reply is owed), someone
+    def _send_parts(self, parts: list) -> None:
+        if len(parts) == 1:
+            self._sock.send(parts[0], zmq.NOBLOCK)  # most requests: one small frame, no multipart machinery
+        else:
+            self._sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
+
+    def _lead(self, entry: _Pending | None, until: float) -> None:
+        """Receive for everyone until `entry` is answered (None: until no submit() reply is owed), someone
         else wants the socket, the client closes, or `until`. The caller holds the socket."""
-        sock, poller = self._sock, self._poller
+        sock, items = self._sock, self._poll_items
         while not self._closed:
-            if (fut.done() if fut is not None else not self._unwaited) or self._want:
+            if (entry.done if entry is not None else not self._unwaited) or self._want:
                 return
             wait = until - time.monotonic()
             if wait <= 0:
                 return
             # one reply per poll: zmq_poll is level-triggered, so the next poll sees any reply still queued
             # (cheaper than asking EVENTS after each reply or receiving until zmq.Again)
-            for what, _ in poller.poll(math.ceil(min(wait, IDLE_S) * 1000)):
+            for what, _ in zmq_poll(items, math.ceil(min(wait, IDLE_S) * 1000)):
                 if what is sock:
                     self._receive()
                 else:
                     self._lead_wake.drain()
 
-    def _wait(self, fut: Future, lead_until: float, until: float, wait_s: float) -> Any:
+    def _wait(self, entry: _Pending, lead_until: float, until: float, wait_s: float) -> Any:
         """call()'s wait, holding the socket on entry: lead, or follow while another thread leads.
         A leader polls until its request's deadline (`lead_until`) at most, then fails it itself."""
         leading = True
         while True:
             if leading:
                 try:
-                    self._lead(fut, lead_until)
+                    self._lead(entry, lead_until)
                 finally:
                     self._release()
                 leading = False
-            if fut.done():
-                return fut.result()
+            if entry.done:
+                return entry.outcome()
             now = time.monotonic()
             self._expire(now)
-            if fut.done():
-                return fut.result()
+            if entry.done:
+                return entry.outcome()
             if now >= until:
-                raise TimeoutError(f"no reply within {wait_s:g}s (call's timeout)")
+                raise TimeoutError(f"{entry.op}: no reply within {wait_s:g}s (call's timeout)")
             with self._turn:
                 self._followers += 1
                 try:
-                    while (not fut.done() and (self._want or self._sock_lock.locked())
+                    while (not entry.done and (self._want or self._sock_lock.locked())
                            and (now := time.monotonic()) < until):
                         self._turn.wait(min(until - now, IDLE_S))
                 finally:
                     self._followers -= 1
-            if not fut.done() and not self._want and self._sock_lock.acquire(blocking=False):
+            if not entry.done and not self._want and self._sock_lock.acquire(blocking=False):
                 self._owner = threading.get_ident()
                 leading = True
 
     def _receive(self) -> None:
-        """Receive one queued reply and hand it to its future. The reply frame is copied (it is small), payload
+        """Receive one queued reply and hand it to its request. The reply frame is copied (it is small), payload
         frames are not."""
         head = self._sock.recv(zmq.NOBLOCK)
         frames = self._sock.recv_multipart(copy=False) if self._sock.get(zmq.RCVMORE) else []
@@ -293,9 +321,9 @@ class CacheClient:
         if entry is None:
             return  # a heartbeat's answer, or a reply that arrived after its timeout
         if isinstance(reply, P.Error):
-            entry.future.set_exception(ServerError(reply.code, reply.message, entry.op))
+            entry.finish(None, ServerError(reply.code, reply.message, entry.op))
         else:
-            entry.future.set_result((reply, [f.buffer for f in frames]))
+            entry.finish((reply, [f.buffer for f in frames]), None)
         if self._followers:
             with self._turn:
                 self._turn.notify_all()
@@ -303,7 +331,7 @@ class CacheClient:
     def _pop(self, req_id: int) -> _Pending | None:
         with self._lock:
             entry = self._pending.pop(req_id, None)
-            if entry is not None and not entry.waited:
+            if entry is not None and entry.future is not None:
                 self._unwaited -= 1
         return entry
 
@@ -355,8 +383,8 @@ class CacheClient:
         for i in late:
             entry = self._pop(i)
             if entry is not None:
-                entry.future.set_exception(ServerTimeout(f"{entry.op}: no reply from {self.endpoint} within "
-                                                         f"{self.timeout_s:g}s"))
+                entry.finish(None, ServerTimeout(f"{entry.op}: no reply from {self.endpoint} within "
+                                                 f"{self.timeout_s:g}s"))
         if late and self._followers:
             with self._turn:
                 self._turn.notify_all()
@@ -366,7 +394,6 @@ class CacheClient:
             pending, self._pending = self._pending, {}
             self._unwaited = 0
         for entry in pending.values():
-            if not entry.future.done():
-                entry.future.set_exception(exc)
+            entry.finish(None, exc)
         with self._turn:
             self._turn.notify_all()
