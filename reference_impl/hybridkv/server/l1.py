@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -102,6 +102,9 @@ class L1Cache:
         self.dropped_unspilled = 0  # evicted with no copy in L2 because L2 refused the write
         self.pending_free = 0  # bytes that in-flight evicting spills will free
         self._pinned = 0
+        # the keys of READY objects, per group: a lookup asks "is every chunk of this prompt READY?" in C,
+        # and a bytes key hashes once (its hash is kept), a (key, group) tuple at every question
+        self.ready_keys: defaultdict[int, set[bytes]] = defaultdict(set)
         self._ready = 0
         self._used = 0
 
@@ -161,8 +164,9 @@ class L1Cache:
         return e
 
     def make_ready(self, e: Entry) -> None:
-        if e.state is not State.READY:
+        if e.state is not State.READY and not e.gone:
             self._ready += 1
+            self.ready_keys[e.group].add(e.key)
         e.state = State.READY
         self._place(e)
 
@@ -191,13 +195,20 @@ class L1Cache:
 
     def unpin_all(self, entries: Iterable[Entry]) -> None:
         """Drop one pin of each entry; an entry left unpinned goes back to its eviction queue, young end."""
+        clean, ready = self._clean, State.READY
+        clean_when_ready = self._start_spill is None  # without L2 every evictable object is clean
         for e in entries:
             if e.pins <= 0:
                 raise AssertionError(f"unpin of object (group {e.group}) that holds no pin")
             e.pins -= 1
             if e.pins == 0 and not e.gone:  # a detached entry left the pinned count when it left the table
                 self._pinned -= 1
-                self._place(e)
+                if e.queue is None and e.state is ready and not e.spilling and (clean_when_ready or e.in_l2):
+                    clean.od[e.oid] = e  # _place's most common case, inlined: to the clean queue's young end
+                    clean.bytes += e.size
+                    e.queue = clean
+                else:
+                    self._place(e)
 
     def drop(self, e: Entry) -> None:
         """Free an entry's slot now. The caller guarantees no engine writes or reads it any more."""
@@ -212,6 +223,7 @@ class L1Cache:
             self._used -= e.size
             if e.state is State.READY:
                 self._ready -= 1
+                self.ready_keys[e.group].discard(e.key)
             if e.pins:
                 self._pinned -= 1
         e.gone = True
