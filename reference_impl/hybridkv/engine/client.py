@@ -339,6 +339,8 @@ class CacheClient:
 
     def _run(self) -> None:
         next_beat: dict[int, float] = {}
+        idle = select.poll()  # not select.select: a process with many files (vLLM) has descriptors above 1024
+        idle.register(self._io_wake.fd, select.POLLIN)
         try:
             while not self._closed:
                 if self._unwaited and not self._want and self._sock_lock.acquire(blocking=False):
@@ -348,7 +350,7 @@ class CacheClient:
                     finally:
                         self._release()
                 else:
-                    select.select([self._io_wake.fd], [], [], IDLE_S)
+                    idle.poll(IDLE_S * 1000)
                     self._io_wake.drain()
                 self._expire(time.monotonic())
                 self._beat(next_beat)
