@@ -13,6 +13,7 @@ own independent statement of the rule on purpose: it checks this one.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import repeat
 from typing import Literal, cast, get_args
 
 from hybridkv.layout import ModelLayout
@@ -32,8 +33,17 @@ def chunk_objects(layout: ModelLayout, policy: str, first: int, n: int) -> list[
     """(chunk, group) objects of chunks first..n-1 under `policy`, chunk-major, groups in layout order.
     Recurrent groups appear at every chunk under `all`, at chunk n-1 only under `boundary`."""
     every = check_policy(policy) == "all"
-    return [(c, g) for c in range(first, n) for g, grp in enumerate(layout.groups)
-            if grp.kind == "attention" or every or c == n - 1]
+    if first >= n:
+        return []
+    groups = range(len(layout.groups))
+    # the same list as one comprehension over every (chunk, group) with the rule per pair, without asking
+    # each group's kind per chunk: a server lookup of a long prompt builds it for every hit
+    inner = groups if every else layout.attention_groups
+    if len(inner) == 1:  # one attention group (every preset's boundary list): the pairs made in C
+        head = list(zip(range(first, n - 1), repeat(inner[0])))
+    else:
+        head = [(c, g) for c in range(first, n - 1) for g in inner]
+    return head + [(n - 1, g) for g in groups]
 
 
 def resume_objects(layout: ModelLayout, policy: str, n: int, skip: int = 0) -> list[tuple[int, int]]:

@@ -1,23 +1,37 @@
-"""A small client of the cache server: one DEALER socket owned by an I/O thread, futures for replies.
+"""A small client of the cache server: one DEALER socket, shared by the threads that use the client.
 
-Any thread may submit requests; replies are matched by request id. Payload frames are sent with
-copy=False, so a caller's buffer must stay unchanged until its reply arrives. Registered engines are
-kept alive by heartbeats from the I/O thread, so a live client is never reclaimed by the server.
+A ZMQ socket is not thread-safe, so every use of it is under one lock. A thread in `call()` sends its
+request itself and then *leads*: it holds the socket, polls it and hands every reply to the request it
+answers, its own included, until its own reply has come. No other thread is woken on that path
+(issue 15: two thread hand-offs per request cost more than the server's work). Another thread that needs
+the socket meanwhile asks the leader to step down (a byte on a wake-up socket) and takes over; the old
+leader then waits as a follower until its reply is handed to it or the socket is free again.
+
+The I/O thread sends heartbeats, fails requests past their timeout, and receives for requests whose
+sender is not waiting on them in `call()` (those of `submit()`), when no caller leads. Replies are
+matched by request id. Payload frames are sent with copy=False, so a caller's buffer must stay unchanged
+until its reply arrives. A future's callbacks run on whichever thread received the reply; they may
+`submit()` but not `call()`.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
-import queue
+import math
+import select
+import socket
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
+from typing import Any
 
 import msgspec
 import zmq
+from zmq.backend import zmq_poll
 
 from hybridkv import protocol as P
+
+IDLE_S = 0.1  # the longest anyone polls before looking at heartbeats, timeouts and close()
 
 
 class ServerError(RuntimeError):
@@ -33,6 +47,63 @@ class ServerTimeout(TimeoutError):
     """No reply within the timeout: the server is gone, stalled, or the endpoint is wrong."""
 
 
+class _Pending:
+    """A request sent and not yet answered. A submit()'s outcome goes to its Future; a call()'s is kept
+    here for the waiting caller (no Future, no lock of its own: the caller usually receives it itself)."""
+    __slots__ = ("deadline", "op", "future", "done", "reply", "error")
+
+    def __init__(self, deadline: float, op: str, future: Future | None):
+        self.deadline, self.op, self.future = deadline, op, future
+        self.done = False
+        self.reply: tuple[P.Message, list] | None = None
+        self.error: BaseException | None = None
+
+    def finish(self, reply: tuple[P.Message, list] | None, error: BaseException | None) -> None:
+        if self.future is not None:
+            try:
+                if error is not None:
+                    self.future.set_exception(error)
+                else:
+                    self.future.set_result(reply)
+            except InvalidStateError:
+                pass  # the submitter cancelled it
+        self.reply, self.error, self.done = reply, error, True
+
+    def outcome(self) -> tuple[P.Message, list]:
+        if self.error is not None:
+            raise self.error
+        assert self.reply is not None
+        return self.reply
+
+
+class _Wake:
+    """A wake-up socket pair: poke() from any thread, the waiting side polls `fd` and drain()s it.
+    Socket objects, not raw descriptors: a poke after close() raises instead of writing to a reused fd."""
+
+    def __init__(self) -> None:
+        self.r, self.w = socket.socketpair()
+        self.r.setblocking(False)
+        self.w.setblocking(False)
+        self.fd = self.r.fileno()
+
+    def poke(self) -> None:
+        try:
+            self.w.send(b"w")
+        except OSError:
+            pass  # full (a wake-up is pending anyway) or closed
+
+    def drain(self) -> None:
+        try:
+            while self.r.recv(4096):
+                pass
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.r.close()
+        self.w.close()
+
+
 class CacheClient:
     """Talks to one server endpoint. Thread-safe; close() when done."""
 
@@ -41,13 +112,22 @@ class CacheClient:
         self.timeout_s = timeout_s
         self._ctx = context or zmq.Context.instance()
         self._ids = itertools.count(1)
-        self._out: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending: dict[int, tuple[Future, float, str]] = {}
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self._sock_lock = threading.Lock()  # every use of self._sock, and self._owner
+        self._owner = 0                     # thread id holding _sock_lock
+        self._lead_wake = _Wake()           # asks the thread polling the socket to step down
+        self._io_wake = _Wake()             # wakes the I/O thread
+        self._poll_items = [(self._sock, zmq.POLLIN), (self._lead_wake.fd, zmq.POLLIN)]  # for zmq_poll
+        self._lock = threading.Lock()       # the tables and counts below
+        self._turn = threading.Condition(self._lock)  # followers wait here for their reply or the socket
+        self._pending: dict[int, _Pending] = {}
         self._keepalive: dict[int, float] = {}  # engine id -> interval
-        self._lock = threading.Lock()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        self._closed = threading.Event()
+        self._unwaited = 0   # pending requests of submit(): someone must receive for them
+        self._want = 0       # threads waiting for the socket: a leader steps down for them
+        self._followers = 0  # threads in call() waiting while another leads
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="hkv-client", daemon=True)
         self._thread.start()
 
@@ -55,19 +135,33 @@ class CacheClient:
 
     def submit(self, msg: P.Message, frames: list | tuple = ()) -> Future:
         """Send `msg` (+ payload frames); the future gives (reply, reply frames) or raises ServerError."""
-        if self._closed.is_set():
-            raise RuntimeError("client is closed")
-        msg.id = next(self._ids)
         fut: Future = Future()
-        with self._lock:
-            self._pending[msg.id] = (fut, time.monotonic() + self.timeout_s, type(msg).__name__)
-        self._out.put((P.encode(msg), frames))
-        self._wake()
+        entry = self._register(msg, fut)
+        mine = self._owner == threading.get_ident()  # a reply callback of the leading thread
+        if not mine:
+            self._acquire()
+        try:
+            self._send(msg, frames, entry)
+        finally:
+            if not mine:
+                self._release()
         return fut
 
     def call(self, msg: P.Message, frames: list | tuple = (), timeout: float | None = None):
-        """submit() and wait: returns (reply, frames); raises ServerError or ServerTimeout."""
-        return self.submit(msg, frames).result(timeout=timeout if timeout is not None else self.timeout_s + 5)
+        """Send and wait: returns (reply, frames); raises ServerError or ServerTimeout (or TimeoutError
+        when `timeout` is shorter than the client's and passes first)."""
+        if self._owner == threading.get_ident():
+            raise RuntimeError("call() from a reply callback would wait on the thread that must receive its reply")
+        wait_s = timeout if timeout is not None else self.timeout_s + 5
+        entry = self._register(msg, None)
+        until = time.monotonic() + wait_s
+        self._acquire()
+        try:
+            self._send(msg, frames, entry)
+        except BaseException:
+            self._release()
+            raise
+        return self._wait(entry, min(until, entry.deadline), until, wait_s)
 
     def keepalive(self, engine: int, interval_s: float) -> None:
         """Heartbeat `engine` every interval_s from the I/O thread, until forget(engine)."""
@@ -79,13 +173,25 @@ class CacheClient:
             self._keepalive.pop(engine, None)
 
     def close(self) -> None:
-        if self._closed.is_set():
-            return
-        self._closed.set()
-        self._wake()
-        self._thread.join(timeout=5)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        """Fail every pending request, close the socket and stop the I/O thread. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._io_wake.poke()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+        mine = self._owner == threading.get_ident()
+        if not mine:
+            self._acquire()  # a leader sees _closed and steps down
+        try:
+            self._sock.close(linger=0)
+            self._fail_all(RuntimeError("client closed"))
+        finally:
+            if not mine:
+                self._release()
+        self._lead_wake.close()
+        self._io_wake.close()
 
     def __enter__(self) -> CacheClient:
         return self
@@ -93,86 +199,203 @@ class CacheClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # ---- the socket: taking it, sending, leading -------------------------------------------------
+
+    def _register(self, msg: P.Message, future: Future | None) -> _Pending:
+        """Give `msg` its id and a pending entry; `future` None: a call() waits on the entry itself."""
+        msg.id = next(self._ids)
+        entry = _Pending(time.monotonic() + self.timeout_s, type(msg).__name__, future)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("client is closed")
+            self._pending[msg.id] = entry
+            self._unwaited += future is not None
+        return entry
+
+    def _acquire(self) -> None:
+        """Take the socket; a thread leading (blocked in poll) steps down for us."""
+        if not self._sock_lock.acquire(blocking=False):
+            with self._lock:
+                self._want += 1
+            self._lead_wake.poke()
+            try:
+                self._sock_lock.acquire()
+            finally:
+                with self._lock:
+                    self._want -= 1
+        self._owner = threading.get_ident()
+
+    def _release(self) -> None:
+        """Give the socket back; a follower takes it over, else the I/O thread if replies are still owed."""
+        self._owner = 0
+        self._sock_lock.release()
+        if self._followers:
+            with self._turn:
+                self._turn.notify_all()
+        elif self._unwaited:
+            self._io_wake.poke()
+
+    def _send(self, msg: P.Message, frames: list | tuple, entry: _Pending) -> None:
+        """Send under the socket lock; a request that cannot be sent fails its own entry."""
+        try:
+            if self._closed:
+                raise RuntimeError("client closed")
+            parts = [P.encode(msg), *frames]
+            try:
+                self._send_parts(parts)
+            except zmq.Again:
+                # the server reads nothing (SNDHWM messages queued): wait for room up to this request's timeout
+                if not self._sock.poll(self.timeout_s * 1000, zmq.POLLOUT):
+                    raise ServerTimeout(f"{entry.op}: {self.endpoint} reads no requests: "
+                                        f"the send queue stayed full for {self.timeout_s:g}s") from None
+                self._send_parts(parts)
+        except BaseException as e:
+            if self._pop(msg.id) is entry:
+                entry.finish(None, e)
+
+    def _send_parts(self, parts: list) -> None:
+        if len(parts) == 1:
+            self._sock.send(parts[0], zmq.NOBLOCK)  # most requests: one small frame, no multipart machinery
+        else:
+            self._sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
+
+    def _lead(self, entry: _Pending | None, until: float) -> None:
+        """Receive for everyone until `entry` is answered (None: until no submit() reply is owed), someone
+        else wants the socket, the client closes, or `until`. The caller holds the socket."""
+        sock, items = self._sock, self._poll_items
+        while not self._closed:
+            if (entry.done if entry is not None else not self._unwaited) or self._want:
+                return
+            wait = until - time.monotonic()
+            if wait <= 0:
+                return
+            # one reply per poll: zmq_poll is level-triggered, so the next poll sees any reply still queued
+            # (cheaper than asking EVENTS after each reply or receiving until zmq.Again)
+            for what, _ in zmq_poll(items, math.ceil(min(wait, IDLE_S) * 1000)):
+                if what is sock:
+                    self._receive()
+                else:
+                    self._lead_wake.drain()
+
+    def _wait(self, entry: _Pending, lead_until: float, until: float, wait_s: float) -> Any:
+        """call()'s wait, holding the socket on entry: lead, or follow while another thread leads.
+        A leader polls until its request's deadline (`lead_until`) at most, then fails it itself."""
+        leading = True
+        while True:
+            if leading:
+                try:
+                    self._lead(entry, lead_until)
+                finally:
+                    self._release()
+                leading = False
+            if entry.done:
+                return entry.outcome()
+            now = time.monotonic()
+            self._expire(now)
+            if entry.done:
+                return entry.outcome()
+            if now >= until:
+                raise TimeoutError(f"{entry.op}: no reply within {wait_s:g}s (call's timeout)")
+            with self._turn:
+                self._followers += 1
+                try:
+                    while (not entry.done and (self._want or self._sock_lock.locked())
+                           and (now := time.monotonic()) < until):
+                        self._turn.wait(min(until - now, IDLE_S))
+                finally:
+                    self._followers -= 1
+            if not entry.done and not self._want and self._sock_lock.acquire(blocking=False):
+                self._owner = threading.get_ident()
+                leading = True
+
+    def _receive(self) -> None:
+        """Receive one queued reply and hand it to its request. The reply frame is copied (it is small), payload
+        frames are not."""
+        head = self._sock.recv(zmq.NOBLOCK)
+        frames = self._sock.recv_multipart(copy=False) if self._sock.get(zmq.RCVMORE) else []
+        try:
+            reply = P.decode_reply(head)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return  # not ours to answer; the request it belonged to times out
+        entry = self._pop(reply.id)
+        if entry is None:
+            return  # a heartbeat's answer, or a reply that arrived after its timeout
+        if isinstance(reply, P.Error):
+            entry.finish(None, ServerError(reply.code, reply.message, entry.op))
+        else:
+            entry.finish((reply, [f.buffer for f in frames]), None)
+        if self._followers:
+            with self._turn:
+                self._turn.notify_all()
+
+    def _pop(self, req_id: int) -> _Pending | None:
+        with self._lock:
+            entry = self._pending.pop(req_id, None)
+            if entry is not None and entry.future is not None:
+                self._unwaited -= 1
+        return entry
+
     # ---- I/O thread ----------------------------------------------------------------------------
 
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"w")
-        except OSError:
-            pass
-
     def _run(self) -> None:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.endpoint)
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
         next_beat: dict[int, float] = {}
+        idle = select.poll()  # not select.select: a process with many files (vLLM) has descriptors above 1024
+        idle.register(self._io_wake.fd, select.POLLIN)
         try:
-            while not self._closed.is_set():
-                events = dict(poller.poll(timeout=100))
-                if self._wake_r in events:
+            while not self._closed:
+                if self._unwaited and not self._want and self._sock_lock.acquire(blocking=False):
+                    self._owner = threading.get_ident()
                     try:
-                        while os.read(self._wake_r, 4096):
-                            pass
-                    except (BlockingIOError, OSError):
-                        pass
-                while True:
-                    try:
-                        data, frames = self._out.get_nowait()
-                    except queue.Empty:
-                        break
-                    sock.send_multipart([data, *frames], copy=False)
-                if sock in events:
-                    self._receive(sock)
-                self._beat(sock, next_beat)
-                self._expire()
-        finally:
-            sock.close(linger=0)
-            self._fail_all(RuntimeError("client closed"))
+                        self._lead(None, time.monotonic() + IDLE_S)
+                    finally:
+                        self._release()
+                else:
+                    idle.poll(IDLE_S * 1000)
+                    self._io_wake.drain()
+                self._expire(time.monotonic())
+                self._beat(next_beat)
+        except Exception:  # never die silently with requests owed: fail them instead
+            self._fail_all(RuntimeError("the client's I/O thread failed"))
+            raise
 
-    def _receive(self, sock: zmq.Socket) -> None:
-        while True:
-            try:
-                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+    def _beat(self, next_beat: dict[int, float]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            due = [eng for eng, interval in self._keepalive.items() if now >= next_beat.get(eng, 0.0)]
+            intervals = {eng: self._keepalive[eng] for eng in due}
+        if not due or self._closed:
+            return
+        self._acquire()
+        try:
+            if self._closed:
                 return
-            try:
-                reply = P.decode_reply(frames[0].buffer)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                continue  # not ours to answer; the request it belonged to times out
-            with self._lock:
-                entry = self._pending.pop(reply.id, None)
-            if entry is None:
-                continue  # a heartbeat's answer, or a reply that arrived after its timeout
-            fut, _, op = entry
-            if isinstance(reply, P.Error):
-                fut.set_exception(ServerError(reply.code, reply.message, op))
-            else:
-                fut.set_result((reply, [f.buffer for f in frames[1:]]))
+            for eng in due:
+                self._sock.send(P.encode(P.Heartbeat(engine=eng, id=0)), flags=zmq.NOBLOCK)
+                next_beat[eng] = now + intervals[eng]
+            while self._sock.get(zmq.EVENTS) & zmq.POLLIN:  # heartbeat answers, and anything else come in
+                self._receive()
+        except zmq.Again:
+            pass  # the server reads nothing: the next beat tries again
+        finally:
+            self._release()
 
-    def _beat(self, sock: zmq.Socket, next_beat: dict[int, float]) -> None:
-        now = time.monotonic()
+    def _expire(self, now: float) -> None:
         with self._lock:
-            beats = dict(self._keepalive)
-        for eng, interval in beats.items():
-            if now >= next_beat.get(eng, 0.0):
-                sock.send(P.encode(P.Heartbeat(engine=eng, id=0)))
-                next_beat[eng] = now + interval
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            late = [(i, e) for i, e in self._pending.items() if e[1] <= now]
-            for i, _ in late:
-                del self._pending[i]
-        for _, (fut, _, op) in late:
-            fut.set_exception(ServerTimeout(f"{op}: no reply from {self.endpoint} within {self.timeout_s:g}s"))
+            late = [i for i, e in self._pending.items() if e.deadline <= now]
+        for i in late:
+            entry = self._pop(i)
+            if entry is not None:
+                entry.finish(None, ServerTimeout(f"{entry.op}: no reply from {self.endpoint} within "
+                                                 f"{self.timeout_s:g}s"))
+        if late and self._followers:
+            with self._turn:
+                self._turn.notify_all()
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
             pending, self._pending = self._pending, {}
-        for fut, _, _ in pending.values():
-            if not fut.done():
-                fut.set_exception(exc)
+            self._unwaited = 0
+        for entry in pending.values():
+            entry.finish(None, exc)
+        with self._turn:
+            self._turn.notify_all()

@@ -53,8 +53,7 @@ def drop_engine(ctx: Context, eng: Engine, reclaimed: bool) -> None:
     """Forget an engine: unpin its leases, free its reservations (quarantined when it vanished)."""
     leases, reservations = ctx.sessions.remove_engine(eng)
     for lease in leases:
-        for e in lease.entries:
-            ctx.objects.unpin(e)
+        ctx.objects.unpin_all(lease.entries)
     for res in reservations:
         if res.committing:
             res.dead = True  # the copy finishes on its thread, then its slots are freed

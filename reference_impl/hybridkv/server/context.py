@@ -66,9 +66,9 @@ def check_keys(keys: list[bytes], limit: int) -> list[bytes]:
     once but released per entry, so pin counts would drift; chunk keys of one prefix never repeat)."""
     if len(keys) > limit:
         raise RequestError(E.LIMIT, f"{len(keys)} keys in one request; the limit is {limit} (--max-keys)")
-    for i, k in enumerate(keys):
-        if len(k) != KEY_BYTES:
-            raise RequestError(E.BAD_REQUEST, f"key {i} is {len(k)} bytes; chunk keys are {KEY_BYTES} bytes")
+    if any(n != KEY_BYTES for n in set(map(len, keys))):  # the lengths in C; the loop only names the bad key
+        i, k = next((i, k) for i, k in enumerate(keys) if len(k) != KEY_BYTES)
+        raise RequestError(E.BAD_REQUEST, f"key {i} is {len(k)} bytes; chunk keys are {KEY_BYTES} bytes")
     if len(set(keys)) != len(keys):
         seen: dict[bytes, int] = {}
         for i, k in enumerate(keys):

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import enum
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 
 from hybridkv.arena import Arena, ExtentAllocator
 from hybridkv.keys import ObjectKey
@@ -71,10 +71,10 @@ class Entry:
     failed_at: float = 0.0  # monotonic time of its last failed L2 write
     queue: LruQueue | None = None
     gone: bool = False      # dropped from the table (a failed prefetch, an abort)
+    oid: ObjectKey = field(init=False)  # (key, group), the table's key: kept, not rebuilt per queue move
 
-    @property
-    def oid(self) -> ObjectKey:
-        return (self.key, self.group)
+    def __post_init__(self) -> None:
+        self.oid = (self.key, self.group)
 
     @property
     def evictable(self) -> bool:
@@ -93,6 +93,8 @@ class L1Cache:
         self._start_spill = start_spill
         self._l2_has = l2_has
         self._entries: dict[ObjectKey, Entry] = {}
+        # the table's own dict lookup, no Python frame per object: a 71-chunk lookup asks hundreds of times
+        self.get: Callable[[ObjectKey], Entry | None] = self._entries.get
         self._clean, self._dirty = LruQueue(Queue.CLEAN), LruQueue(Queue.DIRTY)
         self._stuck, self._ahead = LruQueue(Queue.STUCK), LruQueue(Queue.AHEAD)
         self.evictions = 0
@@ -100,14 +102,14 @@ class L1Cache:
         self.dropped_unspilled = 0  # evicted with no copy in L2 because L2 refused the write
         self.pending_free = 0  # bytes that in-flight evicting spills will free
         self._pinned = 0
+        # the keys of READY objects, per group: a lookup asks "is every chunk of this prompt READY?" in C,
+        # and a bytes key hashes once (its hash is kept), a (key, group) tuple at every question
+        self.ready_keys: defaultdict[int, set[bytes]] = defaultdict(set)
         self._ready = 0
         self._used = 0
 
     def __len__(self) -> int:
         return len(self._entries)
-
-    def get(self, oid: ObjectKey) -> Entry | None:
-        return self._entries.get(oid)
 
     def entries(self) -> Iterator[Entry]:
         return iter(list(self._entries.values()))
@@ -138,7 +140,8 @@ class L1Cache:
 
     def _place(self, e: Entry, young: bool = True) -> None:
         """Put an entry in the queue its state calls for (or none)."""
-        if not e.evictable or e.gone:
+        # `not e.evictable`, spelled out: every object of every released lease passes here
+        if e.pins or e.spilling or e.gone or e.state is not State.READY:
             self._unqueue(e)
         elif self._start_spill is None or e.in_l2:
             self._enqueue(e, self._clean, young)
@@ -161,8 +164,9 @@ class L1Cache:
         return e
 
     def make_ready(self, e: Entry) -> None:
-        if e.state is not State.READY:
+        if e.state is not State.READY and not e.gone:
             self._ready += 1
+            self.ready_keys[e.group].add(e.key)
         e.state = State.READY
         self._place(e)
 
@@ -172,18 +176,39 @@ class L1Cache:
             e.queue.od.move_to_end(e.oid)
 
     def pin(self, e: Entry) -> None:
-        if e.pins == 0:
-            self._pinned += 1
-        e.pins += 1
-        self._unqueue(e)
+        self.pin_all((e,))
 
     def unpin(self, e: Entry) -> None:
-        if e.pins <= 0:
-            raise AssertionError(f"unpin of object (group {e.group}) that holds no pin")
-        e.pins -= 1
-        if e.pins == 0 and not e.gone:  # a detached entry left the pinned count when it left the table
-            self._pinned -= 1
-            self._place(e)
+        self.unpin_all((e,))
+
+    def pin_all(self, entries: Iterable[Entry]) -> None:
+        """Pin each entry once (a lookup's whole hit in one call: the loop is the per-object cost)."""
+        for e in entries:
+            if e.pins == 0:
+                self._pinned += 1
+            e.pins += 1
+            q = e.queue
+            if q is not None:  # _unqueue, inlined
+                del q.od[e.oid]
+                q.bytes -= e.size
+                e.queue = None
+
+    def unpin_all(self, entries: Iterable[Entry]) -> None:
+        """Drop one pin of each entry; an entry left unpinned goes back to its eviction queue, young end."""
+        clean, ready = self._clean, State.READY
+        clean_when_ready = self._start_spill is None  # without L2 every evictable object is clean
+        for e in entries:
+            if e.pins <= 0:
+                raise AssertionError(f"unpin of object (group {e.group}) that holds no pin")
+            e.pins -= 1
+            if e.pins == 0 and not e.gone:  # a detached entry left the pinned count when it left the table
+                self._pinned -= 1
+                if e.queue is None and e.state is ready and not e.spilling and (clean_when_ready or e.in_l2):
+                    clean.od[e.oid] = e  # _place's most common case, inlined: to the clean queue's young end
+                    clean.bytes += e.size
+                    e.queue = clean
+                else:
+                    self._place(e)
 
     def drop(self, e: Entry) -> None:
         """Free an entry's slot now. The caller guarantees no engine writes or reads it any more."""
@@ -198,6 +223,7 @@ class L1Cache:
             self._used -= e.size
             if e.state is State.READY:
                 self._ready -= 1
+                self.ready_keys[e.group].discard(e.key)
             if e.pins:
                 self._pinned -= 1
         e.gone = True

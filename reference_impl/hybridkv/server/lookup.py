@@ -14,18 +14,13 @@ E = P.ErrorCode
 def hit_length(ctx: Context, eng: Engine, keys: list[bytes], policy: str, missing: set[ObjectKey]) -> int:
     """Longest n such that every needed object of chunks < n exists and every recurrent group
     has its state at chunk n-1 (DESIGN.md: a prefix without its state is a miss at that length)."""
-    groups = eng.layout.attention_groups if policy == "boundary" else range(len(eng.layout.groups))
-
-    def ok(k: bytes, g: int) -> bool:
-        return (k, g) not in missing and ctx.objects.available((k, g), eng.object_bytes[g])
-
-    full = 0
-    for k in keys:
-        if not all(ok(k, g) for g in groups):
-            break
-        full += 1
+    layout = eng.layout
+    groups = layout.attention_groups if policy == "boundary" else range(len(layout.groups))
+    available = ctx.objects.available_prefix
+    full = available(keys, groups, eng.object_bytes, missing)
+    recurrent = layout.recurrent_groups
     for n in range(full, 0, -1):
-        if all(ok(keys[n - 1], g) for g in eng.layout.recurrent_groups):
+        if available(keys[n - 1:n], recurrent, eng.object_bytes, missing):
             return n
     return 0
 
@@ -83,6 +78,15 @@ class LookupOp:
         if self.loading:
             return False
         objects = ctx.objects
+        if not self.pinned and not self.missing:
+            # the common case, every needed object READY in L1: pin them all and answer in one pass
+            n = hit_length(ctx, eng, keys, msg.policy, self.missing)
+            needed = resume_objects(eng.layout, msg.policy, n, msg.skip_chunks)
+            ready = objects.ready([(keys[c], g) for c, g in needed])
+            if ready is not None:
+                objects.pin_all(ready)
+                self._answer(n, needed, ready)
+                return True
         while True:
             n = hit_length(ctx, eng, keys, msg.policy, self.missing)
             needed = resume_objects(eng.layout, msg.policy, n, msg.skip_chunks)
@@ -118,16 +122,18 @@ class LookupOp:
             return False
         wanted = {(keys[c], g) for c, g in needed}
         self._unpin(wanted)
-        entries = [self.pinned[(keys[c], g)] for c, g in needed]
+        self._answer(n, needed, [self.pinned[(keys[c], g)] for c, g in needed])
+        return True
+
+    def _answer(self, n: int, needed: list[tuple[int, int]], entries: list[Entry]) -> None:
+        """Lease the pinned `entries` (one per needed object; they move to the young end of LRU when
+        released) and answer with their places in the arena."""
         locs = [P.ObjectLoc(c, g, e.offset, e.length) for (c, g), e in zip(needed, entries, strict=True)]
-        for e in entries:
-            objects.touch(e)
         lid = 0
         if entries:
-            lid = ctx.sessions.add_lease(eng, msg.request, entries, locs).id
-        ctx.counters.hit_chunks += n
-        ctx.send(self.ident, self.req_id, P.LookupResult(hit_chunks=n, lease=lid, objects=locs), ())
-        return True
+            lid = self.ctx.sessions.add_lease(self.eng, self.msg.request, entries, locs).id
+        self.ctx.counters.hit_chunks += n
+        self.ctx.send(self.ident, self.req_id, P.LookupResult(hit_chunks=n, lease=lid, objects=locs), ())
 
     def _unpin(self, keep: set[ObjectKey]) -> None:
         for oid in [o for o in self.pinned if o not in keep]:

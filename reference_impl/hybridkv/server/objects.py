@@ -10,7 +10,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from operator import attrgetter
+from typing import cast
 
 from hybridkv.arena import Arena
 from hybridkv.server.config import ServerConfig
@@ -27,6 +29,7 @@ SPILL_BATCH = 64          # objects per spill job: one hand-off to a worker, not
 SPILL_BATCH_BYTES = 8 << 20
 SPILL_RETRY_S = 10.0      # an object whose L2 write failed is tried again after this long
 FAILURE_LOG_EVERY_S = 10.0
+_state = attrgetter("state")
 
 
 def spill_batches(entries: list[Entry]) -> Iterator[list[Entry]]:
@@ -75,16 +78,36 @@ class ObjectStore:
             return
         self.l2.probe([(k, g) for k in keys for g in range(groups) if self.l1.get((k, g)) is None])
 
-    def available(self, oid: ObjectKey, length: int) -> bool:
-        """Whether a lookup may count this object as present (READY or LOADING in L1, or in L2)."""
-        e = self.l1.get(oid)
-        if e is not None:
-            return e.state is not State.RESERVED
-        return self.l2 is not None and self.l2.length(*oid) == length
+    def available_prefix(self, keys: list[bytes], groups: Sequence[int], lengths: list[int],
+                         missing: set[ObjectKey]) -> int:
+        """How many leading keys have the object of every one of `groups` available to a lookup: READY or
+        LOADING in L1, or in L2 with the length `lengths[group]`, and not in `missing`. One loop, no call
+        per object: it is the lookup's hit rule over every chunk of a long prompt."""
+        ready = self.l1.ready_keys
+        if not missing and all(ready[g].issuperset(keys) for g in groups):
+            return len(keys)  # the common full hit, every object READY in L1: asked in C
+        get, l2, reserved = self.l1.get, self.l2, State.RESERVED
+        for n, k in enumerate(keys):
+            for g in groups:
+                oid = (k, g)
+                e = get(oid)
+                if (e.state is reserved if e is not None else l2 is None or l2.length(k, g) != lengths[g]) \
+                        or (missing and oid in missing):
+                    return n
+        return len(keys)
 
     def present(self, oid: ObjectKey, length: int) -> bool:
         """Whether a store may skip this object (anywhere in L1, even being written, or in L2)."""
         return self.l1.get(oid) is not None or (self.l2 is not None and self.l2.length(*oid) == length)
+
+    def ready(self, oids: list[ObjectKey]) -> list[Entry] | None:
+        """The entries of these objects when every one is READY in L1 (a lookup's common case: pin and
+        answer at once), else None."""
+        entries = list(map(self.l1.get, oids))  # map and attrgetter: the loops run in C
+        # count() compares by identity first; a set of states would hash each Enum member in Python
+        if None in entries or list(map(_state, entries)).count(State.READY) != len(entries):
+            return None
+        return cast(list[Entry], entries)
 
     def full_reason(self) -> str:
         a = self.l1.alloc
@@ -120,8 +143,11 @@ class ObjectStore:
     def unpin(self, e: Entry) -> None:
         self.l1.unpin(e)
 
-    def touch(self, e: Entry) -> None:
-        self.l1.touch(e)
+    def pin_all(self, entries: Iterable[Entry]) -> None:
+        self.l1.pin_all(entries)
+
+    def unpin_all(self, entries: Iterable[Entry]) -> None:
+        self.l1.unpin_all(entries)
 
     def clear(self, ns: bytes | None) -> int:
         """Drop every evictable object of namespace `ns` (of every namespace when None) from L1 and L2."""

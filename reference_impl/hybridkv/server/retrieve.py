@@ -33,8 +33,7 @@ def retrieve(ctx: Context, ident: bytes, msg: P.Retrieve, frames: Frames) -> Ans
 
 def _unpin(ctx: Context, lease: Lease) -> None:
     ctx.sessions.close_lease(lease)
-    for e in lease.entries:
-        ctx.objects.unpin(e)
+    ctx.objects.unpin_all(lease.entries)
 
 
 def release(ctx: Context, ident: bytes, msg: P.Release, frames: Frames) -> Answer:

@@ -1,0 +1,31 @@
+"""The store / retrieve rule of hybridkv.policy against its statement, pair by pair, for every preset."""
+
+from __future__ import annotations
+
+import pytest
+from hybridkv.policy import chunk_objects, resume_objects
+from hybridkv.presets import preset_layout, preset_names
+
+
+def wanted(kind: str, policy: str, chunk: int, n: int) -> bool:
+    """DESIGN's rule for one object: attention always; recurrent state at every chunk under `all`, only at the
+    last chunk (n-1) under `boundary`."""
+    return kind == "attention" or policy == "all" or chunk == n - 1
+
+
+@pytest.mark.parametrize("name", preset_names())
+@pytest.mark.parametrize("policy", ["boundary", "all"])
+def test_chunk_objects_follow_the_rule_chunk_major_in_group_order(name, policy):
+    layout = preset_layout(name)
+    for first in range(0, 5):
+        for n in range(0, 7):
+            want = [(c, g) for c in range(first, n) for g, grp in enumerate(layout.groups)
+                    if wanted(grp.kind, policy, c, n)]
+            assert chunk_objects(layout, policy, first, n) == want, (first, n)
+
+
+def test_resume_with_every_chunk_held_loads_only_the_boundary_state():
+    layout = preset_layout("tiny-hybrid")
+    assert resume_objects(layout, "boundary", 3, skip=3) == [(2, g) for g in layout.recurrent_groups]
+    assert resume_objects(layout, "boundary", 0, skip=2) == []
+    assert resume_objects(layout, "all", 2, skip=1) == [(1, g) for g in range(len(layout.groups))]
