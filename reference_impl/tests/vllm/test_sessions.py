@@ -2,7 +2,9 @@
 waiting for the reply (vLLM's scheduler must not block on it), so a message sent afterwards on another
 connection can reach the server first. For a Clear that matters: it keeps pinned objects. This is why the
 harness's vLLM multi_turn case once saw `conv0-turn1: the server's hit is 320 tokens, the stored prefixes allow
-exactly 240`: the runner's Clear of the next repeat overtook the EndSession of the last turn's hit."""
+exactly 240`: the runner's Clear of the next repeat overtook the EndSession of the last turn's hit. (Every
+workload was exposed: with that EndSession sent 50 ms late, long_doc_qa fails with doc1-cold hitting 640 tokens
+and fan_out with user0 hitting 320, though only multi_turn had been seen failing.)"""
 
 from __future__ import annotations
 
