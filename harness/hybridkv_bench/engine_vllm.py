@@ -83,7 +83,11 @@ class VllmEngine:
         so, first = eng.step()
         hit = so.scheduled_new_reqs[0].num_computed_tokens if so.scheduled_new_reqs else 0
         total = eng.run()
-        self._worker.wait_idle(self.timeout_s)  # committed, as the simulated engine's store is
+        # committed and every session of the request ended, as the simulated engine's are: the runner's Clear
+        # of the next repeat must find no pin of this request, else a Clear that overtakes the scheduler's
+        # EndSession leaves the hit's objects, and the next repeat's hit is longer than its prompts allow
+        self._worker.wait_idle(self.timeout_s)
+        self._sched.wait_idle(self.timeout_s)
         if w.load_failures != before[4] or w.store_failures != before[5]:
             raise HitMismatch(f"{request_id}: the connector lost a load or a store (see its log)")
         if hit % self.chunk_tokens:

@@ -7,38 +7,13 @@ import os
 import signal
 import time
 
-import numpy as np
 import pytest
 
 # "vllm.config", not "vllm": without vLLM, this folder would import as a namespace package named vllm
 pytest.importorskip("vllm.config", reason="vLLM is not installed here; `nox -s vllm` builds an environment with it")
 from hybridkv.engine.vllm import offline
 from hybridkv.layout import LayoutError
-
-C = 80  # the tiny hybrid's unified block = chunk
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 1000, n).tolist()
-
-
-def run(engine, rid: str, toks: list[int]):
-    engine.add_request(rid, toks)
-    return engine.run()
-
-
-def sched_stats(engine):
-    return engine.scheduler.connector.scheduler_side.stats
-
-
-def worker_stats(engine):
-    return engine.worker.worker_side.stats
-
-
-def settle(engine) -> None:
-    """Wait for A's commits, then forget vLLM's local prefix cache so B's hit can only come from hybridkv."""
-    engine.worker.worker_side.wait_idle(10)
-    assert engine.scheduler.reset_prefix_cache()
+from vllmkit import C, run, sched_stats, settle, tokens, worker_stats
 
 
 def test_prefix_hit_loads_a_s_exact_bytes(serve, make_engine):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -71,6 +73,7 @@ class SchedulerSide:
         self._pending: dict[str, _Pending] = {}
         self._requests: dict[str, _Request] = {}
         self._loads: list[LoadJob] = []
+        self._ending: list[Future] = []  # EndSession replies not in yet (vLLM never waits for them)
         self._connect()
 
     # ---- the server connection ------------------------------------------------------------------
@@ -214,10 +217,27 @@ class SchedulerSide:
         track = self._requests.pop(rid, None)
         if self._client is None or track is None or not track.looked_up:
             return
+        self._ending = [f for f in self._ending if not f.done()]
         try:
-            self._client.submit(P.EndSession(engine=self._engine, request=rid))  # no need to wait for the reply
+            self._ending.append(self._client.submit(P.EndSession(engine=self._engine, request=rid)))
         except Exception as e:
             self._drop_connection(e)
+
+    def wait_idle(self, timeout_s: float) -> None:
+        """Wait until the server has ended the session of every finished request (the harness and tests; vLLM
+        never waits). Its pins then are gone for any later message, on any connection: a Clear sent after this
+        drops every object, where one that overtook the EndSession would leave the last hit's objects pinned.
+        TimeoutError (or the connection's error) when the server did not confirm in time."""
+        pending, self._ending = self._ending, []
+        _, late = wait_futures(pending, timeout=timeout_s)
+        if late:
+            self._ending = [*late, *self._ending]
+            raise TimeoutError(f"the cache server ended {len(pending) - len(late)} of {len(pending)} finished "
+                               f"requests' sessions in {timeout_s:g} s")
+        for f in pending:
+            e = f.exception()
+            if e is not None and not isinstance(e, ServerError):  # an answer, even an error, means it was handled
+                raise ConnectionError(f"the end of a finished request's session was not confirmed: {e}") from e
 
     def close(self) -> None:
         if self._client is not None:

@@ -212,13 +212,15 @@ class WorkerSide:
                     self._drop(e)
 
     def wait_idle(self, timeout_s: float) -> None:
-        """Wait for every in-flight commit (tests and shutdown)."""
+        """Wait for every in-flight commit, then end the sessions of finished requests whose commits were all
+        that kept them open (the harness, tests and shutdown): after this the server holds none of their pins."""
         for hs in [*self._in_flight.values(), *(e.handles for e in self._ending.values())]:
             for h in hs:
                 try:
                     h.wait_committed(timeout_s)
                 except Exception:
                     pass  # counted when its request ends
+        self.request_finished(set())
 
     def close(self) -> None:
         if self.transfer is not None:

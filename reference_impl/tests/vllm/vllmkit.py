@@ -1,0 +1,31 @@
+"""Helpers of the vLLM connector tests (with conftest.py's fixtures): prompts, a request run to its end, the
+connector's counters."""
+
+from __future__ import annotations
+
+import numpy as np
+
+C = 80  # the tiny hybrid's unified block = chunk
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 1000, n).tolist()
+
+
+def run(engine, rid: str, toks: list[int]):
+    engine.add_request(rid, toks)
+    return engine.run()
+
+
+def sched_stats(engine):
+    return engine.scheduler.connector.scheduler_side.stats
+
+
+def worker_stats(engine):
+    return engine.worker.worker_side.stats
+
+
+def settle(engine) -> None:
+    """Wait for A's commits, then forget vLLM's local prefix cache so B's hit can only come from hybridkv."""
+    engine.worker.worker_side.wait_idle(10)
+    assert engine.scheduler.reset_prefix_cache()
