@@ -110,11 +110,9 @@ class PrefetchOp:
             self.todo.clear()  # its engine was unregistered or reclaimed: nobody will look the prefix up
         if self.todo or any(e.state is State.LOADING and not e.gone for e in self.held):
             return False
-        objects = self.ctx.objects
-        for e in self.held:  # in prefix order, so the prefix's first chunks are the oldest of them
-            objects.unpin(e)
-            if not e.gone:
-                objects.touch(e)
+        # in prefix order: each object left unpinned goes to its queue's young end, so the prefix's first
+        # chunks are the oldest of them
+        self.ctx.objects.unpin_all(self.held)
         self.held.clear()
         self.eng.prefetches -= 1
         return True
