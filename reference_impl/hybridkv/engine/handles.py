@@ -57,10 +57,6 @@ class PreparedStore:
         """The server's answer (slots reserved, objects present, objects refused); re-raises a failure."""
         return self.reply.result(timeout)[0]
 
-    @property
-    def answered(self) -> bool:
-        return self.reply.done()
-
 
 @dataclass(eq=False)
 class TransferHandle:

@@ -222,7 +222,7 @@ class KVTransfer:
             prepared.t_submit = h.t_submit  # one span: the store's own prepare is part of it
         else:
             self._check_prepared(prepared, request_id, token_ids, start_chunk)
-            prepared.used = True
+            prepared.used = True  # before anything can fail: an aborted reservation is never used again
             objects = prepared.objects
             try:
                 if prepared.jobs is not None and same_blocks(prepared.block_ids, block_ids):
@@ -232,7 +232,6 @@ class KVTransfer:
             except BaseException:
                 prepared.reply.add_done_callback(self._abort_prepared)
                 raise
-        prepared.used = True
         h.t_prepare = prepared.t_submit
         ready = None
         if self.device.type == "cuda":

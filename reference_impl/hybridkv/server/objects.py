@@ -96,13 +96,6 @@ class ObjectStore:
                     return n
         return len(keys)
 
-    def available(self, oid: ObjectKey, length: int) -> bool:
-        """Whether a lookup may count this one object as present (READY or LOADING in L1, or in L2)."""
-        e = self.l1.get(oid)
-        if e is not None:
-            return e.state is not State.RESERVED
-        return self.l2 is not None and self.l2.length(*oid) == length
-
     def present(self, oid: ObjectKey, length: int) -> bool:
         """Whether a store may skip this object (anywhere in L1, even being written, or in L2)."""
         return self.l1.get(oid) is not None or (self.l2 is not None and self.l2.length(*oid) == length)

@@ -85,7 +85,7 @@ class PrefetchOp:
         objects, counters = self.ctx.objects, self.ctx.counters
         while self.todo:
             oid, length = self.todo[-1]
-            if objects.get(oid) is not None or not objects.available(oid, length):
+            if objects.get(oid) is not None or not objects.present(oid, length):  # absent from L1: in L2?
                 self.todo.pop()  # brought in by a lookup meanwhile, or gone from L2: nothing to read
                 continue
             r = objects.prefetch(oid, self.eng.ns, length)
