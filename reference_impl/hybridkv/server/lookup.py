@@ -78,18 +78,16 @@ class LookupOp:
         if self.loading:
             return False
         objects = ctx.objects
+        n = hit_length(ctx, eng, keys, msg.policy, self.missing)
+        needed = resume_objects(eng.layout, msg.policy, n, msg.skip_chunks)
         if not self.pinned and not self.missing:
             # the common case, every needed object READY in L1: pin them all and answer in one pass
-            n = hit_length(ctx, eng, keys, msg.policy, self.missing)
-            needed = resume_objects(eng.layout, msg.policy, n, msg.skip_chunks)
             ready = objects.ready([(keys[c], g) for c, g in needed])
             if ready is not None:
                 objects.pin_all(ready)
                 self._answer(n, needed, ready)
                 return True
         while True:
-            n = hit_length(ctx, eng, keys, msg.policy, self.missing)
-            needed = resume_objects(eng.layout, msg.policy, n, msg.skip_chunks)
             restart = False
             # Pin what is already in L1 before any prefetch allocates: a prefetch for this lookup must
             # never evict an object this same lookup needs further down its list.
@@ -115,6 +113,8 @@ class LookupOp:
                     self.loading.append(e)
             if not restart:
                 break
+            n = hit_length(ctx, eng, keys, msg.policy, self.missing)  # a miss was found: the hit is shorter
+            needed = resume_objects(eng.layout, msg.policy, n, msg.skip_chunks)
         if self.loading or any((keys[c], g) not in self.pinned for c, g in needed):
             if self.loading and not self.waited:
                 self.waited = True
