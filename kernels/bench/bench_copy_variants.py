@@ -9,7 +9,7 @@ and a short (2 chunks) transfer, it times, wall clock from the first enqueue to 
 - `dma`: hybridkv_kernels' DMA path as `auto` runs it: the plan's runs of pages in two batched driver calls
   (cuMemcpyBatchAsync, CUDA 12.8+) on two streams;
 - `dma-loop`: one `copy_` per contiguous run of pages on one stream (the path without batching);
-- `batch`: one batched driver call for the whole plan on one stream;
+- `batch`: one batched driver call (`hybridkv_kernels.cuda_batch`) for the whole plan on one stream;
 - `triton-B-W`: the one-launch Triton kernel with B KiB per program and W warps.
 Host memory is a shared mapping registered with cudaHostRegister, as the server's arena is. Ceilings: one
 pinned 1 GiB copy each way, and both at once on two streams (bidirectional), measured in the same run.
@@ -19,7 +19,6 @@ With --bidir it also runs a gather and a scatter at once (store while load) per 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import mmap
 import statistics
@@ -28,47 +27,13 @@ import time
 
 import numpy as np
 import torch
-from hybridkv_kernels import PagedLayers, build_plan, run_plan
+from hybridkv_kernels import PagedLayers, build_plan, cuda_batch, run_plan
 from hybridkv_kernels.copy_dma import copy_pages_dma, copy_runs
 from hybridkv_kernels.copy_triton import copy_pages_triton
 
 PAGES = {"qwen36_tp1": 3_211_264, "next_tp1": 1_114_112, "qwen36_tp4": 802_816, "qwen36_tp8": 409_600,
          "block16_64k": 65_536, "block64_256k": 262_144}
 LAYERS_PER_GROUP, GROUPS = 16, 4
-
-
-class BatchCopy:
-    """cuMemcpyBatchAsync through ctypes (the _v2 signature of CUDA 13, else 12.8's with failIdx)."""
-
-    class Loc(ctypes.Structure):
-        _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-    class Attrs(ctypes.Structure):
-        _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", ctypes.c_int * 2),
-                    ("dstLocHint", ctypes.c_int * 2), ("flags", ctypes.c_uint)]
-
-    def __init__(self):
-        lib = ctypes.CDLL("libcuda.so.1")
-        self.v2 = hasattr(lib, "cuMemcpyBatchAsync_v2")
-        self.fn = lib.cuMemcpyBatchAsync_v2 if self.v2 else lib.cuMemcpyBatchAsync
-        self.attrs = self.Attrs(1, (0, 0), (0, 0), 0)  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-        self.idx = (ctypes.c_size_t * 1)(0)
-
-    def __call__(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, stream: int) -> None:
-        n = len(src)
-        s = np.ascontiguousarray(src, dtype=np.uint64)
-        d = np.ascontiguousarray(dst, dtype=np.uint64)
-        z = np.ascontiguousarray(sizes, dtype=np.uint64)
-        args = [d.ctypes.data_as(ctypes.c_void_p), s.ctypes.data_as(ctypes.c_void_p),
-                z.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(n), ctypes.byref(self.attrs), self.idx,
-                ctypes.c_size_t(1)]
-        if not self.v2:
-            fail = ctypes.c_size_t(0)
-            args.append(ctypes.byref(fail))
-        args.append(ctypes.c_void_p(stream))
-        rc = self.fn(*args)
-        if rc != 0:
-            raise RuntimeError(f"cuMemcpyBatchAsync returned {rc}")
 
 
 def host_region(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
@@ -130,7 +95,7 @@ def make_case(page_bytes: int, chunks: int, blocks_per_chunk: int, host: torch.T
     return layers, build_plan("gather", transfers), build_plan("scatter", transfers), off, used
 
 
-def mechanisms(batch: BatchCopy | None):
+def mechanisms(batch: cuda_batch.BatchMemcpy | None):
     s_main = torch.cuda.Stream()
 
     def dma(plan):
@@ -150,7 +115,7 @@ def mechanisms(batch: BatchCopy | None):
         src, dst, sizes = plan.src_addr[starts], plan.dst_addr[starts], lengths * plan.page_bytes
 
         def run():
-            batch(src, dst, sizes, s_main.cuda_stream)
+            batch(dst, src, sizes, s_main.cuda_stream, torch.cuda.current_device())
         return run
 
     def triton(block_kib, warps):
@@ -194,12 +159,9 @@ def main() -> None:
     torch.cuda.init()
     ceil = ceilings(a.reps)
     print(json.dumps(ceil))
-    try:
-        batch = BatchCopy()
-        print(f"batched memcpy: {'cuMemcpyBatchAsync_v2' if batch.v2 else 'cuMemcpyBatchAsync'}")
-    except (OSError, AttributeError) as e:
-        batch = None
-        print(f"batched memcpy unavailable: {e}")
+    batch = cuda_batch.get()  # the library's own wrapper: the bench times the driver call it makes
+    print("batched memcpy: " + ("unavailable" if batch is None else
+                                "cuMemcpyBatchAsync_v2" if batch.v2 else "cuMemcpyBatchAsync"))
     host_bytes = int(a.long_gb * 1e9) + (256 << 20)
     mm, host = host_region(host_bytes)
     gen = np.random.default_rng(0)
