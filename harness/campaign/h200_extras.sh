@@ -4,9 +4,10 @@
 #   bash harness/campaign/h200_extras.sh kernels OUT     # CUDA test suite + copy mechanisms vs the ceiling (~1 min)
 #   bash harness/campaign/h200_extras.sh microbench OUT  # round-trip microbenchmarks beside a bare ZMQ echo (~1 min)
 #   bash harness/campaign/h200_extras.sh l2 OUT          # L2 spill/reload vs the disk's O_DIRECT rates (~2 min)
+#   bash harness/campaign/h200_extras.sh transfer OUT    # transfer tests on CUDA + fixed cost of a store / load (~3 min)
 # Results land in OUT/<part>/; every figure there is beside a ceiling measured in the same run.
 set -euo pipefail
-part=${1:?part: kernels, microbench or l2}
+part=${1:?part: kernels, microbench, l2 or transfer}
 out=${2:?output directory}
 export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
@@ -29,8 +30,21 @@ case "$part" in
   l2)
     "$py" -m hybridkv.cli l2bench scenarios/l2/h200_disk.toml --out "$out/$part/h200_disk"
     ;;
+  transfer)
+    # the transfer library's round-trip tests run on the GPU when one is visible (not only the -m cuda ones)
+    status=0
+    "$py" -m pytest -q -p no:cacheprovider reference_impl/tests/test_transfer.py reference_impl/tests/test_prepare_store.py \
+      > "$out/$part/transfer-tests.log" 2>&1 || status=1
+    tail -3 "$out/$part/transfer-tests.log"
+    # every step of a store and a load on the presets' real pages, then where the queueing of copies goes
+    "$py" -m hybridkv_bench.fixed_cost --device cuda --page-bytes 0 --l1-gib 24 --chunks 2 71 --rounds 30 --json \
+      > "$out/$part/fixed_cost.jsonl" 2>&1 || status=1
+    "$py" -m hybridkv_bench.fixed_cost --device cuda --page-bytes 0 --l1-gib 24 --chunks 2 --rounds 30 --cprofile 25 \
+      > "$out/$part/issue_cprofile.txt" 2>&1 || status=1
+    exit $status
+    ;;
   *)
-    echo "unknown part $part (kernels, microbench or l2)" >&2
+    echo "unknown part $part (kernels, microbench, l2 or transfer)" >&2
     exit 2
     ;;
 esac

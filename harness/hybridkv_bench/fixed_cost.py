@@ -10,9 +10,9 @@ Each step is timed on its own (p50 over `rounds`), then the whole call as an eng
   (what is left on the critical path when the engine prepares at schedule time);
 - `load`: `lookup` + `retrieve()` submitted -> pages written.
 
-A whole store is split by its handle's timestamps: `.to_copy` (submit -> the copier starts: the hand-off
-to the store worker, the prepare's answer, the slots' block lists), `.copier` (plan, copy, wait for it),
-`.to_commit` (copy finished -> committed: the commit round trip).
+A whole store and a whole load are split into steps by their handle's timestamps (`STORE_STEPS`,
+`LOAD_STEPS` below): hand-offs between threads, binding the plan and queueing the copies, waiting for
+them, the commit round trip, and waking the caller.
 
     python -m hybridkv_bench.fixed_cost [--rounds 200] [--chunks 2 71] [--json]
     python -m hybridkv_bench.fixed_cost --device cuda --page-bytes 0 --l1-gib 24   # on a GPU, real pages
@@ -63,6 +63,19 @@ def _p50_us(fn: Callable[[], object], rounds: int) -> float:
     return statistics.median(out) * 1e6
 
 
+# A store: submit -> the copier starts (the hand-off to the store worker, the prepare's answer, the slots'
+# block lists); the plan bound and every copy queued; the wait for the copies; -> the commit sent; the
+# commit round trip (answered on the client's I/O thread); -> the caller woken. A load: the lookup's return
+# -> the copier starts (hand-off to the load worker), the plan built and queued, the wait, -> caller woken.
+STORE_STEPS = ("to_copy", "issue", "wait", "to_send", "commit_rt", "wake")
+LOAD_STEPS = ("to_copy", "issue", "wait", "wake")
+
+
+def _store_steps(h, t0: float, t1: float) -> tuple[float, ...]:
+    return (h.t_copy_start - t0, h.t_copy_issued - h.t_copy_start, h.t_done - h.t_copy_issued,
+            h.t_commit_sent - h.t_done, h.t_committed - h.t_commit_sent, t1 - h.t_committed)
+
+
 def profile(endpoint: str, layout: ModelLayout, chunks: int, rounds: int, device: str = "cpu") -> dict[str, float]:
     """p50 microseconds of each step of a `chunks`-chunk store and load, and of the whole calls."""
     blocks_per_group = chunks + 1
@@ -102,7 +115,7 @@ def profile(endpoint: str, layout: ModelLayout, chunks: int, rounds: int, device
         prep = prepare_abort()
         out["object_blocks"] = _p50_us(lambda: kv._object_blocks(prep.slots, src), rounds)
         jobs = kv._object_blocks(prep.slots, src)
-        triples = kv.wire._slots(jobs)  # type: ignore[attr-defined]
+        triples = kv.wire.slots(jobs)
         transfers = [(kv.groups[o.group], ids, host) for o, ids, host in triples]
         out["build_plan"] = _p50_us(lambda: build_plan("gather", transfers), rounds)
         plan = build_plan("gather", transfers)
@@ -125,20 +138,19 @@ def profile(endpoint: str, layout: ModelLayout, chunks: int, rounds: int, device
                     prep.wait(30)
                 t0 = time.perf_counter()
                 h = kv.store(rid, t, src, prepared=prep).wait_committed(30)
-                spans.append(time.perf_counter() - t0)
-                steps.append((h.t_copy_start - t0, h.t_done - h.t_copy_start, h.t_committed - h.t_done))
+                t1 = time.perf_counter()
+                spans.append(t1 - t0)
+                steps.append(_store_steps(h, t0, t1))
                 assert h.objects == len(objects), (h.objects, len(objects))
                 kv.end_session(rid)
             return run
 
         for name, prepared in (("store", False), ("store_prepared", True)):
             spans = []
-            steps: list[tuple[float, float, float]] = []
+            steps: list[tuple[float, ...]] = []
             _p50_us(whole(prepared), rounds)
             out[name] = statistics.median(spans) * 1e6
-            # where it went: submit -> the copier starts (hand-off, prepare answer, jobs), the copier (plan,
-            # copy, wait), the copy finished -> committed (commit round trip, resolved on the I/O thread)
-            for i, part in enumerate(("to_copy", "copier", "to_commit")):
+            for i, part in enumerate(STORE_STEPS):
                 out[f"{name}.{part}"] = statistics.median(s[i] for s in steps) * 1e6
         stored = tokens()
         kv.store("L", stored, src).wait_committed(30)
@@ -146,17 +158,64 @@ def profile(endpoint: str, layout: ModelLayout, chunks: int, rounds: int, device
 
         lookups: list[float] = []
         loads: list[float] = []
+        load_steps: list[tuple[float, ...]] = []
         for _ in range(rounds):  # each timed alone; the session's end (untimed) drops the pins
             t0 = time.perf_counter()
             hit = kv.lookup("l", stored)
             t1 = time.perf_counter()
-            kv.retrieve(hit, dst).wait(30)
-            loads.append(time.perf_counter() - t0)
+            h = kv.retrieve(hit, dst).wait(30)
+            t2 = time.perf_counter()
+            loads.append(t2 - t0)
             lookups.append(t1 - t0)
+            load_steps.append((h.t_copy_start - t1, h.t_copy_issued - h.t_copy_start, h.t_done - h.t_copy_issued,
+                               t2 - h.t_done))
             kv.end_session("l")
         out["lookup_rt"] = statistics.median(lookups) * 1e6
         out["load"] = statistics.median(loads) * 1e6
+        for i, part in enumerate(LOAD_STEPS):
+            out[f"load.{part}"] = statistics.median(s[i] for s in load_steps) * 1e6
     return out
+
+
+def profile_issue(endpoint: str, layout: ModelLayout, chunks: int, rounds: int, device: str, top: int) -> str:
+    """cProfile of what queues a prepared store's and a load's copies (plan bound or built, copies issued),
+    on this thread, `rounds` times each; the copies are waited for outside the profile."""
+    import cProfile
+    import io
+    import pstats
+
+    blocks_per_group = chunks + 1
+    num_blocks = blocks_per_group * len(layout.groups) * 2
+    pools = vllm_pools(layout, num_blocks, device)
+    alloc = BlockAllocator(num_blocks)
+    src = [alloc.allocate(blocks_per_group) for _ in layout.groups]
+    tokens = np.random.default_rng(chunks).integers(0, 150_000, chunks * layout.default_chunk_tokens() + 1)
+    prof = cProfile.Profile()
+    with KVTransfer(endpoint, layout, pools) as kv:
+        prep = kv.prepare_store("i", tokens, block_ids=src)
+        reply = prep.wait(30)
+        jobs = kv._object_blocks(reply.slots, src)
+        triples = kv.wire.slots(jobs)
+        stream = kv.copies.streams["store"][0]
+        assert prep.pages is not None
+        for direction, half in (("gather", prep.pages), ("scatter", None)):
+            for _ in range(rounds):
+                prof.enable()
+                if half is not None:
+                    hosts = {(o.chunk, o.group): host for o, _, host in triples}
+                    plans = [h.bind([hosts.get(k) for k in order]) for h, order in half.values()]
+                else:
+                    plans = [build_plan("scatter", [(kv.groups[o.group], ids, host) for o, ids, host in triples])]
+                for plan in plans:
+                    run_plan(plan, kv.impl, stream)
+                prof.disable()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+            del direction
+        kv.client.call(P.AbortStore(engine=kv.engine_id, reservation=reply.reservation))
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--l1-gib", type=float, default=0.25)
     ap.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="TOP",
+                    help="instead: cProfile the queueing of a prepared store's and a load's copies, top TOP lines")
     args = ap.parse_args(argv)
     if args.rounds < 1 or args.page_bytes < 0 or args.page_bytes % 16 or any(c < 1 for c in args.chunks):
         ap.error("--rounds and --chunks must be >= 1, --page-bytes 0 or a multiple of 16")
@@ -180,6 +241,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.page_bytes:
                 layout = small_pages(layout, args.page_bytes)
             for chunks in args.chunks:
+                if args.cprofile:
+                    print(f"== {name} TP{tp} {chunks} chunks: store bind + issue, then load build + issue, "
+                          f"{args.rounds} rounds each")
+                    print(profile_issue(server.endpoint, layout, chunks, args.rounds, args.device, args.cprofile))
+                    continue
                 row = profile(server.endpoint, layout, chunks, args.rounds, args.device)
                 if args.json:
                     print(json.dumps({"preset": name, "tp": tp, "chunks": chunks, "device": args.device,

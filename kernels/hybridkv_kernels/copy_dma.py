@@ -44,27 +44,31 @@ def copy_runs(plan: PageCopyPlan) -> tuple[np.ndarray, np.ndarray]:
 _local = threading.local()
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """This thread's side stream on `device`: a store worker and a load worker never share one, so a store
-    and a load keep overlapping (both directions of the link at once)."""
+def _side_stream(stream: torch.cuda.Stream) -> torch.cuda.Stream:
+    """This thread's side stream for main stream `stream`: stores and loads (their own main streams) never
+    share one, whichever thread queues them, so a store and a load keep overlapping (both directions of
+    the link at once)."""
     streams = getattr(_local, "streams", None)
     if streams is None:
         streams = _local.streams = {}
-    side = streams.get(device)
+    side = streams.get(stream.cuda_stream)
     if side is None:
-        side = streams[device] = torch.cuda.Stream(device)
+        side = streams[stream.cuda_stream] = torch.cuda.Stream(stream.device)
     return side
 
 
-def copy_pages_dma(plan: PageCopyPlan, batched: bool | None = None) -> None:
-    """Run `plan` in order with the current stream: on CUDA, when the driver batches memcpys (`batched=None`:
-    whenever available), its runs of pages in two batched driver calls, one on the current stream and one on
-    a side stream joined back to it (two copy engines at work: 0.95-0.98 of the ceiling on the H200 where one
-    batch held 0.92-0.97); else one async `copy_` per run."""
+def copy_pages_dma(plan: PageCopyPlan, batched: bool | None = None, stream: torch.cuda.Stream | None = None) -> None:
+    """Run `plan` in order with `stream` (None: the current stream): on CUDA, when the driver batches memcpys
+    (`batched=None`: whenever available), its runs of pages in two batched driver calls, one on the stream and
+    one on a side stream joined back to it (two copy engines at work: 0.95-0.98 of the ceiling on the H200
+    where one batch held 0.92-0.97); else one async `copy_` per run."""
+    if stream is not None and plan.device.type != "cuda":
+        raise ValueError(f"a CUDA stream was given for a plan on {plan.device}")
     starts, lengths = copy_runs(plan)
     batch = cuda_batch.get() if plan.device.type == "cuda" and batched is not False else None
+    if batch is not None and stream is None:
+        stream = torch.cuda.current_stream(plan.device)
     # The driver refuses batches on the legacy default stream (handle 0): copies queued there go one by one.
-    stream = torch.cuda.current_stream(plan.device) if batch is not None else None
     if batch is not None and stream is not None and stream.cuda_stream != 0:
         device = plan.device.index if plan.device.index is not None else torch.cuda.current_device()
         dst, src, sizes = plan.dst_addr[starts], plan.src_addr[starts], lengths * plan.page_bytes
@@ -72,7 +76,7 @@ def copy_pages_dma(plan: PageCopyPlan, batched: bool | None = None) -> None:
             if len(starts):
                 batch(dst, src, sizes, stream.cuda_stream, device)
             return
-        side = _side_stream(plan.device)
+        side = _side_stream(stream)
         side.wait_stream(stream)  # the side half starts after what the caller queued, as the main half does
         batch(dst[1::2], src[1::2], sizes[1::2], side.cuda_stream, device)
         batch(dst[0::2], src[0::2], sizes[0::2], stream.cuda_stream, device)
@@ -81,6 +85,15 @@ def copy_pages_dma(plan: PageCopyPlan, batched: bool | None = None) -> None:
     if batched:
         raise RuntimeError("batched memcpy was asked for but cannot run here (not a CUDA plan, no driver entry "
                            f"point, {cuda_batch.ENV_SWITCH}=0, or the legacy default stream)")
+    if stream is not None:
+        with torch.cuda.stream(stream):
+            _copy_runs_one_by_one(plan, starts, lengths)
+    else:
+        _copy_runs_one_by_one(plan, starts, lengths)
+
+
+def _copy_runs_one_by_one(plan: PageCopyPlan, starts: np.ndarray, lengths: np.ndarray) -> None:
+    """One async `copy_` per run, on the current stream (on a CPU: memcpy)."""
     flats: dict[tuple[int, int], torch.Tensor] = {}  # (address, size) -> flat byte view of a storage
     gather = plan.direction == "gather"
     pb = plan.page_bytes

@@ -83,6 +83,9 @@ def run_plan(plan: PageCopyPlan, engine: str = "auto", stream: torch.cuda.Stream
     and keeps the plan's tensors alive until the copies finish.
     """
     impl = choose_impl(engine, plan.page_bytes, plan.device)
+    if impl == "dma":  # takes the stream itself: no switch of the thread's current stream on the hot path
+        copy_pages_dma(plan, stream=stream)
+        return
     runner = _RUNNERS.get(impl) or _triton_runner()
     if stream is not None and plan.device.type != "cuda":
         raise ValueError(f"a CUDA stream was given for a plan on {plan.device}")

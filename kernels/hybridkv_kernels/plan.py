@@ -64,8 +64,11 @@ def _block_ids(ids: Sequence[int] | np.ndarray | torch.Tensor, index: int) -> np
     return arr.astype(np.int64, copy=False)
 
 
-def _check_object(obj: torch.Tensor, layers: PagedLayers, n: int, device: torch.device, index: int) -> None:
-    """Reject an object tensor of the wrong type, size or place for its transfer."""
+def _check_object(obj: torch.Tensor, layers: PagedLayers, n: int, device: torch.device, index: int,
+                  pinned: dict[int, bool] | None = None) -> None:
+    """Reject an object tensor of the wrong type, size or place for its transfer. `pinned` memoizes the
+    page-locked test per base tensor within one plan (a driver query per object otherwise: the slots of
+    one arena are views of one registered mapping)."""
     if not isinstance(obj, torch.Tensor):
         raise ValueError(f"transfer {index}: object must be a torch.Tensor, got {type(obj).__name__}")
     if obj.dtype != torch.uint8:
@@ -79,8 +82,16 @@ def _check_object(obj: torch.Tensor, layers: PagedLayers, n: int, device: torch.
     if obj.device == device:
         return
     # A GPU reaches host memory only when it is page-locked (pinned, or cudaHostRegister'ed).
-    if device.type == "cuda" and obj.device.type == "cpu" and obj.is_pinned():
-        return
+    if device.type == "cuda" and obj.device.type == "cpu":
+        # A view is page-locked when its base is: pinned allocations and registered mappings are locked whole.
+        base = obj._base if obj._base is not None else obj
+        ok = pinned.get(id(base)) if pinned is not None else None
+        if ok is None:
+            ok = base.is_pinned()
+            if pinned is not None:
+                pinned[id(base)] = ok
+        if ok:
+            return
     raise ValueError(f"transfer {index}: object on {obj.device} is not reachable from {device} "
                      f"(use a tensor on {device} or page-locked host memory)")
 
@@ -135,8 +146,9 @@ class EnginePages:
         given = [(i, o) for i, o in enumerate(objects) if o is not None]
         if not given:
             raise ValueError("a plan needs at least one transfer")
+        pinned: dict[int, bool] = {}  # the objects hold their bases alive: ids stay unique during the loop
         for i, o in given:
-            _check_object(o, self.layers[i], self.block_ids[i].size, self.device, i)
+            _check_object(o, self.layers[i], self.block_ids[i].size, self.device, i, pinned)
         keep = [i for i, _ in given]
         transfers = tuple(PageTransfer(self.layers[i], self.block_ids[i], o) for i, o in given)
         renumber = np.full(len(objects), -1, dtype=np.int64)

@@ -55,6 +55,16 @@ def blocks_for(kv: KVTransfer, alloc: BlockAllocator, chunks: int) -> list[list[
     return [alloc.allocate(chunks * (kv.chunk_tokens // g.block_tokens) + 1) for g in LAYOUT.groups]
 
 
+def assert_loaded(kv: KVTransfer, pools, src: list[list[int]], dst: list[list[int]], chunks: int) -> None:
+    """The retrieve of `chunks` chunks (boundary policy) wrote into `dst` what the store read from `src`."""
+    for g, grp in enumerate(LAYOUT.groups):
+        bpc = kv.chunk_tokens // grp.block_tokens
+        moved = range(chunks * bpc) if grp.kind == "attention" else [chunks * bpc - 1]
+        for t in pools[g]:
+            for j in moved:
+                assert torch.equal(t[dst[g][j]], t[src[g][j]]), (g, j)
+
+
 @pytest.mark.parametrize("blocks_at_prepare", ["none", "same", "other"])
 def test_prepared_store_round_trips_and_times_the_prepare_apart(engine, blocks_at_prepare):
     """Blocks given to the prepare are planned ahead; a store from other blocks plans its own."""
@@ -77,12 +87,7 @@ def test_prepared_store_round_trips_and_times_the_prepare_apart(engine, blocks_a
     assert hit.hit_chunks == 3
     dst = blocks_for(kv, alloc, 3)
     kv.retrieve(hit, dst).wait(10)
-    for g, grp in enumerate(LAYOUT.groups):
-        bpc = kv.chunk_tokens // grp.block_tokens
-        moved = range(3 * bpc) if grp.kind == "attention" else [3 * bpc - 1]
-        for t in pools[g]:
-            for j in moved:
-                assert torch.equal(t[dst[g][j]], t[src[g][j]]), (g, j)
+    assert_loaded(kv, pools, src, dst, 3)
     kv.end_session("b")
 
 
@@ -234,3 +239,27 @@ def test_close_waits_for_commits_in_flight(server_factory):
     with KVTransfer(srv.endpoint, LAYOUT, pools) as again:
         assert again.lookup("q", tokens).hit_chunks == 3
         again.end_session("q")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_caller_queues_the_copies_of_an_answered_store_and_of_a_retrieve(engine):
+    """shm on CUDA: store(prepared=) with the reservation answered, and retrieve(), queue their copies before
+    they return (no hand-off to a worker before the first byte moves); the bytes are the same."""
+    srv, kv, pools, alloc = engine
+    tokens, src = prompt(kv, 2, 21), blocks_for(kv, alloc, 2)
+    prep = kv.prepare_store("q", tokens, block_ids=src)
+    prep.wait(10)
+    h = kv.store("q", tokens, src, prepared=prep)
+    assert h.t_copy_issued > 0  # queued on this thread, before store() returned
+    h.wait_committed(10)
+    assert h.t_copy_start <= h.t_copy_issued <= h.t_done <= h.t_commit_sent <= h.t_committed
+    kv.end_session("q")
+    hit = kv.lookup("r", tokens)
+    dst = blocks_for(kv, alloc, 2)
+    r = kv.retrieve(hit, dst)
+    assert r.t_copy_issued > 0
+    r.wait(10)
+    assert hit.hit_chunks == 2
+    assert_loaded(kv, pools, src, dst, 2)
+    kv.end_session("r")

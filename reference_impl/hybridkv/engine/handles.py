@@ -70,7 +70,9 @@ class TransferHandle:
     t_submit: float = field(default_factory=time.perf_counter)
     t_prepare: float = 0.0  # a store: when its prepare was submitted (== t_submit unless prepared ahead)
     t_copy_start: float = 0.0
+    t_copy_issued: float = 0.0  # every copy queued (plan bound, DMA or kernel launched); t_done: they finished
     t_done: float = 0.0
+    t_commit_sent: float = 0.0  # a store: its commit sent (t_committed - t_commit_sent: the commit round trip)
     t_committed: float = 0.0
     nbytes: int = 0
     objects: int = 0

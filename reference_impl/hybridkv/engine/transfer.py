@@ -12,68 +12,33 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Literal
 
 import numpy as np
 import torch
-from hybridkv_kernels import CopyEngine, build_plan, choose_impl, plan_pages, run_plan
+from hybridkv_kernels import choose_impl
 
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
+from hybridkv.engine.config import COPY_ENGINES, STREAM_MODES, Streams, TransferConfig
+from hybridkv.engine.copies import Issued, PageCopies
 from hybridkv.engine.handles import Hit, PreparedStore, TransferHandle
 from hybridkv.engine.paged import paged_groups, same_blocks
 from hybridkv.engine.wire import WIRE_FORMATS, WIRES, ObjectJob, WireContext
 from hybridkv.keys import chunk_keys
 from hybridkv.layout import LayoutError, ModelLayout
-from hybridkv.policy import Policy, check_policy, chunk_objects, object_blocks
+from hybridkv.policy import chunk_objects, object_blocks
 
-__all__ = ["COPY_ENGINES", "STREAM_MODES", "WIRE_FORMATS", "Hit", "KVTransfer", "PreparedStore", "TransferConfig",
-           "TransferHandle"]
+__all__ = ["COPY_ENGINES", "STREAM_MODES", "WIRE_FORMATS", "Hit", "KVTransfer", "PreparedStore", "Streams",
+           "TransferConfig", "TransferHandle"]
 
-Streams = Literal["single", "per_group"]
-STREAM_MODES: tuple[Streams, ...] = get_args(Streams)
-COPY_ENGINES: tuple[CopyEngine, ...] = get_args(CopyEngine)
-
-
-@dataclass(frozen=True, slots=True)
-class TransferConfig:
-    """How an engine moves bytes; validated at construction."""
-
-    wire_format: P.WireFormat = "shm"
-    # auto: DMA (one batched driver call per plan where the driver has it) for pages of 400 KB and more
-    # (1 MiB without batching), the one-launch kernel below (as measured on the H200);
-    # kernel / dma / triton / torch pin a choice (see hybridkv_kernels.dispatch)
-    copy_engine: CopyEngine = "auto"
-    streams: Streams = "single"        # single: every group on one stream; per_group: a stream per group (the seed's)
-    # boundary: recurrent state only at the last hit chunk; all: every chunk (the seed's)
-    retrieve_policy: Policy = "boundary"
-    store_policy: Policy = "boundary"  # boundary: recurrent state only at the last stored chunk; all: every chunk
-    chunk_tokens: int = 0              # 0: the layout's unified block size
-    tp_rank: int = 0
-    salt: str = ""
-    timeout_s: float = 60.0
-    name: str = ""
-
-    def __post_init__(self) -> None:
-        for fld, allowed in (("wire_format", WIRE_FORMATS), ("copy_engine", COPY_ENGINES),
-                             ("streams", STREAM_MODES)):
-            if getattr(self, fld) not in allowed:
-                raise ValueError(f"{fld} must be one of {allowed}, got {getattr(self, fld)!r}")
-        check_policy(self.retrieve_policy)
-        check_policy(self.store_policy)
-        if self.chunk_tokens < 0 or self.timeout_s <= 0:
-            raise ValueError(f"chunk_tokens must be >= 0 and timeout_s > 0, got {self.chunk_tokens}, {self.timeout_s}")
-
-
-Direction = Literal["gather", "scatter"]
 Kind = Literal["store", "load"]
-# handle, its prepare, every asked-for object's blocks, the plans' engine halves if made, the event the copies wait for
-_StoreItem = tuple[TransferHandle, PreparedStore, list[ObjectJob], dict | None, "torch.cuda.Event | None"]
-_LoadItem = tuple[TransferHandle, Hit, list[ObjectJob]]
+# A transfer's handle and the worker's step for it: the whole transfer, or the end of one whose copies its
+# caller queued already (a direct wire on CUDA): wait for them, then commit / release.
+_Item = tuple[TransferHandle, Callable[..., None], tuple]
 
 
 class KVTransfer:
@@ -103,16 +68,16 @@ class KVTransfer:
         self.wire = WIRES[config.wire_format](WireContext(
             client=self.client, engine_id=self.engine_id, device=self.device, groups=self.groups,
             dtypes=[g.dtype for g in layout.groups], arena_path=reg.arena_path, arena_bytes=reg.arena_bytes))
-        cuda = self.device.type == "cuda"
-        n_streams = len(self.groups) if config.streams == "per_group" else 1
-        self._streams: dict[Kind, list[torch.cuda.Stream | None]] = {
-            k: [torch.cuda.Stream(self.device) for _ in range(n_streams)] if cuda else [None]
-            for k in ("store", "load")}
+        self.copies = PageCopies(self.groups, self.impl, len(self.groups) if config.streams == "per_group" else 1)
         self._finished: dict[Kind, set[str]] = {"store": set(), "load": set()}
         self._finished_lock = threading.Lock()
         self._commits: set[Future] = set()  # stores' commits in flight (close waits for them)
-        self._store_q: queue.SimpleQueue[_StoreItem | None] = queue.SimpleQueue()
-        self._load_q: queue.SimpleQueue[_LoadItem | None] = queue.SimpleQueue()
+        self._store_q: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        self._load_q: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        # On CUDA a direct wire's copies are queued by the caller of store() / retrieve() (they are
+        # asynchronous there): no hand-off to a worker before the first byte moves, the worker only waits
+        # for them. Elsewhere copies run synchronously, so they stay on the workers.
+        self._issue_in_caller = self.wire.direct and self.device.type == "cuda"
         # Stores and loads on their own threads: a store parked behind L2 never delays a retrieve.
         self._workers = [threading.Thread(target=self._store_worker, name="hkv-store", daemon=True),
                          threading.Thread(target=self._load_worker, name="hkv-load", daemon=True)]
@@ -163,7 +128,17 @@ class KVTransfer:
             h.done.set_result(h)
             h.committed.set_result(h)
             return h
-        self._load_q.put((h, hit, jobs))
+        if self._issue_in_caller:
+            try:
+                issued = self.copies.issue(h, "scatter", self.wire.slots(jobs))
+            except BaseException as e:
+                self._fail(h, e)
+                self._release(hit.lease, wait=False)
+                return h
+            self._load_q.put((h, self._do_load, (hit, lambda: self.copies.wait(h, issued))))
+        else:
+            copy = self.copies.copier(h, "scatter")
+            self._load_q.put((h, self._do_load, (hit, lambda: self.wire.load(h, hit, jobs, copy))))
         return h
 
     def prepare_store(self, request_id: str, token_ids: Sequence[int] | np.ndarray, start_chunk: int = 0,
@@ -186,21 +161,12 @@ class KVTransfer:
         prep = PreparedStore(request_id, keys, start_chunk, objects, reply, t0)
         if jobs:
             try:
-                prep.pages = self._plan_pages("gather", jobs)
+                prep.pages = self.copies.plan_pages("gather", jobs)
             except BaseException:
                 reply.add_done_callback(self._abort_prepared)
                 raise
             prep.block_ids, prep.jobs = block_ids, jobs
         return prep
-
-    def _plan_pages(self, direction: Direction, jobs: list[ObjectJob]) -> dict[int, tuple[Any, list[tuple[int, int]]]]:
-        """Per stream: the engine half of the copy plan over `jobs`' blocks, and the (chunk, group) it lists."""
-        n = len(self._streams["store" if direction == "gather" else "load"])
-        by_stream: dict[int, list[ObjectJob]] = {}
-        for o, ids in jobs:
-            by_stream.setdefault(o.group % n, []).append((o, ids))
-        return {i: (plan_pages(direction, [(self.groups[o.group], ids) for o, ids in js]),
-                    [(o.chunk, o.group) for o, _ in js]) for i, js in by_stream.items()}
 
     def store(self, request_id: str, token_ids: Sequence[int] | np.ndarray,
               block_ids: Sequence[Sequence[int]], start_chunk: int = 0,
@@ -241,7 +207,11 @@ class KVTransfer:
             h.done.set_result(h)
             h.committed.set_result(h)
             return h
-        self._store_q.put((h, prepared, jobs, pages, ready))
+        reply = prepared.reply
+        if self._issue_in_caller and reply.done() and reply.exception() is None:
+            self._store_q.put((h, self._finish_store, self._issue_store(h, reply.result()[0], jobs, pages, ready)))
+        else:
+            self._store_q.put((h, self._do_store, (prepared, jobs, pages, ready)))
         return h
 
     def _check_prepared(self, prep: PreparedStore, request_id: str, token_ids: Sequence[int] | np.ndarray,
@@ -294,22 +264,25 @@ class KVTransfer:
     # ---- workers ------------------------------------------------------------------------------------
 
     def _store_worker(self) -> None:
-        while (item := self._store_q.get()) is not None:
-            self._guarded(item[0], self._do_store, *item)
+        self._work(self._store_q)
 
     def _load_worker(self) -> None:
-        while (item := self._load_q.get()) is not None:
-            self._guarded(item[0], self._do_load, *item)
+        self._work(self._load_q)
+
+    def _work(self, q: queue.SimpleQueue[_Item | None]) -> None:
+        """Run each queued step; a failure is delivered through its handle and the worker keeps going."""
+        while (item := q.get()) is not None:
+            h, fn, args = item
+            try:
+                fn(h, *args)
+            except BaseException as e:
+                self._fail(h, e)
 
     @staticmethod
-    def _guarded(h: TransferHandle, fn, *args) -> None:
-        """Run one transfer; a failure is delivered through the handle and the worker keeps going."""
-        try:
-            fn(*args)
-        except BaseException as e:
-            for f in (h.done, h.committed):
-                if not f.done():
-                    f.set_exception(e)
+    def _fail(h: TransferHandle, e: BaseException) -> None:
+        for f in (h.done, h.committed):
+            if not f.done():
+                f.set_exception(e)
 
     def _resolve_done(self, h: TransferHandle) -> None:
         """The engine's pages are free: report the request to get_finished, then wake waiters."""
@@ -328,68 +301,76 @@ class KVTransfer:
         return [(o, np.asarray(object_blocks(self.layout, self.chunk_tokens, o.group, o.chunk, block_ids[o.group]),
                                dtype=np.int64)) for o in objects]
 
-    def _copier(self, h: TransferHandle, direction: Direction, ready: torch.cuda.Event | None = None,
-                pages: dict | None = None):
-        """The page-copy step a wire strategy runs: timed into `h`, grouped per stream, waited for here.
-        With `pages` (from `_plan_pages`) the plans' engine halves exist: only the objects are bound."""
-        streams = self._streams[h.kind]
-
-        def plans(items: list[tuple[P.ObjectLoc, np.ndarray, torch.Tensor]]) -> list:
-            if pages is not None:
-                hosts = {(o.chunk, o.group): host for o, _, host in items}
-                return [(i, half.bind([hosts.get(k) for k in order])) for i, (half, order) in pages.items()
-                        if any(k in hosts for k in order)]
-            by_stream: dict[int, list] = {}
-            for o, ids, host in items:
-                by_stream.setdefault(o.group % len(streams), []).append((self.groups[o.group], ids, host))
-            return [(i, build_plan(direction, transfers)) for i, transfers in by_stream.items()]
-
-        def copy(items: list[tuple[P.ObjectLoc, np.ndarray, torch.Tensor]]) -> None:
-            if not h.t_copy_start:
-                h.t_copy_start = time.perf_counter()
-            events = []
-            for i, plan in plans(items):
-                s = streams[i]
-                if s is not None and ready is not None:
-                    s.wait_event(ready)
-                run_plan(plan, self.impl, s)
-                if s is not None:
-                    ev = torch.cuda.Event()
-                    ev.record(s)
-                    events.append((ev, plan))  # the plan keeps its tensors alive until the copy ends
-            for ev, _ in events:
-                ev.synchronize()
-            h.t_done = time.perf_counter()
-
-        return copy
-
     def _do_store(self, h: TransferHandle, prep: PreparedStore, jobs: list[ObjectJob], pages: dict | None,
                   ready: torch.cuda.Event | None) -> None:
         reply = prep.wait(self.config.timeout_s + 5)
-        h.skipped, h.refused = len(reply.present), len(reply.refused)
-        if not reply.slots:
-            h.t_copy_start = h.t_done = h.t_committed = time.perf_counter()
-            self._resolve_done(h)
-            h.committed.set_result(h)
+        if self.wire.direct:
+            self._finish_store(h, *self._issue_store(h, reply, jobs, pages, ready))
             return
-
-        def pages_read() -> None:
-            h.nbytes, h.objects = sum(s.length for s in reply.slots), len(reply.slots)
-            self._resolve_done(h)
-
+        if self._nothing_to_store(h, reply):
+            return
         try:
-            by_object = {(o.chunk, o.group): ids for o, ids in jobs}
-            slot_jobs = [(s, by_object[s.chunk, s.group]) for s in reply.slots]
-            commit = self.wire.store(h, reply.reservation, slot_jobs, self._copier(h, "gather", ready, pages), ready,
-                                     pages_read)
+            copy = self.copies.copier(h, "gather", ready, pages)
+            commit = self.wire.store(h, reply.reservation, self._slot_jobs(reply, jobs), copy, ready,
+                                     lambda: self._pages_read(h, reply))
         except BaseException:
             self._abort(reply.reservation)
             raise
-        # Resolved on the client's I/O thread as the reply arrives: no hand-off back to this worker, which
-        # goes on with the next store meanwhile.
+        self._track_commit(h, reply.reservation, commit)
+
+    def _issue_store(self, h: TransferHandle, reply: P.Prepared, jobs: list[ObjectJob], pages: dict | None,
+                     ready: torch.cuda.Event | None) -> tuple[P.Prepared, Issued | BaseException | None]:
+        """A direct wire's store up to its copies queued; what `_finish_store` needs (None: no slots to fill,
+        an exception: queueing failed). Never raises: it runs on the caller's thread, outside the worker."""
+        if not reply.slots:
+            return reply, None
+        try:
+            return reply, self.copies.issue(h, "gather", self.wire.slots(self._slot_jobs(reply, jobs)), ready, pages)
+        except BaseException as e:
+            return reply, e
+
+    def _finish_store(self, h: TransferHandle, reply: P.Prepared, issued: Issued | BaseException | None) -> None:
+        """A direct wire's store after its copies were queued: wait for them, then commit."""
+        if self._nothing_to_store(h, reply):
+            return
+        try:
+            if isinstance(issued, BaseException):
+                raise issued
+            assert issued is not None
+            self.copies.wait(h, issued)
+            self._pages_read(h, reply)
+            commit = self.wire.commit(h, reply.reservation)
+        except BaseException:
+            self._abort(reply.reservation)
+            raise
+        self._track_commit(h, reply.reservation, commit)
+
+    def _nothing_to_store(self, h: TransferHandle, reply: P.Prepared) -> bool:
+        """True (and the handle resolved) when the server held or refused every object: no slot to fill."""
+        h.skipped, h.refused = len(reply.present), len(reply.refused)
+        if reply.slots:
+            return False
+        h.t_copy_start = h.t_done = h.t_committed = time.perf_counter()
+        self._resolve_done(h)
+        h.committed.set_result(h)
+        return True
+
+    @staticmethod
+    def _slot_jobs(reply: P.Prepared, jobs: list[ObjectJob]) -> list[ObjectJob]:
+        """The reserved slots, each with the engine blocks of its object."""
+        by_object = {(o.chunk, o.group): ids for o, ids in jobs}
+        return [(s, by_object[s.chunk, s.group]) for s in reply.slots]
+
+    def _pages_read(self, h: TransferHandle, reply: P.Prepared) -> None:
+        h.nbytes, h.objects = sum(s.length for s in reply.slots), len(reply.slots)
+        self._resolve_done(h)
+
+    def _track_commit(self, h: TransferHandle, reservation: int, commit: Future) -> None:
+        """`committed` follows the commit's reply, on whichever thread receives it (the I/O thread for a
+        payload-carrying commit: this worker goes on with the next store meanwhile)."""
         with self._finished_lock:
             self._commits.add(commit)
-        commit.add_done_callback(lambda f: self._committed(h, reply.reservation, f))
+        commit.add_done_callback(lambda f: self._committed(h, reservation, f))
 
     def _committed(self, h: TransferHandle, reservation: int, commit: Future) -> None:
         with self._finished_lock:
@@ -420,10 +401,13 @@ class KVTransfer:
         except Exception:
             pass  # end_session or the server's reclaim of a silent engine frees it anyway
 
-    def _do_load(self, h: TransferHandle, hit: Hit, jobs: list[ObjectJob]) -> None:
+    def _do_load(self, h: TransferHandle, hit: Hit, move: Callable[[], None]) -> None:
+        """Run `move` (the wire's fetch and copies, or the wait for copies the caller queued), then resolve
+        and release the lease."""
         try:
-            h.t_copy_start = time.perf_counter()  # for raw and legacy formats: fetch, decode and copy
-            self.wire.load(h, hit, jobs, self._copier(h, "scatter"))
+            if not h.t_copy_start:
+                h.t_copy_start = time.perf_counter()  # for raw and legacy formats: fetch, decode and copy
+            move()
             h.t_done = h.t_committed = time.perf_counter()
             h.nbytes, h.objects = hit.nbytes, len(hit.objects)
         except BaseException:
@@ -435,8 +419,9 @@ class KVTransfer:
         # for the release round trip (one fixed cost fewer per retrieve).
         self._release(hit.lease)
 
-    def _release(self, lease: int) -> None:
+    def _release(self, lease: int, wait: bool = True) -> None:
         try:
-            self.client.call(P.Release(engine=self.engine_id, lease=lease))
+            msg = P.Release(engine=self.engine_id, lease=lease)
+            self.client.call(msg) if wait else self.client.submit(msg)
         except Exception:
             pass  # end_session or the server's reclaim drops the pins anyway

@@ -134,9 +134,20 @@ class WireStrategy(ABC):
     """One wire format's engine half: store (gather, then commit) and load (fetch, then scatter)."""
 
     format: ClassVar[P.WireFormat]
+    # True: objects are host memory the engine's copies reach directly (`slots`), and a commit carries no
+    # payload, so the transfer library may queue a transfer's copies on its caller's thread
+    direct: ClassVar[bool] = False
 
     def __init__(self, ctx: WireContext):
         self.ctx = ctx
+
+    def slots(self, jobs: list[ObjectJob]) -> list[tuple[P.ObjectLoc, np.ndarray, torch.Tensor]]:
+        """A direct wire's (object, blocks, host bytes) triples for its objects' locations."""
+        raise NotImplementedError(f"wire format {self.format} moves objects through the socket")
+
+    def commit(self, h: TransferHandle, reservation: int) -> Future:
+        """A direct wire's commit of a reservation whose objects were copied; resolved when answered."""
+        raise NotImplementedError(f"wire format {self.format} commits with its payload (store)")
 
     @abstractmethod
     def store(self, h: TransferHandle, reservation: int, jobs: list[ObjectJob], copy: CopyFn,
@@ -151,9 +162,11 @@ class WireStrategy(ABC):
     def close(self) -> None:  # noqa: B027 - a hook: only strategies that hold something override it
         """Give back what the strategy holds (the arena mapping)."""
 
-    def _commit(self, reservation: int, frames: Sequence = (), blocks: list[list[int]] | None = None) -> Future:
+    def _commit(self, h: TransferHandle, reservation: int, frames: Sequence = (),
+                blocks: list[list[int]] | None = None) -> Future:
         msg = P.CommitStore(engine=self.ctx.engine_id, reservation=reservation, format=self.format,
                             blocks=blocks or [])
+        h.t_commit_sent = time.perf_counter()
         return self.ctx.client.submit(msg, list(frames))
 
 
@@ -161,21 +174,34 @@ class ShmWire(WireStrategy):
     """The GPU writes and reads the server's arena slots directly; only metadata crosses the socket."""
 
     format = "shm"
+    direct = True
 
     def __init__(self, ctx: WireContext):
         super().__init__(ctx)
         self.arena = ArenaMapping.open(ctx.arena_path, ctx.arena_bytes, ctx.device)
 
-    def _slots(self, jobs: list[ObjectJob]) -> list[tuple[P.ObjectLoc, np.ndarray, torch.Tensor]]:
+    def slots(self, jobs: list[ObjectJob]) -> list[tuple[P.ObjectLoc, np.ndarray, torch.Tensor]]:
         return [(o, ids, self.arena.slot(o.offset, o.length)) for o, ids in jobs]
 
+    def commit(self, h: TransferHandle, reservation: int) -> Future:
+        # Sent and answered on this thread (the client's call(): it receives its own reply): the server's
+        # work is a state change, and a reply handed over by the I/O thread cost 3x the round trip (H200).
+        h.t_commit_sent = time.perf_counter()
+        out: Future = Future()
+        try:
+            out.set_result(self.ctx.client.call(P.CommitStore(engine=self.ctx.engine_id, reservation=reservation,
+                                                              format=self.format)))
+        except Exception as e:
+            out.set_exception(e)
+        return out
+
     def store(self, h, reservation, jobs, copy, ready, pages_read) -> Future:
-        copy(self._slots(jobs))
+        copy(self.slots(jobs))
         pages_read()
-        return self._commit(reservation)
+        return self.commit(h, reservation)
 
     def load(self, h, hit, jobs, copy) -> None:
-        copy(self._slots(jobs))
+        copy(self.slots(jobs))
 
     def close(self) -> None:
         self.arena.release()
@@ -202,7 +228,7 @@ class StagedWire(WireStrategy):
         dsts = list(torch.split(staging, lengths))
         copy([(o, ids, d) for (o, ids), d in zip(jobs, dsts, strict=True)])
         pages_read()
-        commit = self._commit(reservation, self.encode(dsts, [self.ctx.dtypes[o.group] for o, _ in jobs]))
+        commit = self._commit(h, reservation, self.encode(dsts, [self.ctx.dtypes[o.group] for o, _ in jobs]))
 
         def reuse(f: Future) -> None:
             # Only after the reply: frames were sent zero-copy from the staging buffer. On a failure it is not
@@ -300,7 +326,7 @@ class CudaIpcWire(WireStrategy):
             ready.synchronize()
         h.t_copy_start = time.perf_counter()
         # the reply means the server read the pages and committed them (the client times a silent server out)
-        commit = self._commit(reservation, blocks=[ids.tolist() for _, ids in jobs])
+        commit = self._commit(h, reservation, blocks=[ids.tolist() for _, ids in jobs])
         commit.result()
         h.t_done = time.perf_counter()
         pages_read()

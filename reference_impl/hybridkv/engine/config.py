@@ -1,0 +1,46 @@
+"""How an engine rank moves bytes (`TransferConfig`): wire format, copy engine, streams, policies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from hybridkv_kernels import CopyEngine
+
+from hybridkv import protocol as P
+from hybridkv.engine.wire import WIRE_FORMATS
+from hybridkv.policy import Policy, check_policy
+
+Streams = Literal["single", "per_group"]
+STREAM_MODES: tuple[Streams, ...] = get_args(Streams)
+COPY_ENGINES: tuple[CopyEngine, ...] = get_args(CopyEngine)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferConfig:
+    """How an engine moves bytes; validated at construction."""
+
+    wire_format: P.WireFormat = "shm"
+    # auto: DMA (one batched driver call per plan where the driver has it) for pages of 400 KB and more
+    # (1 MiB without batching), the one-launch kernel below (as measured on the H200);
+    # kernel / dma / triton / torch pin a choice (see hybridkv_kernels.dispatch)
+    copy_engine: CopyEngine = "auto"
+    streams: Streams = "single"        # single: every group on one stream; per_group: a stream per group (the seed's)
+    # boundary: recurrent state only at the last hit chunk; all: every chunk (the seed's)
+    retrieve_policy: Policy = "boundary"
+    store_policy: Policy = "boundary"  # boundary: recurrent state only at the last stored chunk; all: every chunk
+    chunk_tokens: int = 0              # 0: the layout's unified block size
+    tp_rank: int = 0
+    salt: str = ""
+    timeout_s: float = 60.0
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for fld, allowed in (("wire_format", WIRE_FORMATS), ("copy_engine", COPY_ENGINES),
+                             ("streams", STREAM_MODES)):
+            if getattr(self, fld) not in allowed:
+                raise ValueError(f"{fld} must be one of {allowed}, got {getattr(self, fld)!r}")
+        check_policy(self.retrieve_policy)
+        check_policy(self.store_policy)
+        if self.chunk_tokens < 0 or self.timeout_s <= 0:
+            raise ValueError(f"chunk_tokens must be >= 0 and timeout_s > 0, got {self.chunk_tokens}, {self.timeout_s}")
