@@ -130,6 +130,6 @@ def test_fixed_cost_profile_times_every_step(endpoint):
              "store_prepared", "lookup_rt", "load", *(f"{w}.{s}" for w in ("store", "store_prepared")
                                                       for s in STORE_STEPS), *(f"load.{s}" for s in LOAD_STEPS))
     assert all(row[k] > 0 for k in steps), row
-    for whole in ("store", "store_prepared", "load"):  # the steps follow each other: medians add up to about it
-        parts = sum(row[f"{whole}.{s}"] for s in (LOAD_STEPS if whole == "load" else STORE_STEPS))
-        assert 0.5 * row[whole] <= parts <= 1.5 * row[whole] + (row["lookup_rt"] if whole == "load" else 0), row
+    for whole in ("store", "store_prepared", "load"):  # each step lies inside its whole, round by round
+        for s in LOAD_STEPS if whole == "load" else STORE_STEPS:
+            assert row[f"{whole}.{s}"] <= row[whole], (whole, s, row)
