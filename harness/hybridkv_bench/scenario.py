@@ -46,6 +46,9 @@ WireFormat = Literal["shm", "raw", "pickle", "torch_save", "cuda_ipc"]
 Streams = Literal["single", "per_group"]
 Device = Literal["auto", "cpu", "cuda"]
 EngineKind = Literal["sim", "transformers", "vllm"]  # sim: pages derived from keys; transformers: hf_spec.py
+# How the engines of a workload that runs several at once run: threads of the runner's process, or a
+# process each (as vLLM runs its TP ranks); auto: processes for the sim engine on CUDA (see engines_in_processes)
+EnginesAs = Literal["auto", "threads", "processes"]
 
 # Matrix axes in case-name order: `shm-kernel-single-boundary-all`.
 AXES = ("wire_format", "copy_engine", "streams", "retrieve_policy", "store_policy")
@@ -209,6 +212,7 @@ class Scenario(_Strict, frozen=True):
     matrix: Matrix = Matrix()
     engine: EngineKind = "sim"
     transformers: TransformersSpec = TransformersSpec()  # read when engine = "transformers"
+    engines_as: EnginesAs = "auto"
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):
@@ -224,6 +228,22 @@ class Scenario(_Strict, frozen=True):
         labels = [w.label for w in self.workloads]
         if len(set(labels)) != len(labels):
             raise ValueError(f"workload names must be unique (set `name` to tell them apart): {labels}")
+        if self.engines_as == "processes" and self.engine != "sim":
+            raise ValueError(f"engines_as = 'processes' runs engines of the sim kind only; engine = {self.engine!r} "
+                             "runs its engines in threads (set engines_as = 'threads' or 'auto')")
+
+    def engines_in_processes(self, device_type: str, engines: int) -> bool:
+        """Whether each of a workload's `engines` engines runs in a process of its own on `device_type`.
+
+        One engine runs in the runner's process. Several: as `engines_as` says; `auto` gives processes to
+        the sim engine on CUDA (vLLM runs its TP ranks as processes: in threads of one process the engines
+        serialise on its GIL, and their aggregate rate is the GIL's) and threads elsewhere (CPU runs, the
+        transformers and vllm engines), which start in no time."""
+        if engines < 2:
+            return False
+        if self.engines_as != "auto":
+            return self.engines_as == "processes"
+        return self.engine == "sim" and device_type == "cuda"
 
 
 class Case(msgspec.Struct, frozen=True, kw_only=True):
