@@ -1,7 +1,8 @@
 """The scenario runner behind `hybridkv bench`: every (matrix case, workload) against a fresh cache server.
 
 For each case: start a server process (its own L1 arena, an L2 directory under the run's temp area when
-the scenario has an L2), connect one `SimEngine` per engine of the workload, run the warm-up and measured
+the scenario has an L2), connect one `SimEngine` per engine of the workload (several at once: threads of
+this process, or a process each, `engine_procs`: `Scenario.engines_in_processes`), run the warm-up and measured
 repeats (each starts from an empty namespace: the engines `Clear` theirs), check every hit against
 `ExpectedHits`, sample the server (VRAM by NVML, CUDA libraries mapped, RSS, CPU time, counters), stop it.
 A case that raises, or whose server dies (a watchdog closes the engines' sockets at once instead of
@@ -22,18 +23,29 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO, cast
+from typing import TYPE_CHECKING, TextIO
 
 import msgspec
 import torch
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
-from hybridkv.engine.transfer import WIRE_FORMATS, Hit, KVTransfer, TransferConfig
+from hybridkv.engine.transfer import WIRE_FORMATS, Hit, KVTransfer
 from hybridkv.server.launch import ServerProcess, start_server
 
 from .context import collect_context
-from .engine_sim import EnginePools, HitMismatch, SimEngine
-from .metrics import MODEL_COLUMNS, RequestRow, case_metrics
+from .engine_procs import (
+    CLIENT_TIMEOUT_S,
+    EngineProcs,
+    EngineSpec,
+    RepeatInfo,
+    abort_all,
+    align_barriers,
+    request_index,
+    run_request,
+    sim_transfer,
+)
+from .engine_sim import EnginePools, SimEngine
+from .metrics import RequestRow, case_metrics
 from .prefill import prefill_seconds
 from .probes import sample_server
 from .results import CaseResult, RunWriter
@@ -43,18 +55,16 @@ from .runner_support import (
     Watch,
     case_selected,
     check_endpoint,
-    gpu_index,
     headline,
+    log_tail,
     resolve_device,
-    since,
+    server_log,
 )
 from .scenario import Case, Scenario, ScenarioFile, Workload, engine_gpus, expand_matrix
-from .workloads import ExpectedHits, Plan, Request, build_plan
+from .workloads import ExpectedHits, Plan, build_plan
 
 if TYPE_CHECKING:
     from .hf_model import HFModel
-
-CLIENT_TIMEOUT_S = 300.0  # one call may carry a legacy-format payload of GBs through a serializer
 
 
 @dataclass(slots=True)
@@ -112,9 +122,12 @@ class Runner:
         """Pools live for the whole run (allocating GBs per case would be measured by nobody)."""
         key = (engine, str(device))
         if key not in self._pools:
-            tokens = max(p.max_tokens(engine) for p in self.plans.values())
-            self._pools[key] = EnginePools.for_prompts(self.layout, tokens, device)
+            self._pools[key] = EnginePools.for_prompts(self.layout, self._pool_tokens(engine), device)
         return self._pools[key]
+
+    def _pool_tokens(self, engine: int) -> int:
+        """The longest prompt engine `engine` runs in any workload: what its pools hold."""
+        return max(p.max_tokens(engine) for p in self.plans.values())
 
     def engine_devices(self, workload: Workload) -> list[torch.device]:
         """Where each engine of `workload` runs: on CUDA as `engine_gpus` places it, else all on the CPU."""
@@ -141,9 +154,9 @@ class Runner:
             parent = Path(srv.l2_dir) if srv.l2_dir else self.folder / ".tmp"
             parent.mkdir(parents=True, exist_ok=True)
             flags += ["--l2-dir", str(self._mkdtemp("l2-", parent)), "--l2-gib", f"{srv.l2_gib:.6f}"]
-        logs = self.folder / "server-logs"
-        logs.mkdir(exist_ok=True)
-        with open(logs / f"{label.replace('/', '--')}.log", "w") as log:
+        log_path = server_log(self.folder, label)
+        log_path.parent.mkdir(exist_ok=True)
+        with open(log_path, "w") as log:
             server = start_server(f"ipc://{sock}/server.sock", *flags, l1_gib=srv.l1_gib,
                                   client_timeout=srv.client_timeout_s, stderr=log)
         self._servers.append(server)
@@ -169,47 +182,13 @@ class Runner:
                 case: Case, repeat: int) -> list[RequestRow]:
         rows: list[RequestRow] = []
         lock = threading.Lock()
-        index = {id(r): i for i, r in enumerate(plan.requests)}
-        origin = time.perf_counter()
-        # one barrier per phase for its aligned requests: their transfers start together
-        aligned = [threading.Barrier(n) if (n := sum(1 for r in phase if r.align)) > 1 else None
-                   for phase in plan.phases]
+        index = request_index(plan)
+        info = RepeatInfo(case.name, label, repeat, self.chunk, time.perf_counter())
+        aligned = align_barriers(plan, threading.Barrier)  # aligned requests' transfers start together
 
-        def one(req: Request, step: int) -> None:
-            eng = engines[req.engine]
-            oracle = oracles[plan.ranks[req.engine]]
-            expect = oracle.lookup(req.tokens)
-            barrier = aligned[step]
-            name = f"r{repeat}-{req.name}"
-            if req.think_s or req.hint_tokens:  # multi_turn: the user's think time, the hint sent as it starts
-                hint = eng.kv.prefetch(req.tokens[:req.hint_tokens]) if req.hint_tokens else None
-                time.sleep(req.think_s)  # nothing else runs on this engine meanwhile; the server reads L2
-                if hint is not None:
-                    hint.result(timeout=CLIENT_TIMEOUT_S)  # answered before any read ends; an error fails the case
-            if barrier is not None and req.align:
-                def gate(point: str, barrier: threading.Barrier = barrier) -> None:
-                    if point == req.align:
-                        barrier.wait()
-
-                res = eng.run(name, req.tokens, gate)
-            else:  # other engine kinds' run(request_id, tokens) need not take a gate
-                res = eng.run(name, req.tokens)
-            if res.hit_tokens != expect * self.chunk:
-                raise HitMismatch(f"{req.name}: the server's hit is {res.hit_tokens} tokens, the stored prefixes "
-                                  f"allow exactly {expect * self.chunk} ({expect} chunks of {self.chunk})")
-            oracle.stored(req.tokens)
-            row = RequestRow(case=case.name, workload=label, repeat=repeat, request=index[id(req)], phase=req.phase,
-                             prompt_tokens=len(req.tokens), hit_tokens=res.hit_tokens, lookup_s=res.lookup_s,
-                             store_s=res.store_s, store_done_s=res.store_done_s, load_s=res.load_s,
-                             store_copy_s=res.store_copy_s, load_copy_s=res.load_copy_s,
-                             store_span_s=getattr(res, "store_span_s", 0.0),
-                             prefill_s=res.prefill_s, ttft_s=res.ttft_s, bytes_stored=res.bytes_stored,
-                             bytes_loaded=res.bytes_loaded, verified_chunks=res.verified_chunks,
-                             corrupt_chunks=res.corrupt_chunks, engine=req.engine, step=step,
-                             gpu=gpu_index(eng),
-                             load_start_s=since(getattr(res, "load_start", 0.0), origin),
-                             store_start_s=since(getattr(res, "store_start", 0.0), origin), tier=req.tier,
-                             **{f: getattr(res, f) for f in MODEL_COLUMNS if hasattr(res, f)})
+        def one(req, step: int) -> None:
+            row = run_request(engines[req.engine], oracles[plan.ranks[req.engine]], req, step, index[id(req)], info,
+                              aligned[step])
             with lock:
                 rows.append(row)
 
@@ -234,10 +213,7 @@ class Runner:
                 pass
             except BaseException as exc:  # reported by the main thread
                 errors.append(exc)
-                barrier.abort()
-                for b in aligned:  # a partner waiting to start its transfer with this engine stops too
-                    if b is not None:
-                        b.abort()
+                abort_all([barrier, *aligned])  # a partner waiting to start its transfer with this one stops too
 
         threads = [threading.Thread(target=engine_thread, args=(e,), name=f"hkv-engine-{e}") for e in
                    range(len(engines))]
@@ -263,11 +239,10 @@ class Runner:
             return failed(f"wire_format {axes['wire_format']!r} is not implemented by hybridkv.engine.transfer "
                           f"(it supports {', '.join(WIRE_FORMATS)})")
         salt = f"{label}@{self._nonce}" if self.opt.server else label  # a shared server may hold older runs
-        devices = self.engine_devices(workload)
         clients: list[CacheClient] = []
         engines: list = []  # SimEngine or HFEngine: the same run(request_id, tokens)
+        procs: EngineProcs | None = None  # the engines as processes of their own (engines_in_processes)
         rows: list[RequestRow] = []
-        hook = self.opt.before_retrieve
         server = watch = None
         try:
             server = None if self.opt.server else self._start_server(label, axes["wire_format"])
@@ -277,26 +252,22 @@ class Runner:
             control = CacheClient(endpoint, timeout_s=CLIENT_TIMEOUT_S)
             clients.append(control)
             before, _ = control.call(P.Stats())
-            for e, rank in enumerate(plan.ranks):
-                if self.scenario.engine == "vllm":
-                    from .engine_vllm import VllmEngine  # imports vLLM: only for scenarios that ask for it
-
-                    engines.append(VllmEngine(
-                        self.cfg, endpoint, axes, self.chunk, salt, self._prefill, plan.max_tokens(e),
-                        CLIENT_TIMEOUT_S))
-                    continue
-                client = CacheClient(endpoint, timeout_s=CLIENT_TIMEOUT_S)
-                clients.append(client)
-                # expand_matrix built the axes from the Matrix's Literal tuples; TransferConfig checks them again
-                cfg = TransferConfig(**cast(dict[str, Any], axes), chunk_tokens=self.chunk, tp_rank=rank, salt=salt,
-                                     timeout_s=CLIENT_TIMEOUT_S, name=f"{label}#{e}")
-                pools = self._pools_for(e, devices[e])
-                kv = KVTransfer(endpoint, self.layout, pools.pages, cfg, client=client)
-                engines.append(self._engine(kv, pools, (lambda hit: hook(hit, server)) if hook else None))
+            if self.scenario.engines_in_processes(self.device.type, len(plan.ranks)):
+                if self.opt.before_retrieve:
+                    raise BenchError("the before_retrieve hook runs in the runner's process, not in engine "
+                                     "processes: set engines_as = 'threads' to use it")
+                procs = EngineProcs(self._engine_specs(workload, case, endpoint, salt),
+                                    server.alive if server is not None else None)
+                procs.start()  # the engines build themselves (pools, arena registration) before any repeat
+            else:
+                self._build_engines(workload, case, endpoint, salt, server, clients, engines)
             has_state = bool(self.layout.recurrent_groups)
             for repeat in range(-self.scenario.warmup, self.scenario.repeats):
                 self.status.set(label, f"repeat {repeat + 1} of {self.scenario.repeats}" if repeat >= 0
                                 else f"warm-up {repeat + self.scenario.warmup + 1} of {self.scenario.warmup}")
+                if procs is not None:
+                    rows += procs.repeat(repeat)
+                    continue
                 for eng in {eng.kv.namespace: eng for eng in engines}.values():
                     # an engine id is bound to the connection that registered it: clear through that one
                     eng.kv.client.call(P.Clear(engine=eng.kv.engine_id))
@@ -306,7 +277,9 @@ class Runner:
             after, _ = control.call(P.Stats())
             # Counters and gauges as the server reports them after the case; on a shared server, with the
             # values from before it too (counters of other clients may have moved meanwhile).
-            details = {"server_counters": after.counters}
+            details: dict = {"server_counters": after.counters}
+            if len(plan.ranks) > 1:
+                details["engines_as"] = "processes" if procs is not None else "threads"
             if server is None:
                 details["server_counters_before"] = before.counters
             if server is not None:
@@ -323,11 +296,14 @@ class Runner:
                               details=details), rows
         except Exception as e:
             if server is not None and not server.alive():
-                return failed(f"server exited with status {server.proc.returncode}{self._log_tail(label)}")
+                tail = log_tail(server_log(self.folder, label))
+                return failed(f"server exited with status {server.proc.returncode}{tail}")
             return failed(f"{type(e).__name__}: {e}")
         finally:
             if watch:
                 watch.stop()
+            if procs is not None:
+                procs.close()
             for eng in engines:
                 close = getattr(eng, "close", None)  # the vllm engine closes its connector; SimEngine its KVTransfer
                 (close or eng.kv.close)()
@@ -335,6 +311,34 @@ class Runner:
                 c.close()
             if server is not None:
                 self._stop_server(server)
+
+    def _build_engines(self, workload: Workload, case: Case, endpoint: str, salt: str, server: ServerProcess | None,
+                       clients: list[CacheClient], engines: list) -> None:
+        """The workload's engines in this process, appended to `engines` (their clients to `clients`)."""
+        plan, label, hook = self.plans[workload.label], f"{workload.label}/{case.name}", self.opt.before_retrieve
+        devices = self.engine_devices(workload)
+        for e, rank in enumerate(plan.ranks):
+            if self.scenario.engine == "vllm":
+                from .engine_vllm import VllmEngine  # imports vLLM: only for scenarios that ask for it
+
+                engines.append(VllmEngine(self.cfg, endpoint, case.axes, self.chunk, salt, self._prefill,
+                                          plan.max_tokens(e), CLIENT_TIMEOUT_S))
+                continue
+            client = CacheClient(endpoint, timeout_s=CLIENT_TIMEOUT_S)
+            clients.append(client)
+            pools = self._pools_for(e, devices[e])
+            kv = sim_transfer(endpoint, self.layout, pools.pages, case.axes, self.chunk, rank, salt, f"{label}#{e}",
+                              client)
+            engines.append(self._engine(kv, pools, (lambda hit: hook(hit, server)) if hook else None))
+
+    def _engine_specs(self, workload: Workload, case: Case, endpoint: str, salt: str) -> list[EngineSpec]:
+        """What each engine process of the workload builds: the placement and pool size threads get."""
+        plan, label = self.plans[workload.label], f"{workload.label}/{case.name}"
+        return [EngineSpec(engine=e, rank=rank, device=device, endpoint=endpoint, model=self.scenario.model,
+                           prefill=self.scenario.prefill, axes=case.axes, chunk=self.chunk, salt=salt,
+                           name=f"{label}#{e}", case=case.name, workload=workload.label,
+                           pool_tokens=self._pool_tokens(e), plan=plan)
+                for e, (rank, device) in enumerate(zip(plan.ranks, self.engine_devices(workload), strict=True))]
 
     def _engine(self, kv: KVTransfer, pools: EnginePools, before_retrieve: Callable[[Hit], None] | None):
         """The scenario's engine kind on these pools; a transformers model is built once per run."""
@@ -348,14 +352,6 @@ class Runner:
                             before_retrieve=before_retrieve)
         return SimEngine(kv, pools, self._prefill, timeout_s=CLIENT_TIMEOUT_S,
                          before_retrieve=before_retrieve)
-
-    def _log_tail(self, label: str) -> str:
-        log = self.folder / "server-logs" / f"{label.replace('/', '--')}.log"
-        try:
-            lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
-        except OSError:
-            return ""
-        return f" (last log line: {lines[-1].strip()})" if lines else ""
 
     def _prefill(self, new: int, cached: int) -> float:
         return prefill_seconds(self.scenario.prefill, self.cfg, self.scenario.model.tp, new, cached)

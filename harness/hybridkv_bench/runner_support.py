@@ -6,6 +6,7 @@ from __future__ import annotations
 import fnmatch
 import threading
 import time
+from pathlib import Path
 
 import torch
 from hybridkv import protocol as P
@@ -85,6 +86,20 @@ def gpu_index(engine) -> int:
 def since(t: float, origin: float) -> float:
     """A perf_counter stamp as seconds from the repeat's start (0.0: not recorded)."""
     return t - origin if t else 0.0
+
+
+def server_log(folder: Path, label: str) -> Path:
+    """Where the server of case `label` ("workload/case") writes its log in run folder `folder`."""
+    return folder / "server-logs" / f"{label.replace('/', '--')}.log"
+
+
+def log_tail(log: Path) -> str:
+    """The last non-blank line of a server log, as " (last log line: ...)", or "" when there is none."""
+    try:
+        lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return f" (last log line: {lines[-1].strip()})" if lines else ""
 
 
 def case_selected(pattern: str | None, workload: str, case: Case) -> bool:

@@ -1,10 +1,10 @@
 """Scenario files: a model, a server, a prefill model, workloads and a matrix of transfer axes.
 
-A scenario is TOML decoded strictly into the structs below (an unknown or misspelt key is an error
-naming the key path and the file), then checked against the model's layout (`scenario_sizes.validate`:
-chunk size against the block sizes, L1 against one request, every workload's working set against
-L1 + L2). `expand_matrix` turns the matrix into the list of cases a runner executes;
-`scenario_sizes.scaled` shrinks a scenario for quick CPU runs.
+A scenario is TOML decoded strictly into the structs below and the workload kinds of
+`scenario_workloads` (an unknown or misspelt key is an error naming the key path and the file), then
+checked against the model's layout (`scenario_sizes.validate`: chunk size against the block sizes, L1
+against one request, every workload's working set against L1 + L2). `expand_matrix` turns the matrix
+into the list of cases a runner executes; `scenario_sizes.scaled` shrinks a scenario for quick CPU runs.
 """
 
 from __future__ import annotations
@@ -25,6 +25,20 @@ from hybridkv.presets import HybridModelConfig, hybrid_layout, model_config
 from hybridkv_kernels.engines import CopyEngine
 
 from .hf_spec import TransformersSpec
+from .scenario_workloads import (
+    MAX_THINK_S,
+    Divergence,
+    FanOut,
+    L1Pressure,
+    LongDocQA,
+    MultiEngine,
+    MultiTurn,
+    PrefetchMode,
+    StoreWhileLoad,
+    Workload,
+    _Strict,
+    engine_gpus,
+)
 
 GIB = 1 << 30
 
@@ -32,6 +46,9 @@ WireFormat = Literal["shm", "raw", "pickle", "torch_save", "cuda_ipc"]
 Streams = Literal["single", "per_group"]
 Device = Literal["auto", "cpu", "cuda"]
 EngineKind = Literal["sim", "transformers", "vllm"]  # sim: pages derived from keys; transformers: hf_spec.py
+# How the engines of a workload that runs several at once run: threads of the runner's process, or a
+# process each (as vLLM runs its TP ranks); auto: processes for the sim engine on CUDA (see engines_in_processes)
+EnginesAs = Literal["auto", "threads", "processes"]
 
 # Matrix axes in case-name order: `shm-kernel-single-boundary-all`.
 AXES = ("wire_format", "copy_engine", "streams", "retrieve_policy", "store_policy")
@@ -48,10 +65,6 @@ _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 
 class ScenarioError(ValueError):
     """A scenario file that cannot be run as written; the message names the file and the value."""
-
-
-class _Strict(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    pass
 
 
 class ModelOverrides(_Strict, frozen=True, omit_defaults=True):
@@ -147,146 +160,6 @@ class RatePrefill(_Strict, frozen=True, tag_field="kind", tag="tokens_per_s"):
 PrefillModel = RooflinePrefill | RatePrefill
 
 
-def _positive(struct: msgspec.Struct, *fields: str) -> None:
-    for f in fields:
-        v = getattr(struct, f)
-        if v < 1:
-            raise ValueError(f"{f} must be >= 1, got {v}")
-
-
-class _Workload(_Strict, frozen=True, tag_field="kind"):
-    name: str = ""  # "" : the kind; names must be unique within a scenario
-
-    @property
-    def label(self) -> str:
-        return self.name or self.kind
-
-    @property
-    def kind(self) -> str:
-        return str(type(self).__struct_config__.tag)
-
-
-class LongDocQA(_Workload, frozen=True, tag="long_doc_qa", kw_only=True):
-    """Each document is asked cold (full prefill, store), then warm (lookup, load, prefill the question)."""
-
-    prompt_tokens: int
-    question_tokens: int
-    documents: int = 1
-
-    def __post_init__(self) -> None:
-        _positive(self, "prompt_tokens", "question_tokens", "documents")
-
-
-PrefetchMode = Literal["off", "on", "compare"]
-MAX_THINK_S = 60.0
-
-
-class MultiTurn(_Workload, frozen=True, tag="multi_turn", kw_only=True):
-    """Chats whose prefix grows by `turn_tokens` a turn; every turn after the first resumes the last.
-
-    `think_s`: before each warm turn the engine waits this long, from the moment a frontend knows the
-    user is back (the next message arrives, or the user starts typing) to the request's arrival; TTFT
-    starts at the arrival. `prefetch = "on"` sends `KVTransfer.prefetch(history)` as that time starts.
-    `prefetch = "compare"` runs three passes of fresh conversations in one case and labels their warm
-    turns by tier: `l1` (one conversation after another: the prefix is still in L1), `l2` (conversations
-    interleaved, their working set larger than L1: the prefix comes back from L2 at the lookup) and
-    `l2_prefetch` (the same, with the hint)."""
-
-    system_tokens: int
-    turn_tokens: int
-    turns: int
-    conversations: int = 1
-    think_s: float = 0.0
-    prefetch: PrefetchMode = "off"
-
-    def __post_init__(self) -> None:
-        _positive(self, "system_tokens", "turn_tokens", "turns", "conversations")
-        if not 0 <= self.think_s <= MAX_THINK_S:
-            raise ValueError(f"think_s must lie in [0, {MAX_THINK_S:g}] seconds, got {self.think_s}")
-        if self.prefetch != "off" and self.turns < 2:
-            raise ValueError(f"prefetch = {self.prefetch!r} needs turns >= 2 (a warm turn to prefetch for)")
-        if self.prefetch == "compare" and self.conversations < 2:
-            raise ValueError("prefetch = 'compare' needs conversations >= 2 (interleaved, to push each other to L2)")
-
-
-class FanOut(_Workload, frozen=True, tag="fan_out", kw_only=True):
-    """`requests` requests share one system prompt and differ in a `user_tokens` tail."""
-
-    system_tokens: int
-    user_tokens: int
-    requests: int
-
-    def __post_init__(self) -> None:
-        _positive(self, "system_tokens", "user_tokens", "requests")
-
-
-class Divergence(_Workload, frozen=True, tag="divergence", kw_only=True):
-    """Two prompts share a prefix and differ from a point inside a chunk or exactly at a chunk edge."""
-
-    prompt_tokens: int
-    at: Literal["inside_chunk", "chunk_edge"]
-
-    def __post_init__(self) -> None:
-        _positive(self, "prompt_tokens")
-
-
-class L1Pressure(_Workload, frozen=True, tag="l1_pressure", kw_only=True):
-    """More documents than L1 holds: the early ones must spill to L2 and come back from it."""
-
-    documents: int
-    prompt_tokens: int
-
-    def __post_init__(self) -> None:
-        _positive(self, "documents", "prompt_tokens")
-
-
-class MultiEngine(_Workload, frozen=True, tag="multi_engine", kw_only=True):
-    """`engines` engines at once; engine i is TP rank i % tp (beyond tp: data-parallel replicas).
-
-    `gpus` places engine i on cuda:gpus[i]; empty: engine i on cuda:(i % visible GPUs), so on one GPU
-    they all share cuda:0 and on eight GPUs each TP8 rank has its own (see `engine_gpus`)."""
-
-    engines: int
-    prompt_tokens: int
-    gpus: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        _positive(self, "engines", "prompt_tokens")
-        if self.gpus and len(self.gpus) != self.engines:
-            raise ValueError(f"gpus names {len(self.gpus)} devices for {self.engines} engines: {list(self.gpus)}")
-        if any(g < 0 for g in self.gpus):
-            raise ValueError(f"gpus must be CUDA device indices >= 0, got {list(self.gpus)}")
-
-
-class StoreWhileLoad(_Workload, frozen=True, tag="store_while_load", kw_only=True):
-    """Two engines on one device: one loads document d while the other stores document d+1, as a
-    serving engine stores one request while it resumes another; `rounds` such overlaps."""
-
-    prompt_tokens: int
-    rounds: int = 3
-
-    def __post_init__(self) -> None:
-        _positive(self, "prompt_tokens", "rounds")
-
-
-Workload = LongDocQA | MultiTurn | FanOut | Divergence | L1Pressure | MultiEngine | StoreWhileLoad
-
-
-def engine_gpus(w: Workload, visible: int) -> list[int]:
-    """The CUDA device index of each engine of `w` when `visible` GPUs are visible (see MultiEngine)."""
-    if visible < 1:
-        raise ValueError(f"no CUDA device is visible to place the engines of {w.label} on")
-    if isinstance(w, MultiEngine):
-        if w.gpus:
-            bad = [g for g in w.gpus if g >= visible]
-            if bad:
-                raise ValueError(f"{w.label}: gpus {bad} do not exist; {visible} GPUs are visible")
-            return list(w.gpus)
-        return [i % visible for i in range(w.engines)]
-    engines = 2 if isinstance(w, StoreWhileLoad) else 1
-    return [0] * engines
-
-
 class Exclude(_Strict, frozen=True, omit_defaults=True):
     """A partial assignment of axes; every case that matches all its given axes is left out."""
 
@@ -339,6 +212,7 @@ class Scenario(_Strict, frozen=True):
     matrix: Matrix = Matrix()
     engine: EngineKind = "sim"
     transformers: TransformersSpec = TransformersSpec()  # read when engine = "transformers"
+    engines_as: EnginesAs = "auto"
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):
@@ -354,6 +228,22 @@ class Scenario(_Strict, frozen=True):
         labels = [w.label for w in self.workloads]
         if len(set(labels)) != len(labels):
             raise ValueError(f"workload names must be unique (set `name` to tell them apart): {labels}")
+        if self.engines_as == "processes" and self.engine != "sim":
+            raise ValueError(f"engines_as = 'processes' runs engines of the sim kind only; engine = {self.engine!r} "
+                             "runs its engines in threads (set engines_as = 'threads' or 'auto')")
+
+    def engines_in_processes(self, device_type: str, engines: int) -> bool:
+        """Whether each of a workload's `engines` engines runs in a process of its own on `device_type`.
+
+        One engine runs in the runner's process. Several: as `engines_as` says; `auto` gives processes to
+        the sim engine on CUDA (vLLM runs its TP ranks as processes: in threads of one process the engines
+        serialise on its GIL, and their aggregate rate is the GIL's) and threads elsewhere (CPU runs, the
+        transformers and vllm engines), which start in no time."""
+        if engines < 2:
+            return False
+        if self.engines_as != "auto":
+            return self.engines_as == "processes"
+        return self.engine == "sim" and device_type == "cuda"
 
 
 class Case(msgspec.Struct, frozen=True, kw_only=True):
@@ -473,9 +363,9 @@ from .scenario_sizes import (  # noqa: E402
 )
 
 __all__ = [
-    "AXES", "GIB", "SERVER_HOLDS_CUDA_CONTEXT", "SERVER_IMPORTS_TORCH", "Case", "Divergence", "Exclude", "FanOut",
-    "L1Pressure", "LongDocQA", "Matrix", "ModelOverrides", "ModelSpec", "MultiEngine", "MultiTurn", "PrefillModel",
-    "RatePrefill", "RooflinePrefill", "Scenario", "ScenarioError", "ScenarioFile", "ServerSpec", "StoreWhileLoad",
-    "Workload", "decode_scenario", "engine_gpus", "expand_matrix", "find_scenarios", "load_scenario",
-    "prefix_bytes", "request_prefix_tokens", "scaled", "validate", "working_set_bytes",
+    "AXES", "GIB", "MAX_THINK_S", "SERVER_HOLDS_CUDA_CONTEXT", "SERVER_IMPORTS_TORCH", "Case", "Divergence", "Exclude",
+    "FanOut", "L1Pressure", "LongDocQA", "Matrix", "ModelOverrides", "ModelSpec", "MultiEngine", "MultiTurn",
+    "PrefetchMode", "PrefillModel", "RatePrefill", "RooflinePrefill", "Scenario", "ScenarioError", "ScenarioFile",
+    "ServerSpec", "StoreWhileLoad", "Workload", "decode_scenario", "engine_gpus", "expand_matrix", "find_scenarios",
+    "load_scenario", "prefix_bytes", "request_prefix_tokens", "scaled", "validate", "working_set_bytes",
 ]

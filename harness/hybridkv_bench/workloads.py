@@ -170,7 +170,8 @@ class ExpectedHits:
         self._state: set[bytes] = set()
         self._lock = threading.Lock()
 
-    def _prefixes(self, tokens: np.ndarray) -> list[bytes]:
+    def prefixes(self, tokens: np.ndarray) -> list[bytes]:
+        """One id per full chunk of `tokens`, naming the whole prefix up to that chunk's end."""
         data = np.asarray(tokens, "<u4").tobytes()
         step, out, prev = 4 * self.chunk_tokens, [], b""
         for off in range(0, len(data) - step + 1, step):
@@ -179,7 +180,7 @@ class ExpectedHits:
         return out
 
     def lookup(self, tokens: np.ndarray) -> int:
-        ids = self._prefixes(tokens)
+        ids = self.prefixes(tokens)
         with self._lock:
             full = 0
             for p in ids:
@@ -193,7 +194,7 @@ class ExpectedHits:
         return 0
 
     def stored(self, tokens: np.ndarray) -> None:
-        ids = self._prefixes(tokens)
+        ids = self.prefixes(tokens)
         if not ids:
             return
         with self._lock:
