@@ -76,7 +76,8 @@ EXTRAS = REPO / "harness" / "campaign" / "h200_extras.sh"
 
 def test_extras_name_files_that_exist_and_refuse_a_bad_part(tmp_path):
     text = EXTRAS.read_text()
-    for path in re.findall(r"(scenarios/\S+\.toml|kernels/bench/\S+\.py|(?:harness|reference_impl)/tests/\S+\.py)", text):
+    named = r"(scenarios/\S+\.toml|kernels/bench/\S+\.py|(?:harness|reference_impl)/tests/\S+\.py)"
+    for path in re.findall(named, text):
         assert (REPO / path).exists(), path
     r = subprocess.run(["bash", str(EXTRAS), "nonsense", str(tmp_path)], capture_output=True, text=True)
     assert r.returncode == 2 and "unknown part nonsense" in r.stderr
