@@ -32,6 +32,16 @@ from hybridkv.server.workers import Workers
 log = logging.getLogger("hybridkv.server")
 E = P.ErrorCode
 
+# The handler of each request type, found by the decoded message's exact type (the decoder builds no subclass):
+# one dict lookup, where a match statement tried the types in turn (1-2 us for the later ones).
+HANDLERS: dict[type, Callable[[Context, bytes, Any, Frames], Answer]] = {
+    P.Register: admin.register, P.Unregister: admin.unregister, P.Heartbeat: admin.heartbeat,
+    P.Lookup: lookup.lookup, P.Prefetch: prefetch.prefetch, P.PrepareStore: store.prepare,
+    P.CommitStore: store.commit, P.AbortStore: store.abort, P.ShareCuda: admin.share_cuda,
+    P.Retrieve: retrieve.retrieve, P.Release: retrieve.release, P.EndSession: retrieve.end_session,
+    P.Stats: admin.stats, P.Clear: admin.clear, P.Health: admin.health,
+}
+
 
 class CacheServer:
     """Serves lookups, stores and retrieves for many engines; see docs/protocol.md."""
@@ -214,39 +224,10 @@ class CacheServer:
             self._send(ident, msg.id, *out)
 
     def _dispatch(self, ident: bytes, msg: P.Request, frames: Frames) -> Answer:
-        ctx = self.ctx
-        match msg:
-            case P.Register():
-                return admin.register(ctx, ident, msg, frames)
-            case P.Unregister():
-                return admin.unregister(ctx, ident, msg, frames)
-            case P.Heartbeat():
-                return admin.heartbeat(ctx, ident, msg, frames)
-            case P.Lookup():
-                return lookup.lookup(ctx, ident, msg, frames)
-            case P.Prefetch():
-                return prefetch.prefetch(ctx, ident, msg, frames)
-            case P.PrepareStore():
-                return store.prepare(ctx, ident, msg, frames)
-            case P.CommitStore():
-                return store.commit(ctx, ident, msg, frames)
-            case P.AbortStore():
-                return store.abort(ctx, ident, msg, frames)
-            case P.ShareCuda():
-                return admin.share_cuda(ctx, ident, msg, frames)
-            case P.Retrieve():
-                return retrieve.retrieve(ctx, ident, msg, frames)
-            case P.Release():
-                return retrieve.release(ctx, ident, msg, frames)
-            case P.EndSession():
-                return retrieve.end_session(ctx, ident, msg, frames)
-            case P.Stats():
-                return admin.stats(ctx, ident, msg, frames)
-            case P.Clear():
-                return admin.clear(ctx, ident, msg, frames)
-            case P.Health():
-                return admin.health(ctx, ident, msg, frames)
-        raise RequestError(E.BAD_MESSAGE, f"no handler for {type(msg).__name__}")
+        handler = HANDLERS.get(type(msg))
+        if handler is None:
+            raise RequestError(E.BAD_MESSAGE, f"no handler for {type(msg).__name__}")
+        return handler(self.ctx, ident, msg, frames)
 
     def _send(self, ident: bytes, req_id: int, reply: P.Message, frames: Frames = ()) -> None:
         assert self._sock is not None
