@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import hybridkv.engine.client as client_module
 import pytest
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerError, ServerTimeout
@@ -61,6 +62,24 @@ def test_threads_sharing_a_client_each_get_their_own_reply(client):
         return run
 
     assert run_threads([caller(n, use_submit=n % 3 == 0) for n in range(1, 9)]) == []
+    assert not client._pending  # every request entered in the table (a call that waited) left it
+
+
+def test_a_call_whose_reply_comes_after_a_submits_gets_its_own(client):
+    # call() on a free socket sends and polls alone; when the reply it receives is a submit()'s, that reply
+    # goes to its future and the call waits on for its own
+    eng = Engine(client)
+    keys = eng.keys(4)
+    eng.store(keys)
+    for i in range(200):
+        n = 1 + i % 4
+        fut = client.submit(P.Lookup(engine=eng.id, request="s", keys=keys[:n], pin=False))
+        res, frames = client.call(P.Lookup(engine=eng.id, request="c", keys=keys[:5 - n], pin=False))
+        assert res.hit_chunks == 5 - n and frames == []
+        assert fut.result(30)[0].hit_chunks == n
+        with pytest.raises(ServerError, match="unknown_lease"):
+            client.call(P.Release(engine=eng.id, lease=1))
+    assert not client._pending
 
 
 def test_a_reply_callback_may_submit_but_not_call(client):
@@ -84,7 +103,14 @@ def test_a_reply_callback_may_submit_but_not_call(client):
     assert all("reply callback" in str(e) for e in errors)
 
 
-def test_a_thread_sends_while_another_waits_on_a_stalled_server(server):
+# IDLE_S 5 s: the waiting calls are still in the one poll of a call() that found the socket free, which only the
+# other thread's wake-up (or close()) ends before 5 s; at the default they have gone on to lead or follow
+ALONE = pytest.mark.parametrize("idle_s", [client_module.IDLE_S, 5.0], ids=["leading", "polling-alone"])
+
+
+@ALONE
+def test_a_thread_sends_while_another_waits_on_a_stalled_server(server, monkeypatch, idle_s):
+    monkeypatch.setattr(client_module, "IDLE_S", idle_s)
     with CacheClient(server.endpoint, timeout_s=60) as c:
         c.call(P.Health())
         replies: list = []
@@ -97,16 +123,19 @@ def test_a_thread_sends_while_another_waits_on_a_stalled_server(server):
             second = threading.Thread(target=lambda: replies.append(c.call(P.Health())))
             sender.start()
             second.start()
-            sender.join(20)
+            sender.join(3)
             assert sent, "submit() waited for another thread's reply instead of sending"
             assert waiting.is_alive() and second.is_alive()
         waiting.join(30)
         second.join(30)
         assert [r[0].status for r in replies] == ["ok", "ok"]
         assert sent[0].result(30)[0].status == "ok"
+        assert not c._pending
 
 
-def test_close_ends_the_waits_of_every_thread(server):
+@ALONE
+def test_close_ends_the_waits_of_every_thread(server, monkeypatch, idle_s):
+    monkeypatch.setattr(client_module, "IDLE_S", idle_s)
     c = CacheClient(server.endpoint, timeout_s=60)
     c.call(P.Health())
     errors: list[BaseException] = []
@@ -123,10 +152,11 @@ def test_close_ends_the_waits_of_every_thread(server):
             t.start()
         time.sleep(0.3)
         fut = c.submit(P.Health())
+        started = time.monotonic()
         c.close()
         for t in threads:
             t.join(20)
-        assert not any(t.is_alive() for t in threads)
+        assert not any(t.is_alive() for t in threads) and time.monotonic() - started < 4
     assert len(errors) == 3 and all("client closed" in str(e) for e in errors)
     with pytest.raises(RuntimeError, match="client closed"):
         fut.result(10)

@@ -187,6 +187,16 @@ def test_stats_clear_health_unregister(client):
         eng.lookup(keys)
 
 
+def test_every_request_type_has_a_handler():
+    """The loop finds handlers by the decoded message's type: a request type added to the protocol without
+    one would be answered bad_message by every server."""
+    from typing import get_args
+
+    from hybridkv.server.loop import HANDLERS
+
+    assert set(HANDLERS) == set(get_args(P.Request))
+
+
 def test_many_engines_interleaved(server):
     """TP ranks of one model and another model, each from its own client, requests interleaved."""
     import threading

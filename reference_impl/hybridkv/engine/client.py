@@ -5,7 +5,10 @@ request itself and then *leads*: it holds the socket, polls it and hands every r
 answers, its own included, until its own reply has come. No other thread is woken on that path
 (issue 15: two thread hand-offs per request cost more than the server's work). Another thread that needs
 the socket meanwhile asks the leader to step down (a byte on a wake-up socket) and takes over; the old
-leader then waits as a follower until its reply is handed to it or the socket is free again.
+leader then waits as a follower until its reply is handed to it or the socket is free again. A call() that
+finds the socket free sends and polls once without entering its request in the table of pending requests;
+only if what comes first is not its reply (another's reply, a wake-up, IDLE_S passing) does it enter it and
+go on as above, so a lone caller's round trip takes no table lock.
 
 The I/O thread sends heartbeats, fails requests past their timeout, and receives for requests whose
 sender is not waiting on them in `call()` (those of `submit()`), when no caller leads. Replies are
@@ -150,9 +153,12 @@ class CacheClient:
     def call(self, msg: P.Message, frames: list | tuple = (), timeout: float | None = None):
         """Send and wait: returns (reply, frames); raises ServerError or ServerTimeout (or TimeoutError
         when `timeout` is shorter than the client's and passes first)."""
-        if self._owner == threading.get_ident():
+        me = threading.get_ident()
+        if self._owner == me:
             raise RuntimeError("call() from a reply callback would wait on the thread that must receive its reply")
         wait_s = timeout if timeout is not None else self.timeout_s + 5
+        if not frames and self._sock_lock.acquire(False):  # the socket is free: the common case, one caller
+            return self._call_alone(msg, wait_s, me)
         entry = self._register(msg, None)
         until = time.monotonic() + wait_s
         self._acquire()
@@ -262,20 +268,66 @@ class CacheClient:
     def _lead(self, entry: _Pending | None, until: float) -> None:
         """Receive for everyone until `entry` is answered (None: until no submit() reply is owed), someone
         else wants the socket, the client closes, or `until`. The caller holds the socket."""
-        sock, items = self._sock, self._poll_items
         while not self._closed:
             if (entry.done if entry is not None else not self._unwaited) or self._want:
                 return
             wait = until - time.monotonic()
             if wait <= 0:
                 return
-            # one reply per poll: zmq_poll is level-triggered, so the next poll sees any reply still queued
-            # (cheaper than asking EVENTS after each reply or receiving until zmq.Again)
-            for what, _ in zmq_poll(items, math.ceil(min(wait, IDLE_S) * 1000)):
-                if what is sock:
-                    self._receive()
-                else:
-                    self._lead_wake.drain()
+            reply, frames = self._poll_once(wait)
+            if reply is not None:
+                self._hand(reply, frames)
+
+    def _poll_once(self, wait: float) -> tuple[P.Reply | None, list]:
+        """Poll the socket and the wake-up up to `wait` s (IDLE_S at most); the reply received, if any.
+        One reply per poll: zmq_poll is level-triggered, so the next poll sees any reply still queued
+        (cheaper than asking EVENTS after each reply or receiving until zmq.Again)."""
+        got: tuple[P.Reply | None, list] = (None, [])
+        for what, _ in zmq_poll(self._poll_items, math.ceil(min(wait, IDLE_S) * 1000)):
+            if what is self._sock:
+                got = self._recv_reply()
+            else:
+                self._lead_wake.drain()
+        return got
+
+    def _call_alone(self, msg: P.Message, wait_s: float, me: int) -> Any:
+        """call() that found the socket free (thread `me` holds it now): send, poll once, and when what comes
+        is this request's reply, return it without a pending entry (no table lock, no entry to pop).
+        Anything else (another reply, a thread wanting the socket, no reply within IDLE_S) enters the entry
+        in the table first and goes on as _wait(), still leading: so every reply is handed to its request,
+        the I/O thread's timeouts and close() see this request, and a thread that wants the socket gets it."""
+        self._owner = me
+        now = time.monotonic()
+        until = now + wait_s
+        deadline = now + self.timeout_s
+        lead_until = min(until, deadline)
+        msg.id = req_id = next(self._ids)
+        try:
+            if self._closed:
+                raise RuntimeError("client is closed")
+            try:
+                self._sock.send(P.encode(msg), zmq.NOBLOCK)
+            except zmq.Again:  # the server reads nothing: _send waits for room in the send queue
+                reply = None
+                entry = self._enlist(req_id, _Pending(deadline, type(msg).__name__, None))
+                self._send(msg, (), entry)
+            else:
+                reply, frames = (None, []) if self._want or lead_until <= now else self._poll_once(lead_until - now)
+                if reply is None or reply.id != req_id:
+                    # entered before another's reply is handed on: its callback may close()
+                    entry = self._enlist(req_id, _Pending(deadline, type(msg).__name__, None))
+                    if reply is not None:
+                        self._hand(reply, frames)
+                        reply = None
+        except BaseException:
+            self._release()
+            raise
+        if reply is None:  # not (yet) this request's reply
+            return self._wait(entry, lead_until, until, wait_s)
+        self._release()
+        if isinstance(reply, P.Error):
+            raise ServerError(reply.code, reply.message, type(msg).__name__)
+        return reply, [f.buffer for f in frames] if frames else []
 
     def _wait(self, entry: _Pending, lead_until: float, until: float, wait_s: float) -> Any:
         """call()'s wait, holding the socket on entry: lead, or follow while another thread leads.
@@ -309,14 +361,24 @@ class CacheClient:
                 leading = True
 
     def _receive(self) -> None:
-        """Receive one queued reply and hand it to its request. The reply frame is copied (it is small), payload
-        frames are not."""
-        head = self._sock.recv(zmq.NOBLOCK)
-        frames = self._sock.recv_multipart(copy=False) if self._sock.get(zmq.RCVMORE) else []
+        """Receive one queued reply and hand it to its request."""
+        reply, frames = self._recv_reply()
+        if reply is not None:
+            self._hand(reply, frames)
+
+    def _recv_reply(self) -> tuple[P.Reply | None, list]:
+        """One queued reply: (the reply, None when it does not decode, and its payload frames). No frame is
+        copied, and the reply frame says itself whether payload frames follow (sock.get(RCVMORE) costs
+        about a microsecond: pyzmq builds an enum on every call)."""
+        head = self._sock.recv(zmq.NOBLOCK, copy=False)
+        frames = self._sock.recv_multipart(copy=False) if head.more else []
         try:
-            reply = P.decode_reply(head)
+            return P.decode_reply(head.buffer), frames
         except (msgspec.DecodeError, msgspec.ValidationError):
-            return  # not ours to answer; the request it belonged to times out
+            return None, frames  # not ours to answer; the request it belonged to times out
+
+    def _hand(self, reply: P.Reply, frames: list) -> None:
+        """Finish the request `reply` answers, if it is still pending."""
         entry = self._pop(reply.id)
         if entry is None:
             return  # a heartbeat's answer, or a reply that arrived after its timeout
@@ -327,6 +389,13 @@ class CacheClient:
         if self._followers:
             with self._turn:
                 self._turn.notify_all()
+
+    def _enlist(self, req_id: int, entry: _Pending) -> _Pending:
+        """Enter a call()'s entry that _call_alone() sent without one; the caller holds the socket, so close()
+        cannot have failed the table's entries yet (it fails them holding the socket)."""
+        with self._lock:
+            self._pending[req_id] = entry
+        return entry
 
     def _pop(self, req_id: int) -> _Pending | None:
         with self._lock:
