@@ -36,6 +36,7 @@ import msgspec
 import numpy as np
 import torch
 from hybridkv import protocol as P
+from hybridkv.engine.client import CacheClient
 from hybridkv.engine.transfer import KVTransfer
 from hybridkv.layout import ModelLayout
 from hybridkv.policy import chunk_objects
@@ -218,6 +219,26 @@ def profile_issue(endpoint: str, layout: ModelLayout, chunks: int, rounds: int, 
     return out.getvalue()
 
 
+IDLE_GAPS_S = (0.0, 0.0005, 0.002, 0.005, 0.02)
+
+
+def idle_round_trips(endpoint: str, rounds: int) -> dict[str, float]:
+    """p50 microseconds of a Health round trip after the client and server sat idle for each gap: what a
+    commit pays after its copies (the processes' threads and ZMQ's I/O threads sleep meanwhile)."""
+    out: dict[str, float] = {}
+    with CacheClient(endpoint, timeout_s=30) as c:
+        for gap in IDLE_GAPS_S:
+            spans = []
+            for _ in range(rounds):
+                if gap:
+                    time.sleep(gap)
+                t0 = time.perf_counter()
+                c.call(P.Health())
+                spans.append(time.perf_counter() - t0)
+            out[f"after {gap * 1e3:g} ms idle"] = statistics.median(spans) * 1e6
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hybridkv_bench.fixed_cost", description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=200)
@@ -226,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--l1-gib", type=float, default=0.25)
     ap.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
+    gaps = ", ".join(f"{g * 1e3:g}" for g in IDLE_GAPS_S)
+    ap.add_argument("--idle-rt", action="store_true", help=f"instead: a round trip's p50 after idle gaps of {gaps} ms")
     ap.add_argument("--cprofile", type=int, default=0, metavar="TOP",
                     help="instead: cProfile the queueing of a prepared store's and a load's copies, top TOP lines")
     args = ap.parse_args(argv)
@@ -236,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     d = tempfile.mkdtemp(prefix="hkv-", dir="/tmp")
     server = start_server(f"ipc://{d}/s.sock", l1_gib=args.l1_gib)
     try:
+        if args.idle_rt:
+            row = idle_round_trips(server.endpoint, args.rounds)
+            print(json.dumps({"idle_rt_p50_us": row}) if args.json else
+                  "Health round trip (p50 us): " + "  ".join(f"{k} {v:.0f}" for k, v in row.items()))
+            return 0
         for name, tp in PRESETS:
             layout = preset_layout(name, tp)
             if args.page_bytes:

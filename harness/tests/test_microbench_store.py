@@ -133,3 +133,11 @@ def test_fixed_cost_profile_times_every_step(endpoint):
     for whole in ("store", "store_prepared", "load"):  # each step lies inside its whole, round by round
         for s in LOAD_STEPS if whole == "load" else STORE_STEPS:
             assert row[f"{whole}.{s}"] <= row[whole], (whole, s, row)
+
+
+def test_idle_round_trips_time_every_gap(endpoint):
+    """The idle-gap probe (why a commit after its copies costs more than a round trip in a loop) runs for real."""
+    from hybridkv_bench.fixed_cost import IDLE_GAPS_S, idle_round_trips
+
+    row = idle_round_trips(endpoint, rounds=2)
+    assert len(row) == len(IDLE_GAPS_S) and all(v > 0 for v in row.values()), row
