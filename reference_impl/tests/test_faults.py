@@ -229,6 +229,44 @@ def test_sigterm_exits_cleanly_and_unlinks_the_arena(server_factory):
     assert "stopped" in srv.proc.stdout.read()
 
 
+_STARTER = textwrap.dedent("""
+    import sys, time
+    from hybridkv.server.launch import start_server
+    srv = start_server(sys.argv[1], l1_gib=0.01)
+    print(srv.proc.pid, srv.arena_path, flush=True)
+    time.sleep(600)
+""")
+
+
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie nobody reaped yet (in a container without an init that reaps)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def test_a_server_started_by_start_server_exits_when_its_starter_is_killed(sock_dir):
+    """--exit-with-parent: a harness or test killed by SIGKILL leaves no server and no arena behind."""
+    starter = subprocess.Popen([sys.executable, "-c", _STARTER, f"ipc://{sock_dir}/orphan.sock"],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert starter.stdout is not None
+        pid_s, arena = starter.stdout.readline().split()
+        pid = int(pid_s)
+        assert Path(arena).exists() and not _exited(pid)
+        starter.kill()
+        starter.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not (_exited(pid) and not Path(arena).exists()):
+            time.sleep(0.05)
+        assert _exited(pid), "the server outlived the process that started it"
+        assert not Path(arena).exists(), "the orphaned server's arena stayed in /dev/shm"
+    finally:
+        starter.kill()
+        starter.wait()
+
+
 _CUDA_LIBS = ("libcuda", "libcudart", "libnvidia", "libtorch_cuda", "libnvrtc")
 
 

@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "of L1 is free or clean (default: %(default)s)")
     p.add_argument("--flush-on-exit", action="store_true",
                    help="with L2: write every L1 object to L2 on shutdown, so a restart finds it")
+    p.add_argument("--exit-with-parent", action="store_true",
+                   help="stop cleanly (the arena removed) when the process that started the server exits, "
+                        "even by SIGKILL: for servers a harness or a test starts")
     p.add_argument("--cuda-ipc", action="store_true",
                    help="also serve the cuda_ipc baseline format: the server maps engines' GPU pages and "
                         "copies itself, so it creates a CUDA context and holds VRAM (for comparison only)")
@@ -175,7 +178,8 @@ def run(args: argparse.Namespace) -> int:
             max_message_bytes=args.max_message_bytes, max_frame_bytes=args.max_frame_bytes,
             max_engines=args.max_engines, max_leases=args.max_leases, max_reservations=args.max_reservations,
             max_queued_replies=args.max_queued_replies, max_pending=args.max_pending,
-            max_prefetches=args.max_prefetches, l2_redis=l2_redis)
+            max_prefetches=args.max_prefetches, l2_redis=l2_redis,
+            parent_pid=os.getppid() if args.exit_with_parent else 0)
         server = CacheServer(cfg)
         try:
             endpoint = server.bind()

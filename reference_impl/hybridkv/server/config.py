@@ -69,6 +69,9 @@ class ServerConfig:
     io_threads: int = 4
     spill_watermark: float = 0.1    # keep this fraction of L1 free or clean (in L2) so stores never wait
     flush_on_exit: bool = False     # spill every dirty L1 object to L2 on a clean shutdown
+    # stop cleanly (arena removed) once the process that started this one is gone (0: never): a harness or
+    # test killed with SIGKILL leaves no server and no arena behind. The pid the parent had at start.
+    parent_pid: int = 0
     cuda_ipc: bool = False          # accept the CUDA-IPC baseline format (the server then uses a GPU)
     # ---- limits: what one client can make the server hold or do (DESIGN: Trust and limits) ----
     admin: bool = False             # let every client clear all namespaces and read server-wide stats
@@ -102,6 +105,8 @@ class ServerConfig:
             raise ConfigError(f"eviction policy must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
         if self.client_timeout_s <= 0 or self.quarantine_s < 0:
             raise ConfigError("client timeout must be > 0 and quarantine >= 0 seconds")
+        if self.parent_pid < 0:
+            raise ConfigError(f"parent pid must be >= 0, got {self.parent_pid}")
         if not 1 <= self.io_threads <= 64:
             raise ConfigError(f"io threads must be in 1..64, got {self.io_threads}")
         for name in ("max_keys", "max_message_bytes", "max_frame_bytes", "max_engines", "max_leases",

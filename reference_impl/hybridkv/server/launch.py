@@ -57,8 +57,9 @@ class ServerProcess:
 def start_server(endpoint: str, *args: str, l1_gib: float, client_timeout: float = 30.0,
                  log_level: str = "warning", ready_timeout: float = 60.0, stderr=subprocess.PIPE) -> ServerProcess:
     """Run `hybridkv serve` with these flags in a new process; returns once it printed its ready line."""
+    # --exit-with-parent: a starter killed by SIGKILL leaves no server (and no arena in /dev/shm) behind
     cmd = [sys.executable, "-m", "hybridkv.cli", "serve", "--endpoint", endpoint, "--l1-gib", f"{l1_gib:.6f}",
-           "--client-timeout", str(client_timeout), "--log-level", log_level, *args]
+           "--client-timeout", str(client_timeout), "--log-level", log_level, "--exit-with-parent", *args]
     # A CPU-only server sees no GPU from its first instruction (serve also hides them itself); only the
     # cuda_ipc baseline needs one.
     env = dict(os.environ) if "--cuda-ipc" in args else {**os.environ, "CUDA_VISIBLE_DEVICES": ""}

@@ -9,6 +9,7 @@ This module never imports torch (the legacy codecs import it on first use).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -273,6 +274,11 @@ class CacheServer:
         self.objects.spill_ahead()
 
     def _tick(self) -> None:
+        if self.config.parent_pid and os.getppid() != self.config.parent_pid:
+            # reparented: whoever started us is gone (a new pid cannot be mistaken for it, unlike kill(pid, 0))
+            log.warning("the process that started the server (pid %d) is gone: stopping", self.config.parent_pid)
+            self.stop()
+            return
         now = time.monotonic()
         for eng in self.sessions.silent(now):
             log.warning("engine %x (%s) silent for %.1fs: reclaiming its reservations and pins",
