@@ -66,6 +66,8 @@ class Prefetch(Message, tag="prefetch"):
     engine: int
     keys: list[bytes]
     policy: RetrievePolicy = "boundary"
+    # chunks the engine already holds: their attention objects are not read (as Lookup.skip_chunks)
+    skip_chunks: int = 0
 
 
 class PrepareStore(Message, tag="prepare_store"):

@@ -74,6 +74,24 @@ def test_prefetch_brings_an_evicted_prefix_to_l1_and_the_lookup_then_waits_on_no
         assert (again.in_l1, again.started, again.waiting) == (RESUME_5, 0, 0)
 
 
+def test_prefetch_skips_the_attention_of_chunks_the_engine_holds(server_factory, l2_dir):
+    """skip_chunks as in Lookup: the engine holds the first 3 chunks, so only chunks 3-4's attention and the
+    boundary states are read; a negative count is refused with no state change."""
+    srv = server_factory(*l2_flags(l2_dir), l1_gib=TINY_L1)
+    with CacheClient(srv.endpoint, timeout_s=20) as client:
+        eng, keys = evicted(client, seed=3)
+        with pytest.raises(ServerError, match="skip_chunks must be >= 0"):
+            eng.client.call(P.Prefetch(engine=eng.id, keys=keys, skip_chunks=-1))
+        before = settled(client)
+        r, _ = eng.client.call(P.Prefetch(engine=eng.id, keys=keys, skip_chunks=3))
+        assert r.hit_chunks == 5 and r.started + r.waiting == RESUME_5 - 3
+        c = settled(client)
+        assert c["prefetch_objects_started"] - before["prefetch_objects_started"] == RESUME_5 - 3
+        res = eng.lookup(keys, skip=3)
+        assert res.hit_chunks == 5 and len(res.objects) == RESUME_5 - 3
+        assert counters(client)["lookup_l2_waits"] == c["lookup_l2_waits"], "the lookup did not wait on L2"
+
+
 def test_a_lookup_without_prefetch_waits_on_l2(server_factory, l2_dir):
     """The reference for the test above: the same evicted prefix, looked up cold, waits for L2 reads."""
     srv = server_factory(*l2_flags(l2_dir), l1_gib=TINY_L1)

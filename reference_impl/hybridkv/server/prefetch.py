@@ -27,12 +27,14 @@ def prefetch(ctx: Context, ident: bytes, msg: P.Prefetch, frames: Frames) -> Ans
     no_frames(msg, frames)
     eng = ctx.sessions.engine(ident, msg.engine)
     keys = check_keys(msg.keys, ctx.config.max_keys)
+    if msg.skip_chunks < 0:
+        raise RequestError(E.BAD_REQUEST, f"skip_chunks must be >= 0, got {msg.skip_chunks}")
     if eng.prefetches >= ctx.config.max_prefetches:
         raise RequestError(E.LIMIT, f"engine {eng.id} has {eng.prefetches} prefetches still reading, the "
                            f"limit (--max-prefetches {ctx.config.max_prefetches})")
     ctx.objects.probe_l2(keys, len(eng.layout.groups))
     n = hit_length(ctx, eng, keys, msg.policy, set())
-    todo = [((keys[c], g), eng.object_bytes[g]) for c, g in resume_objects(eng.layout, msg.policy, n)]
+    todo = [((keys[c], g), eng.object_bytes[g]) for c, g in resume_objects(eng.layout, msg.policy, n, msg.skip_chunks)]
     capacity = ctx.objects.l1.alloc.size
     absent = sum(length for oid, length in todo if ctx.objects.get(oid) is None)
     if absent > capacity:

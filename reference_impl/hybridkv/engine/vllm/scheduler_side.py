@@ -20,7 +20,7 @@ from hybridkv.engine.vllm.plan import HybridKVMetadata, LoadJob, StoreJob
 from hybridkv.engine.vllm.settings import ConnectorSettings
 from hybridkv.keys import chunk_keys
 from hybridkv.layout import LayoutError, ModelLayout
-from hybridkv.policy import check_policy
+from hybridkv.policy import Policy, check_policy
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -43,6 +43,7 @@ class SchedulerStats:
     """Counters of what the scheduler side decided (hits in tokens)."""
 
     lookups: int = 0
+    lookups_deferred: int = 0  # "not yet" answers: the prefix's L2 reads were still running
     lookup_failures: int = 0
     lookup_s: float = 0.0
     hit_tokens: int = 0
@@ -56,6 +57,7 @@ class _Request:
 
     stored_chunks: int = 0
     looked_up: bool = False
+    l2_since: float = 0.0  # when its first "not yet" was answered (its prefix's L2 reads started); 0: never
 
 
 class SchedulerSide:
@@ -118,10 +120,12 @@ class SchedulerSide:
 
     # ---- vLLM's scheduler calls -----------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """External hit beyond the local one: whole chunks, at most N-1 tokens (vLLM computes >= 1 token)."""
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """External hit beyond the local one: whole chunks, at most N-1 tokens (vLLM computes >= 1 token).
+        None ("ask again next step") while the reads of a prefix partly in L2 run (`l2_wait_s`)."""
         rid = request.request_id
-        self._requests.setdefault(rid, _Request()).looked_up = True
+        track = self._requests.setdefault(rid, _Request())
+        track.looked_up = True
         self._pending.pop(rid, None)
         n_tokens = request.num_tokens
         limit = (n_tokens - 1) // self.chunk_tokens * self.chunk_tokens
@@ -131,13 +135,14 @@ class SchedulerSide:
         tokens = list(request.all_token_ids[:limit])
         self.stats.lookups += 1
         t0 = time.perf_counter()
+        policy = check_policy(self.settings.retrieve_policy)
+        skip = num_computed_tokens // self.chunk_tokens
         try:
             keys = chunk_keys(self._namespace, tokens, self.chunk_tokens)
-            r, _ = self._client.call(
-                P.Lookup(engine=self._engine, request=rid, keys=keys,
-                         policy=check_policy(self.settings.retrieve_policy),
-                         skip_chunks=num_computed_tokens // self.chunk_tokens),
-                timeout=self.settings.lookup_timeout_s)
+            if self._wait_for_l2(track, keys, policy, skip):
+                return None, False
+            r, _ = self._client.call(P.Lookup(engine=self._engine, request=rid, keys=keys, policy=policy,
+                                              skip_chunks=skip), timeout=self.settings.lookup_timeout_s)
         except Exception as e:  # slow or gone: a miss
             self.stats.lookup_failures += 1
             self._drop_connection(e)
@@ -149,6 +154,27 @@ class SchedulerSide:
             return 0, False
         self._pending[rid] = _Pending(tokens[:hit], num_computed_tokens)
         return hit - num_computed_tokens, False
+
+    def _wait_for_l2(self, track: _Request, keys: list[bytes], policy: Policy, skip: int) -> bool:
+        """True when the request should wait in vLLM's queue: a Prefetch (answered at once, pinning nothing)
+        found objects of its prefix still to come from L2, and started their reads; vLLM asks again next step
+        and the lookup then finds them in L1. A lookup would hold up the whole scheduler while they run."""
+        if not self.settings.l2_wait_s or (track.l2_since and
+                                           time.monotonic() - track.l2_since >= self.settings.l2_wait_s):
+            return False  # waited long enough: the lookup waits for what is left (or times out: a miss)
+        assert self._client is not None
+        try:
+            p, _ = self._client.call(P.Prefetch(engine=self._engine, keys=keys, policy=policy, skip_chunks=skip),
+                                     timeout=self.settings.lookup_timeout_s)
+        except ServerError as e:
+            if e.code != P.ErrorCode.LIMIT:
+                raise
+            return False  # too many prefetches reading for this engine: the lookup reads for itself
+        if not (p.loading or p.started or p.waiting):
+            return False  # in L1 already (or refused room: the lookup waits for room as it always did)
+        track.l2_since = track.l2_since or time.monotonic()
+        self.stats.lookups_deferred += 1
+        return True
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """vLLM allocated the request's blocks: plan the load of the hit it accepted."""

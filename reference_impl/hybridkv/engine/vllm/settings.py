@@ -23,6 +23,10 @@ class ConnectorSettings:
     retrieve_policy: str = "boundary"  # attention of every hit chunk, the recurrent state at the hit's end
     chunk_tokens: int = 0           # 0: vLLM's block size (the unified hybrid block)
     lookup_timeout_s: float = 2.0   # a lookup slower than this counts as a miss
+    # A request whose cached prefix is partly on disk (L2): the connector starts the reads (Prefetch) and
+    # tells vLLM "not yet", so the request waits in vLLM's queue, not the scheduler in a lookup; vLLM asks
+    # again each step. After this long the lookup waits for the reads itself. 0: always wait in the lookup.
+    l2_wait_s: float = 30.0
     timeout_s: float = 30.0         # stores, loads and registration
     retry_s: float = 10.0           # how long to wait before trying an unreachable server again
     expect_preset: str = ""         # a hybridkv preset name: refuse to start when vLLM's layout differs
@@ -48,6 +52,8 @@ class ConnectorSettings:
         for name in ("lookup_timeout_s", "timeout_s", "retry_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"kv_connector_extra_config {name} must be > 0, got {getattr(self, name)!r}")
+        if not self.l2_wait_s >= 0:
+            raise ValueError(f"kv_connector_extra_config l2_wait_s must be >= 0, got {self.l2_wait_s!r}")
         if self.chunk_tokens < 0:
             raise ValueError(f"kv_connector_extra_config chunk_tokens must be >= 0, got {self.chunk_tokens}")
 

@@ -1,0 +1,69 @@
+"""A request whose cached prefix was pushed out to L2: the scheduler side starts the reads (Prefetch) and
+answers vLLM "not yet", so the request waits in vLLM's queue while the scheduler goes on; a later step's
+lookup finds the prefix in L1 and the load is exact. With `l2_wait_s = 0` the lookup waits on L2 itself."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("vllm.config", reason="vLLM is not installed here; `nox -s vllm` builds an environment with it")
+from hybridkv import protocol as P
+from hybridkv.engine.client import CacheClient
+from serverkit import Engine
+from vllmkit import C, run, sched_stats, settle, tokens, worker_stats
+
+L1_GIB = 1 / 1024  # 1 MiB: a few dozen objects of the tiny model and of the filler
+
+
+def counters(endpoint: str) -> dict:
+    with CacheClient(endpoint, timeout_s=10) as c:
+        return c.call(P.Stats())[0].counters
+
+
+def push_out_to_l2(endpoint: str) -> None:
+    """Another engine stores enough to evict everything older from L1 (spilled to L2 first), then its reads
+    and spills settle."""
+    with CacheClient(endpoint, timeout_s=20) as c:
+        filler = Engine(c, salt="filler")
+        keys = filler.keys(48, seed=7)
+        for i in range(0, len(keys), 4):
+            assert not filler.store(keys[i:i + 4], request=f"fill{i}").refused
+        deadline = time.monotonic() + 20
+        while (s := c.call(P.Stats())[0].counters)["workers_inflight"] or s["parked"]:
+            assert time.monotonic() < deadline, s
+            time.sleep(0.01)
+
+
+@pytest.mark.parametrize("l2_wait_s", [30.0, 0.0], ids=["waits-in-queue", "waits-in-lookup"])
+def test_a_prefix_in_l2_waits_in_vllm_s_queue_not_in_the_lookup(serve, make_engine, tmp_path, l2_wait_s):
+    srv = serve("--l2-dir", str(tmp_path / "l2"), "--l2-gib", "0.25", "--admin", l1_gib=L1_GIB)
+    eng = make_engine(srv.endpoint, retention=0, l2_wait_s=l2_wait_s)
+    a = tokens(5 * C + 17, 31)
+    assert run(eng, "A", a).corrupt_pages == 0 and worker_stats(eng).stores == 1
+    settle(eng)
+    push_out_to_l2(srv.endpoint)
+    before = counters(srv.endpoint)
+    assert before["l1_evictions"] > 0 and before["l2_spills"] > 0
+    eng.add_request("B", a[:5 * C] + tokens(40, 32))
+    steps_unscheduled = 0
+    deadline = time.monotonic() + 30
+    while True:
+        so, rep = eng.step()
+        if so.scheduled_new_reqs:
+            break
+        steps_unscheduled += 1
+        assert time.monotonic() < deadline, "B was never scheduled"
+        time.sleep(0.005)
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 5 * C  # the whole prefix came back from L2
+    assert rep.corrupt_pages == 0 and rep.verified_pages > 0
+    assert eng.run().corrupt_pages == 0
+    after = counters(srv.endpoint)
+    assert after["l2_prefetches"] > before["l2_prefetches"], "the prefix was read back from L2"
+    if l2_wait_s:
+        assert steps_unscheduled >= 1 and sched_stats(eng).lookups_deferred == steps_unscheduled
+        assert after["lookup_l2_waits"] == before["lookup_l2_waits"], "the lookup did not wait on L2"
+    else:
+        assert steps_unscheduled == 0 and sched_stats(eng).lookups_deferred == 0
+        assert after["lookup_l2_waits"] > before["lookup_l2_waits"]
