@@ -25,12 +25,20 @@ def hit_length(ctx: Context, eng: Engine, keys: list[bytes], policy: str, missin
     return 0
 
 
-def lookup(ctx: Context, ident: bytes, msg: P.Lookup, frames: Frames) -> Answer:
+def resume_request(ctx: Context, ident: bytes, msg: P.Lookup | P.Prefetch,
+                   frames: Frames) -> tuple[Engine, list[bytes]]:
+    """The engine and checked keys of a request that resumes a prefix (Lookup, Prefetch), its skip_chunks
+    checked too."""
     no_frames(msg, frames)
     eng = ctx.sessions.engine(ident, msg.engine)
     keys = check_keys(msg.keys, ctx.config.max_keys)
     if msg.skip_chunks < 0:
         raise RequestError(E.BAD_REQUEST, f"skip_chunks must be >= 0, got {msg.skip_chunks}")
+    return eng, keys
+
+
+def lookup(ctx: Context, ident: bytes, msg: P.Lookup, frames: Frames) -> Answer:
+    eng, keys = resume_request(ctx, ident, msg, frames)
     ctx.counters.lookups += 1
     ctx.counters.lookup_chunks += len(keys)
     ctx.objects.probe_l2(keys, len(eng.layout.groups))

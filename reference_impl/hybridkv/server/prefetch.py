@@ -15,26 +15,23 @@ from __future__ import annotations
 
 from hybridkv import protocol as P
 from hybridkv.policy import resume_objects
-from hybridkv.server.context import Answer, Context, Frames, RequestError, check_keys, no_frames
+from hybridkv.server.context import Answer, Context, Frames, RequestError
 from hybridkv.server.l1 import Entry, NoSlot, ObjectKey, State
-from hybridkv.server.lookup import hit_length
+from hybridkv.server.lookup import hit_length, resume_request
 from hybridkv.server.sessions import Engine
 
 E = P.ErrorCode
 
 
 def prefetch(ctx: Context, ident: bytes, msg: P.Prefetch, frames: Frames) -> Answer:
-    no_frames(msg, frames)
-    eng = ctx.sessions.engine(ident, msg.engine)
-    keys = check_keys(msg.keys, ctx.config.max_keys)
-    if msg.skip_chunks < 0:
-        raise RequestError(E.BAD_REQUEST, f"skip_chunks must be >= 0, got {msg.skip_chunks}")
+    eng, keys = resume_request(ctx, ident, msg, frames)
     if eng.prefetches >= ctx.config.max_prefetches:
         raise RequestError(E.LIMIT, f"engine {eng.id} has {eng.prefetches} prefetches still reading, the "
                            f"limit (--max-prefetches {ctx.config.max_prefetches})")
     ctx.objects.probe_l2(keys, len(eng.layout.groups))
     n = hit_length(ctx, eng, keys, msg.policy, set())
-    todo = [((keys[c], g), eng.object_bytes[g]) for c, g in resume_objects(eng.layout, msg.policy, n, msg.skip_chunks)]
+    objects = resume_objects(eng.layout, msg.policy, n, msg.skip_chunks)
+    todo = [((keys[c], g), eng.object_bytes[g]) for c, g in objects]
     capacity = ctx.objects.l1.alloc.size
     absent = sum(length for oid, length in todo if ctx.objects.get(oid) is None)
     if absent > capacity:
