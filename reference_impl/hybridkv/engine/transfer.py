@@ -209,7 +209,9 @@ class KVTransfer:
             return h
         reply = prepared.reply
         if self._issue_in_caller and reply.done() and reply.exception() is None:
-            self._store_q.put((h, self._finish_store, self._issue_store(h, reply.result()[0], jobs, pages, ready)))
+            answer = reply.result()[0]
+            if (issued := self._issue_store(h, answer, jobs, pages, ready)) is not None:
+                self._store_q.put((h, self._finish_store, (answer, issued)))
         else:
             self._store_q.put((h, self._do_store, (prepared, jobs, pages, ready)))
         return h
@@ -305,7 +307,8 @@ class KVTransfer:
                   ready: torch.cuda.Event | None) -> None:
         reply = prep.wait(self.config.timeout_s + 5)
         if self.wire.direct:
-            self._finish_store(h, *self._issue_store(h, reply, jobs, pages, ready))
+            if (issued := self._issue_store(h, reply, jobs, pages, ready)) is not None:
+                self._finish_store(h, reply, issued)
             return
         if self._nothing_to_store(h, reply):
             return
@@ -319,24 +322,22 @@ class KVTransfer:
         self._track_commit(h, reply.reservation, commit)
 
     def _issue_store(self, h: TransferHandle, reply: P.Prepared, jobs: list[ObjectJob], pages: dict | None,
-                     ready: torch.cuda.Event | None) -> tuple[P.Prepared, Issued | BaseException | None]:
-        """A direct wire's store up to its copies queued; what `_finish_store` needs (None: no slots to fill,
-        an exception: queueing failed). Never raises: it runs on the caller's thread, outside the worker."""
-        if not reply.slots:
-            return reply, None
-        try:
-            return reply, self.copies.issue(h, "gather", self.wire.slots(self._slot_jobs(reply, jobs)), ready, pages)
-        except BaseException as e:
-            return reply, e
-
-    def _finish_store(self, h: TransferHandle, reply: P.Prepared, issued: Issued | BaseException | None) -> None:
-        """A direct wire's store after its copies were queued: wait for them, then commit."""
+                     ready: torch.cuda.Event | None) -> Issued | None:
+        """Queue a direct wire's store copies (on the caller's thread, or the worker's). None when the handle
+        is settled already: the server held or refused every object, or queueing failed (the reservation
+        is aborted, the error is in the handle)."""
         if self._nothing_to_store(h, reply):
-            return
+            return None
         try:
-            if isinstance(issued, BaseException):
-                raise issued
-            assert issued is not None
+            return self.copies.issue(h, "gather", self.wire.slots(self._slot_jobs(reply, jobs)), ready, pages)
+        except BaseException as e:
+            self._abort(reply.reservation, wait=False)
+            self._fail(h, e)
+            return None
+
+    def _finish_store(self, h: TransferHandle, reply: P.Prepared, issued: Issued) -> None:
+        """A direct wire's store after its copies were queued: wait for them, then commit."""
+        try:
             self.copies.wait(h, issued)
             self._pages_read(h, reply)
             commit = self.wire.commit(h, reply.reservation)
