@@ -31,13 +31,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Literal
 
 import msgspec
 import numpy as np
 import torch
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
-from hybridkv.engine.transfer import KVTransfer
+from hybridkv.engine.transfer import KVTransfer, TransferHandle
 from hybridkv.layout import ModelLayout
 from hybridkv.policy import chunk_objects
 from hybridkv.presets import preset_layout
@@ -197,22 +198,19 @@ def profile_issue(endpoint: str, layout: ModelLayout, chunks: int, rounds: int, 
         reply = prep.wait(30)
         jobs = kv._object_blocks(reply.slots, src)
         triples = kv.wire.slots(jobs)
-        stream = kv.copies.streams["store"][0]
         assert prep.pages is not None
-        for direction, half in (("gather", prep.pages), ("scatter", None)):
+
+        def profiled(kind: Literal["store", "load"], direction: Literal["gather", "scatter"], planned) -> None:
             for _ in range(rounds):
+                h = TransferHandle(kind, "i")
                 prof.enable()
-                if half is not None:
-                    hosts = {(o.chunk, o.group): host for o, _, host in triples}
-                    plans = [h.bind([hosts.get(k) for k in order]) for h, order in half.values()]
-                else:
-                    plans = [build_plan("scatter", [(kv.groups[o.group], ids, host) for o, ids, host in triples])]
-                for plan in plans:
-                    run_plan(plan, kv.impl, stream)
+                issued = kv.copies.issue(h, direction, triples, pages=planned)
                 prof.disable()
-                if device == "cuda":
-                    torch.cuda.synchronize()
-            del direction
+                kv.copies.wait(h, issued)
+
+        # what the library runs (PageCopies.issue): a prepared store binds its planned pages, a load builds its plan
+        profiled("store", "gather", prep.pages)
+        profiled("load", "scatter", None)
         kv.client.call(P.AbortStore(engine=kv.engine_id, reservation=reply.reservation))
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
