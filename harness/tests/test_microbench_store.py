@@ -141,3 +141,12 @@ def test_idle_round_trips_time_every_gap(endpoint):
 
     row = idle_round_trips(endpoint, rounds=2)
     assert len(row) == len(IDLE_GAPS_S) and all(v > 0 for v in row.values()), row
+
+
+def test_issue_profile_profiles_the_library_s_queueing(endpoint):
+    """--cprofile runs PageCopies.issue for a prepared store and a load, and reports it."""
+    from hybridkv_bench.fixed_cost import profile_issue
+
+    out = profile_issue(endpoint, small_pages(preset_layout("qwen3-next-80b-a3b"), 64), chunks=1, rounds=1,
+                        device="cpu", top=40)
+    assert "copies.py" in out and "(issue)" in out, out
