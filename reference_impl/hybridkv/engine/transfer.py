@@ -128,7 +128,12 @@ class KVTransfer:
             h.done.set_result(h)
             h.committed.set_result(h)
             return h
-        if self._issue_in_caller:
+        copy = self.copies.copier(h, "scatter")
+        if not self.wire.direct:
+            self._load_q.put((h, self._do_load, (hit, lambda: self.wire.load(h, hit, jobs, copy))))
+        elif not self._issue_in_caller:
+            self._load_q.put((h, self._do_load, (hit, lambda: copy(self.wire.slots(jobs)))))
+        else:
             try:
                 issued = self.copies.issue(h, "scatter", self.wire.slots(jobs))
             except BaseException as e:
@@ -136,9 +141,6 @@ class KVTransfer:
                 self._release(hit.lease, wait=False)
                 return h
             self._load_q.put((h, self._do_load, (hit, lambda: self.copies.wait(h, issued))))
-        else:
-            copy = self.copies.copier(h, "scatter")
-            self._load_q.put((h, self._do_load, (hit, lambda: self.wire.load(h, hit, jobs, copy))))
         return h
 
     def prepare_store(self, request_id: str, token_ids: Sequence[int] | np.ndarray, start_chunk: int = 0,

@@ -1,8 +1,11 @@
 """How bytes reach the server, one strategy object per wire format, registered in `WIRES` by name.
 
 Every strategy answers the same two questions for the transfer library: where a store's gathered
-objects go and how they are committed, and where a retrieve's objects come from. `shm` gathers
-straight into the server's arena (only metadata crosses the socket); `raw` stages in pinned memory
+objects go and how they are committed, and where a retrieve's objects come from. A *direct* wire (`shm`)
+answers with `slots` (the server's arena, which the engine's copies reach) and a payload-free `commit`;
+the transfer library queues and waits for the copies itself. The others (payload wires) run whole
+stores and loads (`store`, `load`). `shm` gathers straight into the server's arena (only metadata crosses
+the socket); `raw` stages in pinned memory
 and sends zero-copy frames; `pickle` / `torch_save` serialize as the seed did; `cuda_ipc` lets the
 server copy the engine's pages itself (LMCache's mode; the only user of the protocol's `blocks`).
 """
@@ -149,15 +152,17 @@ class WireStrategy(ABC):
         """A direct wire's commit of a reservation whose objects were copied; resolved when answered."""
         raise NotImplementedError(f"wire format {self.format} commits with its payload (store)")
 
-    @abstractmethod
     def store(self, h: TransferHandle, reservation: int, jobs: list[ObjectJob], copy: CopyFn,
               ready: torch.cuda.Event | None, pages_read: Callable[[], None]) -> Future:
-        """Move a reservation's objects and send their commit; call `pages_read` once the engine's pages were
-        read. Returns the commit's reply future (the caller resolves the store's `committed` from it)."""
+        """A payload wire's store: move a reservation's objects and send their commit; call `pages_read` once
+        the engine's pages were read. Returns the commit's reply future (the caller resolves the store's
+        `committed` from it). A direct wire has none: the transfer library copies into `slots` and `commit`s."""
+        raise NotImplementedError(f"wire format {self.format} is direct: its stores are slots + commit")
 
-    @abstractmethod
     def load(self, h: TransferHandle, hit: Hit, jobs: list[ObjectJob], copy: CopyFn) -> None:
-        """Write a lease's objects into the engine's blocks."""
+        """A payload wire's load: write a lease's objects into the engine's blocks. A direct wire has none:
+        the transfer library copies from `slots`."""
+        raise NotImplementedError(f"wire format {self.format} is direct: its loads copy from slots")
 
     def close(self) -> None:  # noqa: B027 - a hook: only strategies that hold something override it
         """Give back what the strategy holds (the arena mapping)."""
@@ -194,14 +199,6 @@ class ShmWire(WireStrategy):
         except Exception as e:
             out.set_exception(e)
         return out
-
-    def store(self, h, reservation, jobs, copy, ready, pages_read) -> Future:
-        copy(self.slots(jobs))
-        pages_read()
-        return self.commit(h, reservation)
-
-    def load(self, h, hit, jobs, copy) -> None:
-        copy(self.slots(jobs))
 
     def close(self) -> None:
         self.arena.release()
