@@ -182,6 +182,7 @@ class Registered(Message, tag="registered"):
     arena_path: str              # the L1 arena file, for engines on this host that map it (shm format)
     arena_bytes: int
     heartbeat_s: float           # send something at least this often or be reclaimed
+    l2: bool = False             # the server has an L2 tier: a prefix may have to come back from disk
 
 
 class LookupResult(Message, tag="lookup_result"):

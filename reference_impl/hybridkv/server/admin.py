@@ -34,7 +34,8 @@ def register(ctx: Context, ident: bytes, msg: P.Register, frames: Frames) -> Ans
     eng = ctx.sessions.add_engine(ident, msg.name, layout, ns, chunk, sizes)
     ctx.counters.engines_registered += 1
     return P.Registered(engine=eng.id, namespace=ns, object_bytes=sizes, arena_path=str(ctx.arena.path),
-                        arena_bytes=ctx.arena.size, heartbeat_s=ctx.config.client_timeout_s / 3), []
+                        arena_bytes=ctx.arena.size, heartbeat_s=ctx.config.client_timeout_s / 3,
+                        l2=ctx.config.has_l2), []
 
 
 def unregister(ctx: Context, ident: bytes, msg: P.Unregister, frames: Frames) -> Answer:

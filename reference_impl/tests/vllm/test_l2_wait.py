@@ -67,3 +67,17 @@ def test_a_prefix_in_l2_waits_in_vllm_s_queue_not_in_the_lookup(serve, make_engi
     else:
         assert steps_unscheduled == 0 and sched_stats(eng).lookups_deferred == 0
         assert after["lookup_l2_waits"] > before["lookup_l2_waits"]
+
+
+def test_a_server_without_l2_costs_no_prefetch_round_trip(serve, make_engine):
+    """Nothing can be on disk: the scheduler side looks up at once, with no Prefetch before it."""
+    srv = serve("--admin")
+    eng = make_engine(srv.endpoint, retention=0)
+    a = tokens(4 * C + 9, 33)
+    assert run(eng, "A", a).corrupt_pages == 0
+    settle(eng)
+    eng.add_request("B", a[:4 * C] + tokens(20, 34))
+    so, rep = eng.step()
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 4 * C and rep.corrupt_pages == 0
+    eng.run()
+    assert counters(srv.endpoint)["prefetch_requests"] == 0 and sched_stats(eng).lookups_deferred == 0

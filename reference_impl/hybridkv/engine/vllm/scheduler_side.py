@@ -71,6 +71,7 @@ class SchedulerSide:
         self._client: CacheClient | None = None
         self._engine = 0
         self._namespace = b""
+        self._l2 = False  # the server has an L2: only then can a prefix have to come back from disk
         self._next_try = 0.0
         self._pending: dict[str, _Pending] = {}
         self._requests: dict[str, _Request] = {}
@@ -103,7 +104,7 @@ class SchedulerSide:
             client.close()
             raise LayoutError(f"cache server sizes objects {reg.object_bytes}, vLLM's layout {expect}")
         client.keepalive(reg.engine, reg.heartbeat_s)
-        self._client, self._engine, self._namespace = client, reg.engine, reg.namespace
+        self._client, self._engine, self._namespace, self._l2 = client, reg.engine, reg.namespace, reg.l2
         return True
 
     def _unreachable(self, e: BaseException) -> bool:
@@ -139,8 +140,13 @@ class SchedulerSide:
         skip = num_computed_tokens // self.chunk_tokens
         try:
             keys = chunk_keys(self._namespace, tokens, self.chunk_tokens)
-            if self._wait_for_l2(track, keys, policy, skip):
-                return None, False
+            if (p := self._prefetch(track, keys, policy, skip)) is not None:
+                if p.hit_chunks * self.chunk_tokens <= num_computed_tokens:
+                    return 0, False  # nothing beyond vLLM's own hit, in L1 or L2: no lookup needed
+                if p.loading or p.started or p.waiting:  # reads from L2 still to finish: ask again next step
+                    track.l2_since = track.l2_since or time.monotonic()
+                    self.stats.lookups_deferred += 1
+                    return None, False
             r, _ = self._client.call(P.Lookup(engine=self._engine, request=rid, keys=keys, policy=policy,
                                               skip_chunks=skip), timeout=self.settings.lookup_timeout_s)
         except Exception as e:  # slow or gone: a miss
@@ -155,13 +161,15 @@ class SchedulerSide:
         self._pending[rid] = _Pending(tokens[:hit], num_computed_tokens)
         return hit - num_computed_tokens, False
 
-    def _wait_for_l2(self, track: _Request, keys: list[bytes], policy: Policy, skip: int) -> bool:
-        """True when the request should wait in vLLM's queue: a Prefetch (answered at once, pinning nothing)
-        found objects of its prefix still to come from L2, and started their reads; vLLM asks again next step
-        and the lookup then finds them in L1. A lookup would hold up the whole scheduler while they run."""
-        if not self.settings.l2_wait_s or (track.l2_since and
-                                           time.monotonic() - track.l2_since >= self.settings.l2_wait_s):
-            return False  # waited long enough: the lookup waits for what is left (or times out: a miss)
+    def _prefetch(self, track: _Request, keys: list[bytes], policy: Policy, skip: int) -> P.Prefetching | None:
+        """A Prefetch of the request's prefix (answered at once, pinning nothing; it starts the reads of what
+        is only in L2), so that a prefix on disk waits in vLLM's queue instead of holding up the scheduler in a
+        lookup. None where that cannot help: the server has no L2, the request waited `l2_wait_s` already
+        (the lookup then waits for what is left, or times out: a miss), or the server refused the Prefetch for
+        its limit (the lookup reads for itself)."""
+        if not (self._l2 and self.settings.l2_wait_s) or (
+                track.l2_since and time.monotonic() - track.l2_since >= self.settings.l2_wait_s):
+            return None
         assert self._client is not None
         try:
             p, _ = self._client.call(P.Prefetch(engine=self._engine, keys=keys, policy=policy, skip_chunks=skip),
@@ -169,12 +177,8 @@ class SchedulerSide:
         except ServerError as e:
             if e.code != P.ErrorCode.LIMIT:
                 raise
-            return False  # too many prefetches reading for this engine: the lookup reads for itself
-        if not (p.loading or p.started or p.waiting):
-            return False  # in L1 already (or refused room: the lookup waits for room as it always did)
-        track.l2_since = track.l2_since or time.monotonic()
-        self.stats.lookups_deferred += 1
-        return True
+            return None
+        return p
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """vLLM allocated the request's blocks: plan the load of the hit it accepted."""
