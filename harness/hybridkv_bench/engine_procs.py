@@ -261,10 +261,12 @@ class EngineProcs:
             while pending - aborted:
                 mpc.wait([*self._conns, *(p.sentinel for p in self._procs)], 0.05)
                 for e, conn in enumerate(self._conns):
-                    while conn.poll():
+                    while True:
                         try:
+                            if not conn.poll():
+                                break
                             tag, value = conn.recv()
-                        except EOFError:  # it died; its exit status says how
+                        except (EOFError, OSError):  # it died (its pipe closed or reset); its exit status says how
                             self._procs[e].join(1.0)
                             break
                         if tag == "error":
@@ -386,7 +388,7 @@ def _serve(spec: EngineSpec, conn, phase_barrier, aligned) -> None:
         while True:
             try:
                 msg = conn.recv()
-            except EOFError:  # the runner closed its end: nothing more will be asked
+            except (EOFError, OSError):  # the runner closed (or lost) its end: nothing more will be asked
                 return
             if msg[0] == "stop":
                 return
