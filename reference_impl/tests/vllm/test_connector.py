@@ -25,7 +25,7 @@ def test_prefix_hit_loads_a_s_exact_bytes(serve, make_engine):
     settle(eng)
     b = a[:5 * C] + tokens(150, 1)
     eng.add_request("B", b)
-    so, rep = eng.step()
+    so, rep = eng.step_until_scheduled()
     assert so.scheduled_new_reqs[0].num_computed_tokens == 5 * C  # the external hit, whole chunks
     # the 5 attention blocks and 3 state blocks were zeroed before the load: what verify found, the load wrote
     assert eng.zeroed_blocks == 5 + 3
@@ -52,7 +52,7 @@ def test_unaligned_lengths_and_the_n_minus_1_cap(serve, make_engine, b_len, hit)
     run(eng, "A", a)
     settle(eng)
     eng.add_request("B", a[:b_len])  # a prompt that is all cached still computes its last token
-    so, rep = eng.step()
+    so, rep = eng.step_until_scheduled()
     assert so.scheduled_new_reqs[0].num_computed_tokens == hit
     assert rep.corrupt_pages == 0 and rep.verified_pages > 0
     assert eng.run().corrupt_pages == 0
@@ -68,7 +68,7 @@ def test_local_prefix_hit_plus_external_hit(serve, make_engine):
     eng.worker.worker_side.wait_idle(10)
     loads, hits = worker_stats(eng).loads, sched_stats(eng).hit_tokens
     eng.add_request("B", a[:5 * C] + tokens(40, 5))
-    so, rep = eng.step()
+    so, rep = eng.step_until_scheduled()
     assert so.scheduled_new_reqs[0].num_computed_tokens == 5 * C
     assert worker_stats(eng).loads == loads + 1
     # local 2 chunks, external 3: the connector reports (and loads) only the external ones
@@ -88,20 +88,22 @@ def test_abort_during_a_load_then_hit_again(serve, make_engine):
     eng.run()
     assert "B" not in eng.scheduler.requests
     eng.add_request("D", a[:4 * C] + tokens(20, 7))
-    so, rep = eng.step()
+    so, rep = eng.step_until_scheduled()
     assert so.scheduled_new_reqs[0].num_computed_tokens == 4 * C
     assert rep.corrupt_pages == 0 and rep.verified_pages > 0
     assert eng.run().corrupt_pages == 0
 
 
-def test_preemption_during_a_load_reloads_on_resume(serve, make_engine):
+def test_preemption_after_a_load_reloads_on_resume(serve, make_engine):
     srv = serve()
     eng = make_engine(srv.endpoint)
     a = tokens(4 * C + 9, 8)
     run(eng, "A", a)
     settle(eng)
-    eng.add_request("B", a[:4 * C] + tokens(50, 9))
-    # vLLM preempts every running request (its own path, as under memory pressure) while B's load is in flight
+    eng.add_request("B", a[:4 * C] + tokens(250, 9))  # several steps past the hit
+    so, rep = eng.step_until_scheduled()  # the load ran while B waited in vLLM's queue
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 4 * C and rep.corrupt_pages == 0
+    # vLLM preempts every running request (its own path, as under memory pressure), dropping its prefix cache
     eng.step(after_schedule=lambda so: eng.scheduler.reset_prefix_cache(reset_running_requests=True))
     assert eng.scheduler.requests["B"].num_preemptions == 1
     total = eng.run()
@@ -115,7 +117,7 @@ def test_server_down_costs_hits_not_requests(sock_dir, make_engine):
     a = tokens(3 * C + 3, 10)
     assert run(eng, "A", a).corrupt_pages == 0
     eng.add_request("B", a)
-    so, _ = eng.step()
+    so, _ = eng.step_until_scheduled()
     assert so.scheduled_new_reqs[0].num_computed_tokens in (0, 3 * C)  # vLLM's own cache may hit, never ours
     eng.run()
     assert sched_stats(eng).hit_tokens == 0 and worker_stats(eng).stores == 0
