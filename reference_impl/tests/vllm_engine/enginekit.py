@@ -11,57 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from hybridkv_bench.vllm_real import ModelShape, server_settled, write_model
+from hybridkv_bench.vllm_real import prompt as _prompt
 
-VOCAB = 512
-
-
-@dataclass(frozen=True, slots=True)
-class TinyHybrid:
-    """A Qwen3-Next-shaped model small enough for 2 CPU cores: `layers` decoder layers, every
-    `full_attention_interval`-th full attention, the rest Gated DeltaNet (vLLM's CPU GDN kernel wants bf16
-    and linear head dims of 128)."""
-
-    layers: int = 4
-    hidden: int = 256
-    heads: int = 4
-    kv_heads: int = 4
-    head_dim: int = 128
-    linear_k_heads: int = 1
-    linear_v_heads: int = 2
-    full_attention_interval: int = 4
-    experts: int = 4
-    seed: int = 0
-
-
-def write_model(directory: str | Path, shape: TinyHybrid = TinyHybrid()) -> Path:
-    """Config, random bf16 weights and a word-level tokenizer ("t0 t1 ...") in `directory`."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen3NextConfig, Qwen3NextForCausalLM
-
-    path = Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
-    cfg = Qwen3NextConfig(
-        vocab_size=VOCAB, hidden_size=shape.hidden, intermediate_size=2 * shape.hidden,
-        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim, linear_num_key_heads=shape.linear_k_heads,
-        linear_num_value_heads=shape.linear_v_heads, linear_key_head_dim=128, linear_value_head_dim=128,
-        linear_conv_kernel_dim=4, full_attention_interval=shape.full_attention_interval,
-        num_experts=shape.experts, num_experts_per_tok=2, moe_intermediate_size=shape.hidden // 2,
-        shared_expert_intermediate_size=shape.hidden // 2, decoder_sparse_step=1, max_position_embeddings=65536,
-        tie_word_embeddings=False, initializer_range=0.08)
-    torch.manual_seed(shape.seed)
-    Qwen3NextForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1", pad_token="t0").save_pretrained(path)
-    return path
+__all__ = ["ModelShape", "server_settled", "write_model"]
+VOCAB = ModelShape().vocab
 
 
 def prompt(n: int, seed: int) -> list[int]:
-    """n token ids that are neither the tokenizer's unknown nor its end token."""
-    return np.random.default_rng(seed).integers(2, VOCAB, n).tolist()
+    """n token ids of the tiny hybrid's vocabulary (neither its unknown nor its end token)."""
+    return _prompt(n, seed, VOCAB)
 
 
 def connector_config(endpoint: str, **extra: Any) -> dict[str, Any]:
@@ -196,3 +155,4 @@ def corrupt_stored(llm, endpoint: str, tokens: list[int], kind: str, salt: str =
         c.call(P.EndSession(engine=reg.engine, request="corrupt"))
         c.call(P.Unregister(engine=reg.engine))
     return changed
+

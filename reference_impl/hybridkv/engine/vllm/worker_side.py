@@ -288,6 +288,7 @@ class WorkerSide:
         t0 = time.perf_counter()
         until = time.monotonic() + self.settings.step_timeout_s
         handles = []
+        cancelled = 0
         for job in meta.stores:
             try:
                 handles.append(t.store(job.request_id, job.token_ids, job.block_ids, start_chunk=job.start_chunk,
@@ -301,9 +302,7 @@ class WorkerSide:
                 h.wait(max(0.0, until - time.monotonic()))  # pages read: vLLM may reuse the blocks
             except TimeoutError:
                 if h.cancel():
-                    self.stats.stores_cancelled += 1
-                    log.warning("hybridkv: store of %s not copied in %.2g s; cancelled, never committed",
-                                h.request_id, self.settings.step_timeout_s)
+                    cancelled += 1
                     continue
                 h.wait(self.settings.timeout_s)  # read already, committing: the copies end on their own
             except Exception as e:
@@ -314,6 +313,12 @@ class WorkerSide:
             self.stats.stored_bytes += h.nbytes
             self._in_flight.setdefault(h.request_id, []).append(h)
         self.stats.store_s += time.perf_counter() - t0
+        if cancelled:
+            # a hung server (or one whose answers stopped): no more stores until a reconnect, or every step
+            # would wait step_timeout_s again
+            self.stats.stores_cancelled += cancelled
+            self._drop(t, TimeoutError(f"{cancelled} stores not copied in {self.settings.step_timeout_s:g} s; "
+                                       "cancelled, never committed"))
 
     def request_finished(self, finished: set[str]) -> None:
         """End the server sessions of finished requests once their commits are in (without waiting)."""
