@@ -77,6 +77,9 @@ class BenchConfig:
     attn_head_dim: int = 128
     windows: int = 20                # timed windows per measurement
     window_s: float = 0.03           # each window's length, about (steps are sized to it)
+    # a measurement stops after this much wall time (at least one window): a compute starved by the copies
+    # (decode attention beside the Triton kernel ran at 1% of its rate) would otherwise take minutes per case
+    measure_s: float = 1.5
     transfer_alone_s: float = 0.5
 
     def __post_init__(self) -> None:
@@ -91,7 +94,8 @@ class BenchConfig:
         if not self.pages or any(p < 16 or p % 16 for p in self.pages):
             raise ValueError(f"pages must be multiples of 16 bytes, got {self.pages!r}")
         if min(self.plan_bytes, self.matmul_n, self.attn_batch, self.attn_heads, self.attn_len,
-               self.attn_head_dim, self.windows) < 1 or self.window_s <= 0 or self.transfer_alone_s <= 0:
+               self.attn_head_dim, self.windows) < 1 or self.window_s <= 0 or self.transfer_alone_s <= 0 \
+                or self.measure_s <= 0:
             raise ValueError(f"sizes, windows and times must be positive: {self}")
         if any(self.plan_bytes < LAYERS * p for p in self.pages):
             raise ValueError(f"plan_bytes {self.plan_bytes} holds fewer than one page per layer of {max(self.pages)} B")
@@ -193,12 +197,16 @@ def steps_per_window(load: ComputeLoad, window_s: float, device: torch.device,
 
 
 def compute_windows(load: ComputeLoad, steps: int, windows: int, device: torch.device,
-                    stream: torch.cuda.Stream | None, graph: torch.cuda.CUDAGraph | None = None) -> list[float]:
+                    stream: torch.cuda.Stream | None, graph: torch.cuda.CUDAGraph | None = None,
+                    max_s: float = float("inf")) -> list[float]:
     """Throughput (in `load.unit`) of each of `windows` windows of `steps` steps queued back to back (with
-    `graph`: one replay of it, `steps` steps captured)."""
+    `graph`: one replay of it, `steps` steps captured); fewer windows once `max_s` of wall time has passed."""
     timer = _Timer(device, stream)
-    out = []
+    out: list[float] = []
+    t0 = time.perf_counter()
     for _ in range(windows):
+        if out and time.perf_counter() - t0 > max_s:
+            break
         timer.start()
         if graph is not None:
             graph.replay()
@@ -348,9 +356,9 @@ def run_case(cfg: BenchConfig, load: ComputeLoad, setup: CopySetup, impl: str, d
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         steps = steps_per_window(load, cfg.window_s, device, stream)
         graph = capture(load, steps, stream) if cfg.launch == "graph" and stream is not None else None
-        alone = compute_windows(load, steps, cfg.windows, device, stream, graph)
+        alone = compute_windows(load, steps, cfg.windows, device, stream, graph, cfg.measure_s)
         with CopyLoop(setup, impl, device) as loop:
-            during = compute_windows(load, steps, cfg.windows, device, stream, graph)
+            during = compute_windows(load, steps, cfg.windows, device, stream, graph, cfg.measure_s)
     alone_gbps = transfer_alone(setup, impl, device, cfg.transfer_alone_s)
     ok = verify(setup, impl, direction)
     a, d = statistics.median(alone), statistics.median(during)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from hybridkv_bench.compute_beside import (
     BenchConfig,
+    compute_windows,
     main,
     make_compute,
     make_copy,
@@ -80,3 +81,10 @@ def test_cli_runs_quick_on_cpu_and_plots(tmp_path, capsys) -> None:
     assert "compute_ratio" in capsys.readouterr().out
     assert main(["--plot", str(tmp_path)]) == 0
     assert (tmp_path / "compute_ratio.png").stat().st_size > 1000
+
+
+def test_a_starved_measurement_stops_at_its_time_limit() -> None:
+    cfg = BenchConfig(**TINY)
+    mm = make_compute("matmul", cfg, torch.device("cpu"))
+    assert len(compute_windows(mm, 1, 50, torch.device("cpu"), None, max_s=0.0)) == 1
+    assert len(compute_windows(mm, 1, 4, torch.device("cpu"), None)) == 4
