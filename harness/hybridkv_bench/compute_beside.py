@@ -436,24 +436,27 @@ def plot(folder: Path) -> Path:
     import matplotlib.pyplot as plt
 
     run = json.loads((folder / "run.json").read_text())
-    cases = [c for c in run["cases"] if c["priority"] == "default"]
+    cases = run["cases"]
     computes = sorted({c["compute"] for c in cases})
     directions = ["store", "load"]
+    series = sorted({(c["impl"], c["priority"], c["launch"]) for c in cases})
     fig, axes = plt.subplots(len(computes), 2, figsize=(11, 3.6 * len(computes)), squeeze=False)
     for i, kind in enumerate(computes):
         for j, direction in enumerate(directions):
             ax = axes[i][j]
-            for impl in sorted({c["impl"] for c in cases}):
+            for impl, priority, launch in series:
                 sel = sorted((c for c in cases if c["compute"] == kind and c["direction"] == direction
-                              and c["impl"] == impl), key=lambda c: c["page_bytes"])
+                              and (c["impl"], c["priority"], c["launch"]) == (impl, priority, launch)),
+                             key=lambda c: c["page_bytes"])
                 if not sel:
                     continue
+                name = impl if len(series) == 1 else f"{impl} {priority} {launch}"
                 x = [c["page_bytes"] / 1e3 for c in sel]
-                line, = ax.plot(x, [c["compute_ratio"] for c in sel], "o-", label=f"{impl}: compute_ratio")
+                line, = ax.plot(x, [c["compute_ratio"] for c in sel], "o-", label=f"{name}: compute_ratio")
                 ax.plot(x, [c["transfer_ratio"] for c in sel], "s--", color=line.get_color(),
-                        label=f"{impl}: copies / ceiling")
+                        label=f"{name}: copies / same-run ceiling")
             ax.set_xscale("log")
-            ax.set_ylim(0, 1.05)
+            ax.set_ylim(0, 1.1)
             ax.set_xlabel("page size (KB)")
             ax.set_title(f"{kind} beside {direction}s")
             ax.grid(alpha=0.3)
