@@ -13,7 +13,7 @@ COPY_ENGINES: tuple[CopyEngine, ...] = get_args(CopyEngine)
 # DMA is launch-bound (0.07-0.13) and the kernel holds 0.89-0.93.
 DMA_MIN_PAGE_BYTES = 1 << 20
 # With the driver's batched memcpy (hybridkv_kernels.cuda_batch) `auto` takes DMA at every page size: the copy
-# engines leave the SMs to the model, the Triton kernel does not. On the H200 (2026-12-01) bf16 matmuls kept
-# 0.917 of their rate beside batched DMA and 0.658 beside the kernel (results/h200/2026-12-01-eve/), and batched
-# DMA held 0.89-0.97 of the PCIe ceiling on pages of 64 KiB to 3.2 MB where the kernel held 0.92-0.98
-# (kernels/README.md): a few points of link on pages under 400 KB against a third of the GPU.
+# engines leave the SMs to the model, the Triton kernel does not. On the H200 (results/h200/2026-12-01-night/)
+# bf16 matmuls kept 0.98-0.99 of their rate beside batched DMA and 0.20-0.25 beside the kernel, decode attention
+# 0.92-0.99 and 0.01, at every page size from 64 KiB to 3.2 MB; batched DMA held 0.99-1.00 of the PCIe ceiling
+# alone there, the kernel 0.92-0.98.
