@@ -163,7 +163,7 @@ class Telemetry:
         f = snap.figures
         fields = {k: f.get(k, 0) for k in HEADLINE_FIGURES}
         rate = f["hit_chunks"] / f["lookup_chunks"] if f["lookup_chunks"] else 0.0
-        log.info("headline: %d requests, %d errors, hit rate %.1f%% of %d chunks looked up, L1 %.1f/%.1f GiB, "
+        log.info("headline: %d requests, %d errors, hit rate %.1f%% of %d chunks looked up, L1 %.2f of %.2f GiB, "
                  "%d engines", f["requests"], f["errors"], 100 * rate, f["lookup_chunks"],
                  f["l1_bytes_used"] / 2**30, f["l1_capacity_bytes"] / 2**30, f["engines"],
                  extra={"event": "headline", "fields": fields})
