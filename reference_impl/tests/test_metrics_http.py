@@ -168,3 +168,38 @@ def test_metrics_show_spills_reloads_and_l2_hits(server_factory, tmp_path):
     assert one(after, "hybridkv_tier_capacity_bytes", tier="l2") == int(0.25 * 2**30)
     assert one(after, "hybridkv_l2_errors_total", op="spill") == 0
     assert one(after, "hybridkv_l2_corrupt_removed_total") == 0
+
+
+REDIS_ONLY = {"hybridkv_l2_up"}  # exported only with a Redis / Valkey L2
+
+
+def test_grafana_dashboard_asks_only_for_metrics_the_server_exports(server_factory, tmp_path):
+    """docs/grafana-dashboard.json: every metric its queries name is one a real server (with an L2, after
+    traffic) serves; panel ids are unique and every panel reads the dashboard's datasource variable."""
+    import json
+    import re
+
+    from hybridkv.engine.client import CacheClient, ServerError
+    from serverkit import Engine
+
+    dash = json.loads((Path(__file__).parents[2] / "docs" / "grafana-dashboard.json").read_text())
+    server = server_factory("--l2-dir", str(tmp_path / "l2"), "--l2-gib", "0.1", "--metrics-port", "0")
+    with CacheClient(server.endpoint) as c:
+        eng = Engine(c)
+        keys = eng.keys(2, seed=1)
+        eng.store(keys)
+        eng.lookup(keys)
+        with pytest.raises(ServerError):
+            c.call(P.Lookup(engine=7, request="r", keys=[]))  # an error reply, so the error counter has a sample
+    served = {name for name, _ in scrape(server.metrics_url)}
+    panels = [p for p in dash["panels"] if p["type"] != "row"]
+    assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+    asked = set()
+    for p in panels:
+        assert p["datasource"]["uid"] == "${datasource}" and p["targets"], p["title"]
+        for t in p["targets"]:
+            asked |= set(re.findall(r"\b((?:hybridkv|process)_[a-z0-9_]+)\b", t["expr"]))
+    assert len(asked) > 30
+    assert asked - served <= REDIS_ONLY, sorted(asked - served)
+    docs = (Path(__file__).parents[2] / "docs" / "metrics.md").read_text()
+    assert all(f"`{m}`" in docs for m in REDIS_ONLY)
