@@ -87,10 +87,10 @@ def render(endpoint: str, r) -> str:
                  f"chunks ({f['hit_tokens']:,} of {f['lookup_tokens']:,} tokens, {f['hit_chunks_l2']:,} chunks back "
                  f"from L2); stored {size(f['bytes_committed'])}, loaded {size(f['bytes_leased'])}; "
                  f"{f['requests']:,} requests, {f['errors']:,} errors")
-    lines.append(f"  engines {f['engines']:,} of {lim['max_engines']:,}; leases {f['leases']:,} (one engine at most "
-                 f"{f['leases_max_engine']:,} of {lim['max_leases']:,}); reservations {f['reservations']:,} (one "
-                 f"engine at most {f['reservations_max_engine']:,} of {lim['max_reservations']:,}); "
-                 f"{f['parked']:,} requests waiting")
+    lines.append(f"  engines {f['engines']:,} of {lim['max_engines']:,} in {f['namespaces']:,} namespaces; "
+                 f"leases {f['leases']:,} (one engine at most {f['leases_max_engine']:,} of {lim['max_leases']:,}); "
+                 f"reservations {f['reservations']:,} (one engine at most {f['reservations_max_engine']:,} of "
+                 f"{lim['max_reservations']:,}); {f['parked']:,} requests waiting")
     near = near_limits(f, lim)
     lines.append("  near limits: " + ("; ".join(near) if near else "none"))
     if r.errors:

@@ -63,6 +63,7 @@ def test_metrics_follow_stores_and_loads(server_factory):
         kv.retrieve(hit, [list(range(3 * n, 6 * n)) for n in per_chunk]).wait(30)
         kv.end_session("r2")
         assert one(during, "hybridkv_engines") == 1
+        assert one(during, "hybridkv_namespaces") == 1
         assert one(during, "hybridkv_leases") == 1
         assert one(during, "hybridkv_leases_max_engine") == 1
         assert one(during, "hybridkv_l1_objects", state="pinned") == len(hit.objects)

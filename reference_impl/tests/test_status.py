@@ -40,7 +40,7 @@ def test_status_sums_up_a_server_without_admin(server_factory):
     # since start: 4 of 6 chunks looked up hit
     assert "since start: hit rate 66.7% of 6 chunks" in out
     assert f"({4 * eng.chunk_tokens:,} of {6 * eng.chunk_tokens:,} tokens" in out
-    assert "engines 1 of 1,024" in out
+    assert "engines 1 of 1,024 in 1 namespaces" in out
     assert "near limits: none" in out
     assert "errors by code: forbidden 1" in out
     assert "last errors: stats forbidden" in out

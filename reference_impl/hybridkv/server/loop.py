@@ -294,4 +294,4 @@ class CacheServer:
             admin.drop_engine(self.ctx, eng, reclaimed=True)
         self.objects.tick(now)
         self._run_parked()
-        self.telemetry.publish(self.ctx)
+        self.telemetry.tick(self.ctx)

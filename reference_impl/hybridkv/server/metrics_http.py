@@ -49,7 +49,7 @@ class SnapshotCollector(Collector):
 
     def collect(self) -> Iterator:
         snap = self.telemetry.fresh(self.wake, SCRAPE_WAIT_S)
-        if snap is None:
+        if snap is None:  # the loop has not answered any scrape yet and is busy past SCRAPE_WAIT_S
             return
         yield from families(snap, time.monotonic())
 
@@ -152,6 +152,8 @@ def families(snap: Snapshot, now: float) -> Iterator:
     # sessions against their limits
     yield _gauge("hybridkv_engines", "registered engines", f["engines"])
     yield _gauge("hybridkv_engines_limit", "--max-engines", lim["max_engines"])
+    yield _gauge("hybridkv_namespaces", "distinct namespaces of the registered engines (a count: never a label)",
+                 f["namespaces"])
     yield _gauge("hybridkv_leases", "leases held, all engines", f["leases"])
     yield _gauge("hybridkv_leases_max_engine", "leases held by the engine that holds the most", f["leases_max_engine"])
     yield _gauge("hybridkv_leases_limit", "--max-leases (per engine)", lim["max_leases"])

@@ -1,9 +1,10 @@
-"""What the server shows operators: request latencies and error codes recorded on the loop thread, and
-snapshots of every figure, read by the metrics endpoint, `hybridkv status` and the headline log line.
+"""What the server shows operators: request latencies and error codes recorded on the loop thread, snapshots
+of every figure for the metrics endpoint, the Status reply (`hybridkv status`) and the headline log line.
 
-Recording costs the loop one dict insert and one pop per request; everything else is built from the counters
-the server keeps anyway, once per tick or when a scrape asks. A snapshot is an immutable object that the loop
-publishes by assignment, so threads that read it never touch the loop's tables.
+Recording costs the loop one dict insert and one pop per request. The rest is built from the counters the
+server keeps anyway: a snapshot when a scrape asks for one, a sample of a few totals once a second for
+Status's rates. A snapshot is an immutable object that the loop publishes by assignment, so threads that read
+it never touch the loop's tables.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ STATUS_FIGURES = (
     "probe_hit_chunks", "bytes_committed", "bytes_leased", "objects_committed", "l2_spill_bytes",
     "l2_prefetch_bytes", "l2_spill_failures", "l2_prefetch_failures", "limit_refusals", "forbidden_refusals",
     "engines_reclaimed", "l1_objects", "l1_bytes_used", "l1_capacity_bytes", "l1_pinned_objects", "l1_evictions",
-    "l2_objects", "l2_bytes", "l2_capacity_bytes", "l2_evictions", "l2_corrupt_removed", "engines",
+    "l2_objects", "l2_bytes", "l2_capacity_bytes", "l2_evictions", "l2_corrupt_removed", "engines", "namespaces",
     "leases", "reservations", "leases_max_engine", "reservations_max_engine", "parked", "arena_bytes")
 # The totals whose growth over the last minute a Status reply carries (hit rate, GB/s).
 WINDOW_FIGURES = ("requests", "errors", "lookup_chunks", "hit_chunks", "lookup_tokens", "hit_tokens",
@@ -75,7 +76,8 @@ def server_figures(ctx: Context) -> dict[str, int | float]:
     out = ctx.counters.as_dict()
     out.update(ctx.objects.stats())
     engines = ctx.sessions.engines.values()
-    out.update(engines=len(ctx.sessions.engines), leases=len(ctx.sessions.leases),
+    out.update(engines=len(ctx.sessions.engines), namespaces=len({e.ns for e in engines}),
+               leases=len(ctx.sessions.leases),
                reservations=len(ctx.sessions.reservations),
                leases_max_engine=max((len(e.leases) for e in engines), default=0),
                reservations_max_engine=max((len(e.reservations) for e in engines), default=0),
@@ -104,7 +106,8 @@ class Telemetry:
         # answered or dropped with its client; a client's repeated id only merges two entries into one.
         self._started: dict[tuple[bytes, int], tuple[str, float]] = {}
         self.snapshot: Snapshot | None = None
-        self._history: deque[Snapshot] = deque()  # one a second over the last WINDOW_S, for Status
+        # (time, WINDOW_FIGURES totals), one a second over the last WINDOW_S: Status's rates
+        self._history: deque[tuple[float, dict[str, int]]] = deque()
         self._published = threading.Condition()
         self._generation = 0
         self.wanted = False  # a reader on another thread asks the loop for a fresh snapshot
@@ -132,35 +135,37 @@ class Telemetry:
             self.recent.appendleft((time.monotonic(), kind, reply.code))
 
     def publish(self, ctx: Context) -> Snapshot:
-        """Take a snapshot for readers on other threads (every tick, and when one asks); logs the headline
-        line when it is due."""
-        now = time.monotonic()
-        snap = Snapshot(now, server_figures(ctx), limits(ctx),
+        """Take a snapshot for readers on other threads (when a scrape asks for one)."""
+        snap = Snapshot(time.monotonic(), server_figures(ctx), limits(ctx),
                         {k: (tuple(v.counts), v.total_s) for k, v in self.latency.items()},
                         dict(self.errors), tuple(self.recent))
-        history = self._history
-        if not history or now - history[-1].taken >= 1.0:
-            history.append(snap)
-        while now - history[0].taken > WINDOW_S + 1.0:
-            history.popleft()
         with self._published:
             self.snapshot, self.wanted = snap, False
             self._generation += 1
             self._published.notify_all()
-        if self.headline_s and now >= self._next_headline:
-            self._next_headline = now + self.headline_s
-            self._headline(snap)
         return snap
 
+    def tick(self, ctx: Context) -> None:
+        """On the loop's timer: sample the totals Status shows rates of (once a second, counters only: no
+        adapter is asked for its stats), and log the headline line when it is due."""
+        now = time.monotonic()
+        history, counters = self._history, ctx.counters
+        if not history or now - history[-1][0] >= 1.0:
+            history.append((now, {k: getattr(counters, k) for k in WINDOW_FIGURES}))
+        while now - history[0][0] > WINDOW_S + 1.0:
+            history.popleft()
+        if self.headline_s and now >= self._next_headline:
+            self._next_headline = now + self.headline_s
+            self._headline(server_figures(ctx))
+
     def window(self, now: float, figures: dict[str, int | float]) -> tuple[float, dict[str, int | float]]:
-        """(seconds, growth of WINDOW_FIGURES) since the oldest snapshot of the last minute."""
-        first = next((s for s in self._history if now - s.taken <= WINDOW_S + 1.0), None)
+        """(seconds, growth of WINDOW_FIGURES) since the oldest sample of the last minute."""
+        first = next(((t, f) for t, f in self._history if now - t <= WINDOW_S + 1.0), None)
         if first is None:
             return 0.0, {k: 0 for k in WINDOW_FIGURES}
-        return now - first.taken, {k: figures[k] - first.figures[k] for k in WINDOW_FIGURES}
+        return now - first[0], {k: figures[k] - first[1][k] for k in WINDOW_FIGURES}
 
-    def _headline(self, snap: Snapshot) -> None:
-        f = snap.figures
+    def _headline(self, f: dict[str, int | float]) -> None:
         fields = {k: f.get(k, 0) for k in HEADLINE_FIGURES}
         rate = f["hit_chunks"] / f["lookup_chunks"] if f["lookup_chunks"] else 0.0
         log.info("headline: %d requests, %d errors, hit rate %.1f%% of %d chunks looked up, L1 %.2f of %.2f GiB, "
