@@ -42,9 +42,16 @@ def size(nbytes: float) -> str:
 
 
 def duration(s: float) -> str:
+    """12.3 s under a minute, else 4m 05s, 2h 03m 04s, 1d 2h 03m 04s."""
+    if s < 60:
+        return f"{s:.1f} s"
     s = int(s)
     d, h, m = s // 86400, s // 3600 % 24, s // 60 % 60
     return (f"{d}d " if d else "") + (f"{h}h " if d or h else "") + f"{m}m {s % 60:02d}s"
+
+
+def count(n: float, noun: str) -> str:
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
 
 
 def rate(part: float, whole: float) -> str:
@@ -77,16 +84,17 @@ def render(endpoint: str, r) -> str:
         lines.append("  L2  none")
     if ws > 0:
         gbps = {k: w[k] / ws / 1e9 for k in ("bytes_committed", "bytes_leased", "l2_spill_bytes", "l2_prefetch_bytes")}
-        lines.append(f"  last {ws:.0f} s: hit rate {rate(w['hit_chunks'], w['lookup_chunks'])} of "
+        lines.append(f"  last {duration(ws)}: hit rate {rate(w['hit_chunks'], w['lookup_chunks'])} of "
                      f"{w['lookup_chunks']:,} chunks looked up; stored {gbps['bytes_committed']:.3g} GB/s, loaded "
                      f"{gbps['bytes_leased']:.3g} GB/s, spilled {gbps['l2_spill_bytes']:.3g} GB/s, reloaded "
-                     f"{gbps['l2_prefetch_bytes']:.3g} GB/s; {w['requests']:,} requests, {w['errors']:,} errors")
+                     f"{gbps['l2_prefetch_bytes']:.3g} GB/s; {count(w['requests'], 'request')}, "
+                     f"{count(w['errors'], 'error')}")
     else:
-        lines.append("  last minute: no figures yet (the server samples them every half second)")
+        lines.append("  last minute: no figures yet (the server samples its totals once a second)")
     lines.append(f"  since start: hit rate {rate(f['hit_chunks'], f['lookup_chunks'])} of {f['lookup_chunks']:,} "
                  f"chunks ({f['hit_tokens']:,} of {f['lookup_tokens']:,} tokens, {f['hit_chunks_l2']:,} chunks back "
                  f"from L2); stored {size(f['bytes_committed'])}, loaded {size(f['bytes_leased'])}; "
-                 f"{f['requests']:,} requests, {f['errors']:,} errors")
+                 f"{count(f['requests'], 'request')}, {count(f['errors'], 'error')}")
     lines.append(f"  engines {f['engines']:,} of {lim['max_engines']:,} in {f['namespaces']:,} namespaces; "
                  f"leases {f['leases']:,} (one engine at most {f['leases_max_engine']:,} of {lim['max_leases']:,}); "
                  f"reservations {f['reservations']:,} (one engine at most {f['reservations_max_engine']:,} of "

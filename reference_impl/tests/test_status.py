@@ -46,6 +46,20 @@ def test_status_sums_up_a_server_without_admin(server_factory):
     assert "last errors: stats forbidden" in out
 
 
+def test_status_names_limits_near_exhaustion(server_factory):
+    server = server_factory("--max-leases", "5", admin=False)
+    with CacheClient(server.endpoint) as c:
+        eng = Engine(c)
+        keys = eng.keys(2, seed=7)
+        eng.store(keys)
+        for i in range(4):  # 4 of 5 leases held by one engine: 80%, the threshold
+            assert eng.lookup(keys, request=f"r{i}").lease
+        r = status("--endpoint", server.endpoint)
+    assert r.returncode == 0, r.stderr
+    assert "near limits: leases of one engine 4 of 5 (80%)" in r.stdout
+    assert "leases 4 (one engine at most 4 of 5)" in r.stdout
+
+
 def test_status_reply_holds_no_tenant_data(server_factory):
     """Status is open to every client: no engine name, namespace, key or error message in its reply."""
     server = server_factory(admin=False)
