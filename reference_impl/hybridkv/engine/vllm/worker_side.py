@@ -1,11 +1,13 @@
 """The connector's worker half: `hybridkv.engine.transfer.KVTransfer` moves the bytes, the same code the
 CUDA suite covers on the GPU machine.
 
-Nothing here makes vLLM's step wait on the cache server longer than `step_timeout_s`:
-- Loads are asynchronous (vLLM's `load_kv_async`): `start_load` hands each to the loader thread and returns;
-  the request waits in vLLM's queue (WAITING_FOR_REMOTE_KVS) holding its blocks until `transfer_results`
-  reports it. A load that failed, or whose lookup did not answer within `lookup_timeout_s`, is reported as
-  a failed receive, which vLLM recomputes; a load given up before its first page write never writes.
+Nothing here makes vLLM's step wait on the cache server longer than `lookup_timeout_s` / `step_timeout_s`:
+- Loads are asynchronous (vLLM's `load_kv_async`): `start_load` sends each load's pinning lookup (at most
+  `lookup_timeout_s`; a server that does not answer is dropped, so only the first request that meets it
+  waits) and starts its copies, which end on their own; the request waits in vLLM's queue
+  (WAITING_FOR_REMOTE_KVS) holding its blocks until `transfer_results` reports it. A load that failed, or
+  whose copies had not started `lookup_timeout_s` later (a payload wire's answer stuck), is reported as a
+  failed receive, which vLLM recomputes; a load given up before its first page write never writes.
   Because the load ends before the request is scheduled, the GDN state written into block `(h-1)//B` is
   there when vLLM's mamba preprocessing copies it into the request's running block.
 - Copies start after the work the engine queued on its current stream before `start_load` (vLLM zeroes
@@ -13,7 +15,7 @@ Nothing here makes vLLM's step wait on the cache server longer than `step_timeou
 - A store's reservation is asked for before the forward (`prepare_store` with vLLM's block ids), its copy
   awaited in `save` for at most `step_timeout_s` (vLLM may reuse the blocks afterwards): one that is not
   done by then is cancelled and never commits.
-- Connecting and reconnecting to the server (Register) happen on the loader thread, never in the step.
+- Reconnecting to the server (Register) happens on a thread of its own, never in the step.
 """
 
 from __future__ import annotations
@@ -21,8 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
@@ -49,7 +50,7 @@ class WorkerStats:
 
     loads: int = 0
     load_failures: int = 0
-    loads_given_up: int = 0  # no lookup answer within lookup_timeout_s: reported failed, never written
+    loads_given_up: int = 0  # copies not started lookup_timeout_s after the lookup: reported failed, never written
     loaded_bytes: int = 0
     stores: int = 0
     store_failures: int = 0
@@ -64,27 +65,9 @@ class _Load:
     """One request's asynchronous load, from `start_load` until `transfer_results` reports it."""
 
     job: LoadJob
-    deadline: float  # the lookup must have answered by then, or the load is given up
-    future: Future = field(default_factory=Future)  # the loader thread's run: the loaded bytes
-    handle: TransferHandle | None = None
-    given_up: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def give_up(self) -> bool:
-        """True when the load will never write a page (it had not started its copies)."""
-        with self.lock:
-            if self.handle is None:
-                self.given_up = True
-                return True
-            return self.handle.cancel()
-
-    def bind(self, handle_of: Callable[[], TransferHandle]) -> TransferHandle:
-        """Start the copies (`handle_of`) unless the load was given up first."""
-        with self.lock:
-            if self.given_up:
-                raise CancelledError(f"the load of {self.job.request_id!r} was given up")
-            self.handle = handle_of()
-            return self.handle
+    deadline: float  # its copies must have started by then, or the load is given up
+    handle: TransferHandle | None = None  # None: it failed before any copy (`error`)
+    error: BaseException | None = None
 
 
 @dataclass(slots=True)
@@ -108,7 +91,7 @@ class WorkerSide:
         self._next_try = 0.0
         self._lock = threading.Lock()  # self.transfer and self._connecting, set by the loader thread too
         self._connecting: Future | None = None
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="hkv-vllm-load")
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="hkv-vllm-connect")  # reconnects, off the step
         self._loads: dict[str, _Load] = {}
         self._in_flight: dict[str, list[TransferHandle]] = {}
         self._ending: dict[str, _Ending] = {}
@@ -188,17 +171,24 @@ class WorkerSide:
     # ---- loads: asynchronous, before the request is scheduled ------------------------------------
 
     def start_load(self, meta: HybridKVMetadata) -> None:
-        """Reserve this step's stores (their round trips overlap the forward), then hand every planned load
-        to the loader thread, ordered after the work already queued on the engine's current stream."""
+        """Reserve this step's stores (their round trips overlap the forward), then start every planned load:
+        the pinning lookup (at most `lookup_timeout_s`), then copies ordered after the work already queued on
+        the engine's current stream, which end on their own (CUDA streams, or the transfer's load thread).
+        `transfer_results` reports them; nothing here waits for a copy."""
         self._prepare_stores(meta)
         if not meta.loads:
             return
         ready = self._ready_event()
-        now = time.monotonic()
         for job in meta.loads:
-            load = _Load(job, now + self.settings.lookup_timeout_s)
-            load.future = self._loader.submit(self._run_load, load, ready)
+            load = _Load(job, 0.0)
             self._loads[job.request_id] = load
+            t0 = time.perf_counter()
+            try:
+                load.handle = self._start_load(job, ready)
+            except Exception as e:
+                load.error = e
+            self.stats.load_s += time.perf_counter() - t0
+            load.deadline = time.monotonic() + self.settings.lookup_timeout_s
 
     def _ready_event(self) -> torch.cuda.Event | None:
         """An event after the engine's queued work (CUDA), or None (CPU: that work is done already)."""
@@ -210,28 +200,23 @@ class WorkerSide:
         ev.record(torch.cuda.current_stream(self._pages[0][0].device))
         return ev
 
-    def _run_load(self, load: _Load, ready: torch.cuda.Event | None) -> int:
-        """On the loader thread: pin the hit under this rank's engine, then copy it into vLLM's blocks."""
-        t0 = time.perf_counter()
-        job = load.job
-        t = self._connect()
+    def _start_load(self, job: LoadJob, ready: torch.cuda.Event | None) -> TransferHandle:
+        """Pin the hit under this rank's engine and start copying it into vLLM's blocks."""
+        t = self.transfer
         if t is None:
+            self._connect_soon()
             raise ConnectionError("no connection to the cache server")
         try:
             hit = t.lookup(job.request_id, job.token_ids, skip_tokens=job.skip_tokens,
                            timeout=self.settings.lookup_timeout_s, extras=job.extras)
-            if hit.hit_tokens < len(job.token_ids):
-                t.end_session_soon(job.request_id)
-                raise LookupError(f"the server holds {hit.hit_tokens} of the {len(job.token_ids)} hit tokens now")
-            h = load.bind(lambda: t.retrieve(hit, job.block_ids, ready))
-            h.wait(self.settings.timeout_s)
         except (TimeoutError, ConnectionError, ServerError) as e:
             if not isinstance(e, ServerError) or e.code == ErrorCode.UNKNOWN_ENGINE:
-                self._drop(t, e)  # the server is gone, hung or forgot us: reconnect later
+                self._drop(t, e)  # the server is gone, hung or forgot us: reconnect later, off the step
             raise
-        finally:
-            self.stats.load_s += time.perf_counter() - t0
-        return h.nbytes
+        if hit.hit_tokens < len(job.token_ids):
+            t.end_session_soon(job.request_id)
+            raise LookupError(f"the server holds {hit.hit_tokens} of the {len(job.token_ids)} hit tokens now")
+        return t.retrieve(hit, job.block_ids, ready)
 
     def transfer_results(self) -> tuple[set[str], set[str]]:
         """(finished, failed) loads since the last call; a failed one is also finished (vLLM's contract). A
@@ -240,20 +225,22 @@ class WorkerSide:
         failed: set[str] = set()
         now = time.monotonic()
         for rid, load in list(self._loads.items()):
-            if load.future.done():
-                if (e := load.future.exception()) is None:
+            h = load.handle
+            if h is None or h.done.done():
+                if h is not None and h.done.exception() is None:
                     self.stats.loads += 1
-                    self.stats.loaded_bytes += load.future.result()
+                    self.stats.loaded_bytes += h.nbytes
                 else:
                     failed.add(rid)
                     self.stats.load_failures += 1
-                    log.warning("hybridkv: load of %s failed (%s); vLLM recomputes it", rid, e)
-            elif now > load.deadline and load.give_up():
+                    log.warning("hybridkv: load of %s failed (%s); vLLM recomputes it", rid,
+                                load.error if h is None else h.done.exception())
+            elif now > load.deadline and h.cancel():
                 failed.add(rid)
                 self.stats.load_failures += 1
                 self.stats.loads_given_up += 1
-                log.warning("hybridkv: load of %s given up: no answer from the cache server in %.2g s; vLLM "
-                            "recomputes it", rid, self.settings.lookup_timeout_s)
+                log.warning("hybridkv: load of %s given up: its copies had not started %.2g s after it was asked "
+                            "for; vLLM recomputes it", rid, self.settings.lookup_timeout_s)
             else:
                 continue
             del self._loads[rid]
@@ -340,10 +327,11 @@ class WorkerSide:
         their pins."""
         until = time.monotonic() + timeout_s
         for load in list(self._loads.values()):
-            try:
-                load.future.result(max(0.0, until - time.monotonic()))
-            except Exception:
-                pass  # reported by transfer_results
+            if load.handle is not None:
+                try:
+                    load.handle.wait(max(0.0, until - time.monotonic()))
+                except Exception:
+                    pass  # reported by transfer_results
         for hs in [*self._in_flight.values(), *(e.handles for e in self._ending.values())]:
             for h in hs:
                 try:
