@@ -14,7 +14,7 @@ from hybridkv.cli import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("scenario", help="vllm-real scenario TOML, e.g. scenarios/vllm_ttft_cpu.toml")
+    parser.add_argument("scenario", help="vllm-real scenario TOML, e.g. scenarios/vllm_real/ttft_cpu.toml")
     parser.add_argument("--out", default=None, help="run folder (default: results/runs/<name>-<time>)")
 
 

@@ -10,7 +10,7 @@ continuation's greedy tokens are compared with the cold one's (`tokens_equal`); 
 With `step_cost`, the decode step time (time per output token) of an engine with the connector and of one
 without, both measured here, shows what the connector costs a step.
 
-Run: `hybridkv vllm-ttft SCENARIO [--out DIR]` (scenarios/vllm_ttft_cpu.toml). Needs vLLM that runs a model here.
+Run: `hybridkv vllm-ttft SCENARIO [--out DIR]` (scenarios/vllm_real/ttft_cpu.toml). Needs vLLM that runs a model here.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def write_model(directory: str | Path, shape: ModelShape | None = None) -> Path:
     shape = shape or ModelShape()
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    cfg = Qwen3NextConfig(
+    fields: dict[str, Any] = dict(
         vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=2 * shape.hidden,
         num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
         head_dim=shape.head_dim, linear_num_key_heads=shape.linear_k_heads,
@@ -73,8 +73,10 @@ def write_model(directory: str | Path, shape: ModelShape | None = None) -> Path:
         num_experts=shape.experts, num_experts_per_tok=min(2, shape.experts),
         moe_intermediate_size=max(1, shape.hidden // 2), shared_expert_intermediate_size=max(1, shape.hidden // 2),
         decoder_sparse_step=1, max_position_embeddings=1 << 17, tie_word_embeddings=False, initializer_range=0.08)
+    cfg = Qwen3NextConfig(**fields)
     torch.manual_seed(shape.seed)
-    Qwen3NextForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    model: Any = Qwen3NextForCausalLM(cfg)
+    model.to(torch.bfloat16).save_pretrained(path)
     vocab = {f"t{i}": i for i in range(shape.vocab)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
