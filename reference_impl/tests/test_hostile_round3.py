@@ -1,0 +1,90 @@
+"""Hostile clients and host faults against real server processes: one test (or more) per finding of issue 23."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hybridkv import protocol as P
+from hybridkv.engine.client import CacheClient
+from hybridkv.server.launch import ServerStartError
+from serverkit import Engine
+
+MIB = 1 << 20
+
+
+def alive(endpoint: str) -> bool:
+    with CacheClient(endpoint, timeout_s=10) as c:
+        return c.call(P.Health())[0].status == "ok"
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 16 MiB tmpfs of our own, for the arena, to fill up for real (needs the right to mount)."""
+    mnt = tmp_path / f"shm-{uuid.uuid4().hex[:6]}"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m,mode=0700", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a small tmpfs (needs root): {r.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def fill(path: Path) -> int:
+    """Write into `path` until its file system is full; the bytes written."""
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o600)
+    block, n = b"\xff" * MIB, 0
+    try:
+        while True:
+            try:
+                n += os.write(fd, block[:MIB if n % MIB == 0 else MIB - n % MIB])
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                if len(block) == 4096:
+                    return n
+                block = block[:4096]
+    finally:
+        os.close(fd)
+
+
+# ---- 1. a full L1 tmpfs -----------------------------------------------------------------------------
+
+def test_arena_is_backed_at_start_so_a_tmpfs_filled_later_cannot_sigbus_the_server(server_factory, small_tmpfs):
+    """A sparse arena (ftruncate only) gets its pages on first touch; once another process filled the mount,
+    the server's first copy into an unbacked page was SIGBUS. Backed at start, the filler gets ENOSPC."""
+    s = server_factory("--l1-dir", str(small_tmpfs), l1_gib=8 / 1024)
+    st = os.stat(s.arena_path)
+    assert st.st_blocks * 512 >= st.st_size, f"arena of {st.st_size} B has {st.st_blocks * 512} B allocated"
+    assert fill(small_tmpfs / "filler") <= 16 * MIB - st.st_size
+    with CacheClient(s.endpoint, timeout_s=10) as c:
+        eng = Engine(c)
+        n_chunks = st.st_size // sum(eng.sizes) - 1
+        keys = eng.keys(n_chunks, seed=3)
+        for i in range(0, n_chunks, 16):  # the server copies raw frames into every slot of the arena
+            part = keys[i:i + 16]
+            prep, _ = c.call(P.PrepareStore(engine=eng.id, request="r", keys=part,
+                                            objects=[(k, g) for k in range(len(part)) for g in range(len(eng.sizes))]))
+            frames = [eng.payload(part[o.chunk], o.group, o.length).tobytes() for o in prep.slots]
+            c.call(P.CommitStore(engine=eng.id, reservation=prep.reservation, format="raw"), frames)
+        res = eng.lookup(keys, policy="all")
+        assert res.hit_chunks == n_chunks
+        rep, got = c.call(P.Retrieve(engine=eng.id, lease=res.lease, format="raw"))
+        for o, frame in zip(rep.objects, got, strict=True):
+            assert np.array_equal(np.frombuffer(frame, np.uint8), eng.payload(keys[o.chunk], o.group, o.length))
+    assert s.alive() and alive(s.endpoint)
+
+
+def test_an_arena_the_tmpfs_cannot_hold_is_refused_at_start_in_one_line(server_factory, small_tmpfs):
+    fill(small_tmpfs / "filler")
+    os.truncate(small_tmpfs / "filler", 12 * MIB)  # 4 MiB left
+    with pytest.raises(ServerStartError) as ei:
+        server_factory("--l1-dir", str(small_tmpfs), l1_gib=8 / 1024)
+    assert "--l1-gib" in str(ei.value) and "Traceback" not in str(ei.value)
+    assert sorted(p.name for p in small_tmpfs.iterdir()) == ["filler"]
