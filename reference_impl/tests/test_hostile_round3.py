@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import errno
 import os
+import resource
+import socket
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -12,7 +15,7 @@ import numpy as np
 import pytest
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
-from hybridkv.server.launch import ServerStartError
+from hybridkv.server.launch import ServerStartError, start_server
 from serverkit import Engine
 
 MIB = 1 << 20
@@ -88,3 +91,52 @@ def test_an_arena_the_tmpfs_cannot_hold_is_refused_at_start_in_one_line(server_f
         server_factory("--l1-dir", str(small_tmpfs), l1_gib=8 / 1024)
     assert "--l1-gib" in str(ei.value) and "Traceback" not in str(ei.value)
     assert sorted(p.name for p in small_tmpfs.iterdir()) == ["filler"]
+
+
+# ---- 2. file descriptors ----------------------------------------------------------------------------
+
+def hold_connections(path: str, n: int) -> list[socket.socket]:
+    """n bare unix-socket connections to an ipc endpoint that never speak (each costs the server one fd)."""
+    held = []
+    for _ in range(n):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(path)
+        except OSError:  # refused while the server is at its cap: what an attacker sees
+            s.close()
+            continue
+        held.append(s)
+    return held
+
+
+@pytest.mark.parametrize("soft_only", [True, False])
+def test_more_connections_than_the_fd_limit_leave_the_server_serving(sock_dir, soft_only):
+    """libzmq aborts on EMFILE on an ipc endpoint (and spins on tcp). The server raises its soft limit to the
+    hard one at start, and past its cap on clients stops accepting until connections close."""
+    endpoint = f"ipc://{sock_dir}/fd.sock"
+    if soft_only:  # the common default: a soft limit far below the hard one
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        old = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+        try:
+            s = start_server(endpoint, "--admin", l1_gib=0.02)
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, old)
+    else:
+        s = start_server(endpoint, "--admin", l1_gib=0.02, nofile=256)
+    try:
+        with CacheClient(endpoint, timeout_s=10) as early:
+            assert early.call(P.Health())[0].status == "ok"
+            held = hold_connections(endpoint[len("ipc://"):], 400)
+            try:
+                time.sleep(0.5)
+                assert s.alive(), s.proc.stderr.read() if s.proc.stderr else ""
+                assert early.call(P.Health())[0].status == "ok"  # a connected client keeps being served
+            finally:
+                for h in held:
+                    h.close()
+            with CacheClient(endpoint, timeout_s=10) as late:  # and new ones get in once others left
+                assert late.call(P.Health(), timeout=10)[0].status == "ok"
+        assert s.alive()
+    finally:
+        s.close()

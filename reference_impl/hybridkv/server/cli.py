@@ -62,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bytes of one request's msgpack frame (default: %(default)s)")
     p.add_argument("--max-frame-bytes", type=int, default=256 << 20,
                    help="bytes of any one frame; a larger one drops its connection (default: %(default)s)")
+    p.add_argument("--max-clients", type=int, default=0,
+                   help="connections at once; past it the endpoint stops accepting until some leave "
+                        "(default 0: what the open-file limit, raised to its hard value, leaves room for)")
     p.add_argument("--max-engines", type=int, default=1024, help="registered engines (default: %(default)s)")
     p.add_argument("--max-leases", type=int, default=4096, help="leases held per engine (default: %(default)s)")
     p.add_argument("--max-reservations", type=int, default=1024,
@@ -151,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
     from hybridkv.arena import ArenaError
     from hybridkv.cli import UserError
     from hybridkv.server.config import ConfigError, ServerConfig
+    from hybridkv.server.connections import raise_fd_limit
     from hybridkv.server.l2 import L2Error
     from hybridkv.server.lifecycle import EndpointInUse
     from hybridkv.server.loop import CacheServer
@@ -162,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, terminate)
     server: CacheServer | None = None
+    raise_fd_limit()  # libzmq cannot survive EMFILE: take every descriptor the hard limit allows
     try:
         l2_redis = apply_l2_and_seed(args)
         # say it in the unit it was given in, not in the bytes it becomes
@@ -176,7 +181,8 @@ def run(args: argparse.Namespace) -> int:
             io_threads=args.io_threads, spill_watermark=args.spill_watermark, flush_on_exit=args.flush_on_exit,
             cuda_ipc=args.cuda_ipc, admin=args.admin, max_keys=args.max_keys,
             max_message_bytes=args.max_message_bytes, max_frame_bytes=args.max_frame_bytes,
-            max_engines=args.max_engines, max_leases=args.max_leases, max_reservations=args.max_reservations,
+            max_clients=args.max_clients, max_engines=args.max_engines, max_leases=args.max_leases,
+            max_reservations=args.max_reservations,
             max_queued_replies=args.max_queued_replies, max_pending=args.max_pending,
             max_prefetches=args.max_prefetches, l2_redis=l2_redis,
             parent_pid=os.getppid() if args.exit_with_parent else 0)

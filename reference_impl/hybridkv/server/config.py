@@ -78,6 +78,7 @@ class ServerConfig:
     max_keys: int = 1 << 16         # keys per request (a 1M-token prompt of 16-token chunks)
     max_message_bytes: int = 8 << 20   # the msgpack request frame
     max_frame_bytes: int = 256 << 20   # any one frame (payload frames of raw / legacy commits)
+    max_clients: int = 0            # connections at once (0: as many as the open-file limit leaves room for)
     max_engines: int = 1024
     max_leases: int = 4096          # per engine
     max_reservations: int = 1024    # per engine
@@ -109,6 +110,8 @@ class ServerConfig:
             raise ConfigError(f"parent pid must be >= 0, got {self.parent_pid}")
         if not 1 <= self.io_threads <= 64:
             raise ConfigError(f"io threads must be in 1..64, got {self.io_threads}")
+        if not 0 <= self.max_clients < 1 << 62:
+            raise ConfigError(f"max_clients must be >= 0, got {self.max_clients}")
         for name in ("max_keys", "max_message_bytes", "max_frame_bytes", "max_engines", "max_leases",
                      "max_reservations", "max_queued_replies", "max_pending", "max_prefetches"):
             if not 0 < getattr(self, name) < 1 << 62:

@@ -21,6 +21,7 @@ from hybridkv import protocol as P
 from hybridkv.arena import Arena, remove_dead_arenas
 from hybridkv.server import admin, lookup, prefetch, retrieve, store
 from hybridkv.server.config import ServerConfig
+from hybridkv.server.connections import ConnectionGate, listen_backlog
 from hybridkv.server.context import Answer, Context, Frames, RequestError
 from hybridkv.server.counters import Counters
 from hybridkv.server.formats import Formats
@@ -67,6 +68,7 @@ class CacheServer:
             raise
         self._zctx = context or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
+        self._gate: ConnectionGate | None = None  # ipc only: the connection cap
         self._pending: dict[bytes, int] = {}  # requests answered later, per client
         self._stopping = False
         self._closed = False
@@ -86,8 +88,11 @@ class CacheServer:
         sock.setsockopt(zmq.RCVHWM, self.config.max_pending)
         # libzmq refuses a larger frame before allocating it, and drops the connection that sent it.
         sock.setsockopt(zmq.MAXMSGSIZE, max(self.config.max_frame_bytes, self.config.max_message_bytes))
+        sock.setsockopt(zmq.BACKLOG, listen_backlog(self.config.io_threads))
         try:
             sock.bind(ep)
+            if ep.startswith("ipc://"):
+                self._gate = ConnectionGate(sock, ep[len("ipc://"):], self.config.max_clients, self.config.io_threads)
         except BaseException:
             sock.close(linger=0)
             raise
@@ -100,9 +105,11 @@ class CacheServer:
             if self._sock is None:
                 self.bind()
             assert self._sock is not None
-            sock, wake_r = self._sock, self.workers.wake_r
+            sock, wake_r, gate = self._sock, self.workers.wake_r, self._gate
             # zmq_poll's own list (a socket and a pipe's fd): no Poller, no dict of its answer
             items: list[tuple[Any, int]] = [(sock, zmq.POLLIN), (wake_r, zmq.POLLIN)]
+            if gate is not None:
+                items.append((gate.monitor, zmq.POLLIN))
             if on_ready:
                 on_ready()
             next_tick = time.monotonic()
@@ -114,6 +121,8 @@ class CacheServer:
                 for what, _ in zmq_poll(items, 200):
                     if what is sock:
                         self._receive()
+                    elif gate is not None and what is gate.monitor:
+                        gate.drain()
                     elif self.workers.drain():
                         self._run_parked()
                 if time.monotonic() >= next_tick:
@@ -140,6 +149,8 @@ class CacheServer:
             log.exception("error while finishing L2 writes at shutdown")
         finally:
             try:
+                if self._gate is not None:
+                    self._gate.close()
                 if self._sock is not None:
                     self._sock.close(linger=0)
                 self.objects.close()
@@ -286,4 +297,6 @@ class CacheServer:
             self.counters.engines_reclaimed += 1
             admin.drop_engine(self.ctx, eng, reclaimed=True)
         self.objects.tick(now)
+        if self._gate is not None:
+            self._gate.resync()
         self._run_parked()
