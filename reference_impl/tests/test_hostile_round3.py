@@ -11,12 +11,15 @@ import time
 import uuid
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 from hybridkv import protocol as P
-from hybridkv.engine.client import CacheClient
+from hybridkv.engine.client import CacheClient, ServerError
+from hybridkv.layout import MAX_LAYERS, MAX_NAME_CHARS
+from hybridkv.presets import preset_layout
 from hybridkv.server.launch import ServerStartError, start_server
-from serverkit import Engine
+from serverkit import Engine, RawDealer
 
 MIB = 1 << 20
 
@@ -140,3 +143,61 @@ def test_more_connections_than_the_fd_limit_leave_the_server_serving(sock_dir, s
         assert s.alive()
     finally:
         s.close()
+
+
+# ---- 4. what a lease, a reservation and an engine make the server keep -------------------------------
+
+def expect_refused(c: CacheClient, msg: P.Message, field: str) -> None:
+    with pytest.raises(ServerError) as ei:
+        c.call(msg)
+    assert ei.value.code == P.ErrorCode.BAD_MESSAGE and field in ei.value.message, ei.value
+
+
+def test_ids_names_and_layouts_past_their_bounds_are_refused(server_factory):
+    s = server_factory()
+    tiny = preset_layout("tiny-hybrid")
+    long = "x" * (MAX_NAME_CHARS + 1)
+    with CacheClient(s.endpoint, timeout_s=10) as c:
+        for msg, field in [
+            (P.Register(layout=tiny, chunk_tokens=0, name=long), "$.name"),
+            (P.Register(layout=tiny, chunk_tokens=0, salt=long), "$.salt"),
+            (P.Register(layout=msgspec.structs.replace(tiny, model=long), chunk_tokens=0), "$.layout.model"),
+            (P.Register(layout=msgspec.structs.replace(tiny, groups=(msgspec.structs.replace(
+                tiny.groups[0], layer_names=(long,)),) + tiny.groups[1:]), chunk_tokens=0), "layer_names"),
+        ]:
+            expect_refused(c, msg, field)
+    raw = RawDealer(s.endpoint)  # a layout our own client would not even build
+    try:
+        reg = msgspec.to_builtins(P.Register(layout=tiny, chunk_tokens=0))
+        reg["layout"]["groups"][0]["layer_names"] = [f"l{i}" for i in range(MAX_LAYERS + 1)]
+        reply = raw.request(reg)
+        assert isinstance(reply, P.Error) and reply.code == P.ErrorCode.BAD_MESSAGE, reply
+        assert "layer_names" in reply.message, reply
+    finally:
+        raw.close()
+    with CacheClient(s.endpoint, timeout_s=10) as c:
+        eng = Engine(c)
+        keys = eng.keys(2, seed=4)
+        eng.store(keys)
+        expect_refused(c, P.Lookup(engine=eng.id, request=long, keys=keys), "$.request")
+        expect_refused(c, P.PrepareStore(engine=eng.id, request=long, keys=keys, objects=[(0, 0)]), "$.request")
+        expect_refused(c, P.EndSession(engine=eng.id, request=long), "$.request")
+        ok = "r" * MAX_NAME_CHARS  # the bound itself is taken
+        res = eng.lookup(keys, request=ok)
+        assert res.hit_chunks == 2
+        c.call(P.EndSession(engine=eng.id, request=ok))
+        assert c.call(P.Stats())[0].counters["leases"] == 0
+
+
+# ---- 6. one client against limits all share ----------------------------------------------------------
+
+def test_one_connection_takes_only_its_share_of_the_engines(server_factory):
+    s = server_factory("--max-engines", "8", "--max-engines-per-client", "3")
+    with CacheClient(s.endpoint, timeout_s=10) as a, CacheClient(s.endpoint, timeout_s=10) as b:
+        mine = [Engine(a) for _ in range(3)]
+        with pytest.raises(ServerError) as ei:
+            Engine(a)
+        assert ei.value.code == P.ErrorCode.LIMIT and "--max-engines-per-client 3" in ei.value.message
+        Engine(b)  # another client still registers
+        a.call(P.Unregister(engine=mine[0].id))
+        Engine(a)  # and an unregistered engine gives its place back
