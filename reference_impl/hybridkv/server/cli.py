@@ -66,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="connections at once; past it the endpoint stops accepting until some leave "
                         "(default 0: what the open-file limit, raised to its hard value, leaves room for)")
     p.add_argument("--max-engines", type=int, default=1024, help="registered engines (default: %(default)s)")
+    p.add_argument("--max-engines-per-client", type=int, default=64,
+                   help="engines one connection may register, its share of --max-engines (default: %(default)s)")
     p.add_argument("--max-leases", type=int, default=4096, help="leases held per engine (default: %(default)s)")
     p.add_argument("--max-reservations", type=int, default=1024,
                    help="open store reservations per engine (default: %(default)s)")
@@ -181,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
             io_threads=args.io_threads, spill_watermark=args.spill_watermark, flush_on_exit=args.flush_on_exit,
             cuda_ipc=args.cuda_ipc, admin=args.admin, max_keys=args.max_keys,
             max_message_bytes=args.max_message_bytes, max_frame_bytes=args.max_frame_bytes,
-            max_clients=args.max_clients, max_engines=args.max_engines, max_leases=args.max_leases,
+            max_clients=args.max_clients, max_engines=args.max_engines,
+            max_engines_per_client=args.max_engines_per_client, max_leases=args.max_leases,
             max_reservations=args.max_reservations,
             max_queued_replies=args.max_queued_replies, max_pending=args.max_pending,
             max_prefetches=args.max_prefetches, l2_redis=l2_redis,

@@ -80,6 +80,7 @@ class ServerConfig:
     max_frame_bytes: int = 256 << 20   # any one frame (payload frames of raw / legacy commits)
     max_clients: int = 0            # connections at once (0: as many as the open-file limit leaves room for)
     max_engines: int = 1024
+    max_engines_per_client: int = 64  # one connection's share of max_engines (a TP-8 host needs 8 at most)
     max_leases: int = 4096          # per engine
     max_reservations: int = 1024    # per engine
     max_queued_replies: int = 1000  # per client: ZMQ send high-water mark (replies beyond it are dropped)
@@ -112,8 +113,8 @@ class ServerConfig:
             raise ConfigError(f"io threads must be in 1..64, got {self.io_threads}")
         if not 0 <= self.max_clients < 1 << 62:
             raise ConfigError(f"max_clients must be >= 0, got {self.max_clients}")
-        for name in ("max_keys", "max_message_bytes", "max_frame_bytes", "max_engines", "max_leases",
-                     "max_reservations", "max_queued_replies", "max_pending", "max_prefetches"):
+        for name in ("max_keys", "max_message_bytes", "max_frame_bytes", "max_engines", "max_engines_per_client",
+                     "max_leases", "max_reservations", "max_queued_replies", "max_pending", "max_prefetches"):
             if not 0 < getattr(self, name) < 1 << 62:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if not 0 <= self.spill_watermark < 1:

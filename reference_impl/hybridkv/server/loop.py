@@ -59,8 +59,9 @@ class CacheServer:
             self.workers = Workers(config.io_threads)
             self.counters = Counters()
             self.objects = ObjectStore(config, self.arena, l2, self.workers, self.counters)
-            self.sessions = Sessions(SessionLimits(config.max_engines, config.max_leases,
-                                                   config.max_reservations), config.client_timeout_s)
+            self.sessions = Sessions(SessionLimits(config.max_engines, config.max_engines_per_client,
+                                                   config.max_leases, config.max_reservations),
+                                     config.client_timeout_s)
             self.ctx = Context(config, self.arena, self.sessions, self.objects, self.workers, self.counters,
                                Formats(self.arena, config.cuda_ipc), self.started, self._send_later)
         except BaseException:
