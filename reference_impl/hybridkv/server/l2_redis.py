@@ -19,6 +19,7 @@ round trip; queries from the loop use their own connections with a short timeout
 from __future__ import annotations
 
 import logging
+import re
 import struct
 import threading
 import time
@@ -31,6 +32,7 @@ import redis
 from hybridkv.keys import ObjectKey
 from hybridkv.server.l2 import (
     HEADER_BYTES,
+    KEY_BYTES,
     BadObject,
     L2Adapter,
     L2Error,
@@ -67,6 +69,8 @@ class RedisL2(L2Adapter):
 
     def __init__(self, spec: RedisL2Spec) -> None:
         self.spec = spec
+        self._prefix_bytes = spec.prefix.encode()
+        self._meta_name = re.compile(rb"m:[0-9a-f]{%d}-[0-9]{1,9}" % (2 * KEY_BYTES))
         self.capacity_bytes = 0  # the store's maxmemory bounds it, not us
         self._data = redis_client(spec.url, spec.timeout_s, spec.connect_timeout_s, spec.max_connections)
         self._meta = redis_client(spec.url, spec.meta_timeout_s, min(spec.connect_timeout_s, spec.meta_timeout_s), 4)
@@ -341,6 +345,10 @@ class RedisL2(L2Adapter):
         return hdr, cb
 
     def _clear_batch(self, metas: list[bytes], ns: bytes | None) -> int:
+        # SCAN's glob matches other prefixes that extend ours ("t" + "m:*" is all of tenant "tm:"), so a name
+        # is ours only when all of it after the prefix is our meta key's grammar
+        mine = self._meta_name.fullmatch
+        metas = [m for m in metas if mine(m, len(self._prefix_bytes))]
         if not metas:
             return 0
         names: list[bytes | str] = []
@@ -353,8 +361,11 @@ class RedisL2(L2Adapter):
                 hdr = ObjectHeader.unpack(raw[:HEADER_BYTES])
                 (cb,) = _CHUNK.unpack_from(raw, HEADER_BYTES)
             except (BadObject, struct.error):
-                names.append(name)  # damaged: gone in any clear
-                continue
+                if ns is None:
+                    names.append(name)  # damaged, and its name is ours: gone in a clear of everything
+                continue  # whose namespace it was cannot be told: not for a clear of one namespace
+            if name != self._mkey(hdr.key, hdr.group).encode():
+                continue  # a header copied under another name: not the object this name stands for
             if ns is not None and hdr.ns != ns:
                 continue
             names += [name, *self._dkeys(hdr.key, hdr.group, hdr.payload_len, max(cb, 1))]
