@@ -7,6 +7,7 @@ import os
 import resource
 import socket
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -201,3 +202,43 @@ def test_one_connection_takes_only_its_share_of_the_engines(server_factory):
         Engine(b)  # another client still registers
         a.call(P.Unregister(engine=mine[0].id))
         Engine(a)  # and an unregistered engine gives its place back
+
+
+# ---- 8. one-line errors ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flags, named", [
+    (["--l1-gib", "inf"], "--l1-gib"),
+    (["--l2-gib", "inf", "--l2-dir", "{tmp}/l2"], "--l2-gib"),
+    (["--l2-adapter", '{"type":"fs","base_path":"{tmp}/l2","max_capacity_gb":1e400}'], "max_capacity_gb"),
+    (["--l2-adapter", "[" * 30000 + "]" * 30000], "nests too deeply"),
+    (["--client-timeout", "nan"], "--client-timeout"),
+    (["--client-timeout", "inf"], "--client-timeout"),
+    (["--quarantine", "nan"], "--quarantine"),
+])
+def test_impossible_serve_settings_are_one_line_errors(sock_dir, tmp_path, flags, named):
+    flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
+    r = subprocess.run([sys.executable, "-m", "hybridkv.cli", "serve", "--endpoint", f"ipc://{sock_dir}/x.sock",
+                        "--l1-gib", "0.01", *flags], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert len(r.stderr.strip().splitlines()) == 1 and named in r.stderr, r.stderr[-2000:]
+
+
+def test_a_server_whose_parent_exits_stops_without_a_traceback(sock_dir, tmp_path):
+    """--exit-with-parent: the parent (and with it the read end of stdout) is gone before the last line."""
+    err = tmp_path / "server.err"
+    starter = (
+        "import os, subprocess, sys\n"
+        f"p = subprocess.Popen([sys.executable, '-m', 'hybridkv.cli', 'serve', '--endpoint', 'ipc://{sock_dir}/p.sock',"
+        f" '--l1-gib', '0.01', '--exit-with-parent'], stdout=subprocess.PIPE, stderr=open({str(err)!r}, 'w'))\n"
+        "line = p.stdout.readline().decode()\n"
+        "print(p.pid, line.split('arena=')[1].split()[0], flush=True)\n"
+        "os._exit(0)\n")
+    out = subprocess.run([sys.executable, "-c", starter], capture_output=True, text=True, timeout=60).stdout.split()
+    pid, arena = int(out[0]), out[1]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+        time.sleep(0.05)
+    assert not Path(f"/proc/{pid}").exists(), "the server outlived its parent"
+    assert not Path(arena).exists()
+    text = err.read_text()
+    assert "Traceback" not in text and "BrokenPipe" not in text, text

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from hybridkv.server.loop import CacheServer
 
 GIB = 1 << 30
+MAX_GIB = float(1 << 32)  # 4 EiB: any larger size (inf among them) is a typo, not a machine
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -172,10 +173,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         l2_redis = apply_l2_and_seed(args)
         # say it in the unit it was given in, not in the bytes it becomes
-        if not args.l1_gib > 0:
-            raise ConfigError(f"L1 size (--l1-gib) must be above 0 GiB, got {args.l1_gib:g}")
-        if not args.l2_gib >= 0:
-            raise ConfigError(f"L2 size (--l2-gib) must be 0 GiB or more, got {args.l2_gib:g}")
+        if not 0 < args.l1_gib < MAX_GIB:
+            raise ConfigError(f"L1 size (--l1-gib) must be above 0 and below {MAX_GIB:.0f} GiB, got {args.l1_gib:g}")
+        if not 0 <= args.l2_gib < MAX_GIB:
+            raise ConfigError(f"L2 size (--l2-gib) must be 0 or more and below {MAX_GIB:.0f} GiB, got {args.l2_gib:g}")
         cfg = ServerConfig(
             endpoint=args.endpoint, l1_bytes=int(args.l1_gib * GIB), l1_dir=args.l1_dir, l2_dir=args.l2_dir,
             l2_bytes=int(args.l2_gib * GIB), l2_fsync=args.l2_fsync, chunk_tokens=args.chunk_tokens,
@@ -210,5 +211,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if server is not None:
             server.close()  # every exit path (an error, SIGTERM at start) removes the arena
-    print("hybridkv server stopped", flush=True)
+    try:
+        print("hybridkv server stopped", flush=True)
+    except BrokenPipeError:
+        # --exit-with-parent: the reader of our stdout is gone, as is the parent; and so that the flush at
+        # interpreter exit does not fail on it again, stdout becomes /dev/null
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 from dataclasses import dataclass
@@ -105,8 +106,12 @@ class ServerConfig:
             raise ConfigError(f"chunk tokens must be >= 0, got {self.chunk_tokens}")
         if self.eviction not in EVICTION_POLICIES:
             raise ConfigError(f"eviction policy must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
-        if self.client_timeout_s <= 0 or self.quarantine_s < 0:
-            raise ConfigError("client timeout must be > 0 and quarantine >= 0 seconds")
+        # `not` keeps nan out (every comparison with it is false); inf would never reclaim anything either
+        if not 0 < self.client_timeout_s < math.inf:
+            raise ConfigError(f"client timeout (--client-timeout) must be a positive number of seconds, "
+                              f"got {self.client_timeout_s!r}")
+        if not 0 <= self.quarantine_s < math.inf:
+            raise ConfigError(f"quarantine (--quarantine) must be 0 or more seconds, got {self.quarantine_s!r}")
         if self.parent_pid < 0:
             raise ConfigError(f"parent pid must be >= 0, got {self.parent_pid}")
         if not 1 <= self.io_threads <= 64:

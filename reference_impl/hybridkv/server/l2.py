@@ -270,6 +270,8 @@ def parse_l2_adapter(text: str) -> L2Spec:
         d = json.loads(text)
     except json.JSONDecodeError as e:
         raise L2ConfigError(f"--l2-adapter is not JSON ({e.msg} at character {e.pos}): {text!r:.200}") from None
+    except RecursionError:
+        raise L2ConfigError(f"--l2-adapter nests too deeply to be an adapter's settings: {text!r:.200}") from None
     if not isinstance(d, dict):
         raise L2ConfigError(f"--l2-adapter must be a JSON object, got {type(d).__name__}: {text!r:.200}")
     kind = d.pop("type", None)
@@ -317,8 +319,9 @@ def _typed(d: dict, name: str, typ: type, default: object = None) -> object:
 
 def _number(d: dict, name: str) -> float:
     v = d[name]
-    if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
-        raise L2ConfigError(f"--l2-adapter {name!r} must be a positive number, got {v!r}")
+    # JSON's 1e400 is inf: a size that cannot become bytes
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < 1 << 32:
+        raise L2ConfigError(f"--l2-adapter {name!r} must be a positive number below {1 << 32}, got {v!r}")
     return float(v)
 
 
