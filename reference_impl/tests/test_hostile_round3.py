@@ -242,3 +242,22 @@ def test_a_server_whose_parent_exits_stops_without_a_traceback(sock_dir, tmp_pat
     assert not Path(arena).exists()
     text = err.read_text()
     assert "Traceback" not in text and "BrokenPipe" not in text, text
+
+
+# ---- 7. shutdown with a spill backlog ----------------------------------------------------------------
+
+def test_a_shutdown_with_a_spill_backlog_neither_recurses_nor_reports_failed_writes(server_factory, tmp_path):
+    """Each spill finishing at shutdown started the next, which the closed pool refused, which counted as a
+    failed write and started the next: one nested call per batch and an 'L2 writes failed' line."""
+    s = server_factory("--l2-dir", str(tmp_path / "l2"), "--l2-gib", "1", "--l2-fsync", "--io-threads", "1",
+                       "--spill-watermark", "0.95", l1_gib=0.2)
+    with CacheClient(s.endpoint, timeout_s=30) as c:
+        eng = Engine(c)
+        keys = eng.keys(int(0.15 * (1 << 30)) // sum(eng.sizes), seed=7)
+        for i in range(0, len(keys), 256):
+            eng.store(keys[i:i + 256])
+        backlog = c.call(P.Stats())[0].counters
+    assert backlog["l2_spills"] < len(keys)  # still spilling when it is told to stop
+    assert s.stop() == 0
+    err = s.proc.stderr.read() if s.proc.stderr else ""
+    assert "L2 writes failed" not in err and "Recursion" not in err and "Traceback" not in err, err[-3000:]

@@ -142,6 +142,7 @@ class CacheServer:
         if self._closed:
             return
         self._closed = True
+        self.objects.shutting_down()
         try:
             if self.config.flush_on_exit:
                 self.objects.flush()
