@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerError
-from hybridkv.layout import MAX_LAYERS, MAX_NAME_CHARS
+from hybridkv.keys import chunk_keys
+from hybridkv.layout import MAX_LAYERS, MAX_NAME_CHARS, GroupLayout, ModelLayout
 from hybridkv.presets import preset_layout
 from hybridkv.server.launch import ServerStartError, start_server
 from serverkit import Engine, RawDealer
@@ -261,3 +262,29 @@ def test_a_shutdown_with_a_spill_backlog_neither_recurses_nor_reports_failed_wri
     assert s.stop() == 0
     err = s.proc.stderr.read() if s.proc.stderr else ""
     assert "L2 writes failed" not in err and "Recursion" not in err and "Traceback" not in err, err[-3000:]
+
+
+def test_a_huge_prepare_lets_other_clients_through_while_it_works(server_factory):
+    """A 200,000-object PrepareStore took the loop for its whole length (0.5 to 2 s here), so a request another
+    client sent just after it was answered after it. Now it works in 5 ms turns, and the other is answered first."""
+    s = server_factory(l1_gib=1.0)
+    groups = (GroupLayout(kind="attention", layer_names=("a",), page_bytes=4096, block_tokens=16),) + tuple(
+        GroupLayout(kind="recurrent", layer_names=(f"r{i}",), page_bytes=4096, block_tokens=16) for i in range(3))
+    n = 50_000
+    with CacheClient(s.endpoint, timeout_s=60) as big, CacheClient(s.endpoint, timeout_s=60) as other:
+        reg = big.call(P.Register(layout=ModelLayout(model="m", groups=groups), chunk_tokens=16))[0]
+        keys = chunk_keys(reg.namespace, np.arange(n * 16), 16)
+        msg = P.PrepareStore(engine=reg.engine, request="r", keys=keys,
+                             objects=[(c, g) for c in range(n) for g in range(4)])
+        done: dict[str, float] = {}
+        fut = big.submit(msg)
+        fut.add_done_callback(lambda _: done.setdefault("prepare", time.monotonic()))
+        time.sleep(0.05)  # the prepare has arrived and started
+        t = time.monotonic()
+        assert other.call(P.Health())[0].status == "ok"
+        done["health"] = time.monotonic()
+        prep = fut.result(timeout=60)[0]
+        assert len(prep.slots) == 4 * n
+        assert done["health"] < done["prepare"], "the other client waited for the whole prepare"
+        print(f"Health answered in {1e3 * (done['health'] - t):.1f} ms during a prepare of {4 * n} objects "
+              f"that took {done['prepare'] - t:.2f} s")

@@ -47,6 +47,10 @@ class Context:
     parked: list[Parked] = field(default_factory=list)
     """Requests waiting for workers; the loop steps them again when a worker finishes."""
 
+    another_turn: bool = False
+    """A parked request stopped at its share of one loop turn (not to wait for a worker): the loop steps the
+    parked requests again after its next poll, which then does not wait."""
+
     def park(self, op: Parked) -> None:
         self.parked.append(op)
 

@@ -8,6 +8,7 @@ This module never imports torch (the legacy codecs import it on first use).
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -45,6 +46,13 @@ HANDLERS: dict[type, Callable[[Context, bytes, Any, Frames], Answer]] = {
 }
 
 
+# CPython's full collection walks every tracked object: with an L1 of a million small objects it stops the loop
+# for hundreds of milliseconds, whoever made the objects. So full collections run only in a tick that found
+# the server idle (no request since the last tick, none parked), at most this often; the young generations
+# still collect new cycles as they always did.
+FULL_GC_EVERY_S = 60.0
+
+
 class CacheServer:
     """Serves lookups, stores and retrieves for many engines; see docs/protocol.md."""
 
@@ -73,6 +81,8 @@ class CacheServer:
         self._pending: dict[bytes, int] = {}  # requests answered later, per client
         self._stopping = False
         self._closed = False
+        self._requests_seen = 0       # requests counted at the last tick: none since means idle
+        self._full_gc_at = time.monotonic()
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -102,6 +112,7 @@ class CacheServer:
 
     def serve_forever(self, on_ready: Callable[[], None] | None = None) -> None:
         """Run until stop(); then shut down cleanly (in-flight L2 writes finish, arena unlinked)."""
+        thresholds = gc.get_threshold()
         try:
             if self._sock is None:
                 self.bind()
@@ -111,25 +122,32 @@ class CacheServer:
             items: list[tuple[Any, int]] = [(sock, zmq.POLLIN), (wake_r, zmq.POLLIN)]
             if gate is not None:
                 items.append((gate.monitor, zmq.POLLIN))
+            gc.freeze()  # what start made lives as long as the server: no collection needs to walk it
+            gc.set_threshold(thresholds[0], thresholds[1], 1 << 30)
             if on_ready:
                 on_ready()
             next_tick = time.monotonic()
+            ctx = self.ctx
             while not self._stopping:
                 # One request per turn: the next poll finds any request still queued at once (its first pass
                 # does not wait), so a busy socket costs one poll a request, as a drain loop's poll(0) did,
                 # and a lone request (the latency case) costs one poll instead of two; completions and
                 # timers are looked at between any two requests.
-                for what, _ in zmq_poll(items, 200):
+                for what, _ in zmq_poll(items, 0 if ctx.another_turn else 200):
                     if what is sock:
                         self._receive()
                     elif gate is not None and what is gate.monitor:
                         gate.drain()
                     elif self.workers.drain():
                         self._run_parked()
+                if ctx.another_turn:  # a large request goes on after every other client had its turn
+                    ctx.another_turn = False
+                    self._run_parked()
                 if time.monotonic() >= next_tick:
                     self._tick()
                     next_tick = time.monotonic() + min(0.5, self.config.client_timeout_s / 4)
         finally:
+            gc.set_threshold(*thresholds)
             self.close()
 
     def stop(self) -> None:
@@ -299,6 +317,11 @@ class CacheServer:
             self.counters.engines_reclaimed += 1
             admin.drop_engine(self.ctx, eng, reclaimed=True)
         self.objects.tick(now)
+        idle = self.counters.requests == self._requests_seen and not self.ctx.parked
+        self._requests_seen = self.counters.requests
+        if idle and now - self._full_gc_at >= FULL_GC_EVERY_S:
+            gc.collect()
+            self._full_gc_at = now
         if self._gate is not None:
             self._gate.resync()
         self._run_parked()
