@@ -51,6 +51,7 @@ HANDLERS: dict[type, Callable[[Context, bytes, Any, Frames], Answer]] = {
 # the server idle (no request since the last tick, none parked), at most this often; the young generations
 # still collect new cycles as they always did.
 FULL_GC_EVERY_S = 60.0
+FULL_GC_BUSY_S = 600.0  # a server never idle still frees old reference cycles this often
 
 
 class CacheServer:
@@ -319,7 +320,7 @@ class CacheServer:
         self.objects.tick(now)
         idle = self.counters.requests == self._requests_seen and not self.ctx.parked
         self._requests_seen = self.counters.requests
-        if idle and now - self._full_gc_at >= FULL_GC_EVERY_S:
+        if now - self._full_gc_at >= (FULL_GC_EVERY_S if idle else FULL_GC_BUSY_S):
             gc.collect()
             self._full_gc_at = now
         if self._gate is not None:
