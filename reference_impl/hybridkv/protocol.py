@@ -251,6 +251,7 @@ class ErrorCode(enum.StrEnum):
     LAYOUT = "layout"
     LIMIT = "limit"                      # over a configured bound (keys, bytes, engines, leases, queue)
     FORBIDDEN = "forbidden"              # an operation on every tenant, on a server without --admin
+    SHUTTING_DOWN = "shutting_down"      # the server is stopping: this request will never be answered otherwise
     INTERNAL = "internal"
 
 

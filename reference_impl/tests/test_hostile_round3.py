@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -288,3 +289,26 @@ def test_a_huge_prepare_lets_other_clients_through_while_it_works(server_factory
         assert done["health"] < done["prepare"], "the other client waited for the whole prepare"
         print(f"Health answered in {1e3 * (done['health'] - t):.1f} ms during a prepare of {4 * n} objects "
               f"that took {done['prepare'] - t:.2f} s")
+
+
+# ---- 9. SIGTERM while a request waits -----------------------------------------------------------------
+
+def test_sigterm_answers_a_request_in_progress_with_shutting_down(server_factory):
+    """A request still in progress at SIGTERM was never answered: its client waited out its whole timeout."""
+    s = server_factory(l1_gib=1.0)
+    groups = (GroupLayout(kind="attention", layer_names=("a",), page_bytes=4096, block_tokens=16),) + tuple(
+        GroupLayout(kind="recurrent", layer_names=(f"r{i}",), page_bytes=4096, block_tokens=16) for i in range(3))
+    n = 50_000
+    with CacheClient(s.endpoint, timeout_s=20) as c:
+        reg = c.call(P.Register(layout=ModelLayout(model="m", groups=groups), chunk_tokens=16))[0]
+        keys = chunk_keys(reg.namespace, np.arange(n * 16), 16)
+        fut = c.submit(P.PrepareStore(engine=reg.engine, request="r", keys=keys,
+                                      objects=[(k, g) for k in range(n) for g in range(4)]))
+        time.sleep(0.1)  # it has arrived and works in turns
+        t = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(ServerError) as ei:
+            fut.result(timeout=30)
+        assert ei.value.code == P.ErrorCode.SHUTTING_DOWN, ei.value
+        assert time.monotonic() - t < 5
+    assert s.proc.wait(timeout=10) == 0

@@ -51,6 +51,8 @@ HANDLERS: dict[type, Callable[[Context, bytes, Any, Frames], Answer]] = {
 # the server idle (no request since the last tick, none parked), at most this often; the young generations
 # still collect new cycles as they always did.
 FULL_GC_EVERY_S = 60.0
+SHUTDOWN_LINGER_MS = 500  # how long the last answers may take to leave at shutdown
+SHUTDOWN_REFUSALS = 10_000  # queued requests answered `shutting_down` at most (the rest: their timeout)
 FULL_GC_BUSY_S = 600.0  # a server never idle still frees old reference cycles this often
 
 
@@ -163,6 +165,7 @@ class CacheServer:
         self._closed = True
         self.objects.shutting_down()
         try:
+            self._refuse_waiting()
             if self.config.flush_on_exit:
                 self.objects.flush()
             self.workers.close()  # in-flight L2 writes complete: L2 stays consistent
@@ -173,13 +176,34 @@ class CacheServer:
                 if self._gate is not None:
                     self._gate.close()
                 if self._sock is not None:
-                    self._sock.close(linger=0)
+                    # long enough for the last answers to leave; a client that does not read loses them
+                    self._sock.close(linger=SHUTDOWN_LINGER_MS)
+                    self._sock = None
                 self.objects.close()
             except Exception:
                 log.exception("error while closing the socket or L2 at shutdown")
             finally:
                 self.arena.close()
                 self.workers.release()
+
+    def _refuse_waiting(self) -> None:
+        """Answer `shutting_down` to every request that would otherwise never be answered: parked ones, and
+        those still queued in the socket, so their clients stop waiting now instead of at their timeout.
+        (Requests on a worker are answered as they complete, while the pool finishes.)"""
+        parked, self.ctx.parked[:] = self.ctx.parked[:], []
+        for op in parked:
+            self.ctx.fail(op.ident, op.req_id, E.SHUTTING_DOWN, "the server is shutting down")
+        sock = self._sock
+        if sock is None:
+            return
+        for _ in range(SHUTDOWN_REFUSALS):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if len(frames) >= 2:
+                self._error(frames[0].bytes, P.peek_envelope(frames[1].buffer)[1], E.SHUTTING_DOWN,
+                            "the server is shutting down")
 
     # ---- requests --------------------------------------------------------------------------------
 
@@ -283,7 +307,7 @@ class CacheServer:
     def _send_later(self, ident: bytes, req_id: int, reply: P.Message, frames: Frames) -> None:
         """A deferred answer: the client has one request fewer pending."""
         self._answered(ident)
-        if self._sock is not None and not self._closed:
+        if self._sock is not None:  # until the socket closes: answers of work finishing at shutdown still go
             self._send(ident, req_id, reply, frames)
 
     def _error(self, ident: bytes, req_id: int, code: E, message: str) -> None:

@@ -136,7 +136,7 @@ def commit(ctx: Context, ident: bytes, msg: P.CommitStore, frames: Frames) -> An
 
     if not ctx.workers.submit(job, done):
         res.committing = False
-        raise RequestError(E.INTERNAL, "the server is shutting down")
+        raise RequestError(E.SHUTTING_DOWN, "the server is shutting down")
     return None
 
 
