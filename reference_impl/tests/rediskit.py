@@ -21,11 +21,11 @@ def free_port() -> int:
 class RedisProcess:
     """One redis-server without persistence; `kill` and `start` again reuse the same port (a restart)."""
 
-    def __init__(self, maxmemory: str = "0", policy: str = "allkeys-lru") -> None:
+    def __init__(self, maxmemory: str = "0", policy: str = "allkeys-lru", password: str = "") -> None:
         assert REDIS_BIN is not None
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="hkv-redis-")
-        self.maxmemory, self.policy = maxmemory, policy
+        self.maxmemory, self.policy, self.password = maxmemory, policy, password
         self.proc: subprocess.Popen | None = None
         self.start()
 
@@ -40,10 +40,12 @@ class RedisProcess:
         self.proc = subprocess.Popen(
             [REDIS_BIN, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", self.dir, "--maxmemory", self.maxmemory, "--maxmemory-policy", self.policy,
-             "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning"],
+             "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning",
+             *(["--requirepass", self.password] if self.password else [])],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
-        client = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
+        client = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5,
+                             password=self.password or None)
         while True:
             try:
                 client.ping()
@@ -58,7 +60,7 @@ class RedisProcess:
     def client(self):
         import redis
 
-        return redis.Redis(port=self.port, socket_timeout=5)
+        return redis.Redis(port=self.port, socket_timeout=5, password=self.password or None)
 
     def kill(self) -> None:
         """SIGKILL the server: every key is gone (no persistence)."""

@@ -24,13 +24,16 @@ _MAX_BACKOFF_S = 8.0
 _LOG_EVERY_S = 10.0
 
 
-def redis_client(url: str, timeout_s: float, connect_s: float, conns: int) -> redis.Redis:
-    """A client whose pool blocks at `conns` connections and retries a dead connection once, at once."""
+def redis_client(url: str, timeout_s: float, connect_s: float, conns: int, username: str = "",
+                 password: str = "") -> redis.Redis:
+    """A client whose pool blocks at `conns` connections and retries a dead connection once, at once;
+    AUTH with `password` (and `username`, an ACL user) on every new connection when given."""
     if url.startswith("valkey"):
         url = "redis" + url[len("valkey"):]  # valkey:// and valkeys:// speak the Redis protocol
     pool = redis.BlockingConnectionPool.from_url(
         url, max_connections=conns, timeout=timeout_s, socket_timeout=timeout_s,
-        socket_connect_timeout=connect_s, retry=Retry(NoBackoff(), 1), health_check_interval=0)
+        socket_connect_timeout=connect_s, retry=Retry(NoBackoff(), 1), health_check_interval=0,
+        username=username or None, password=password or None)
     return redis.Redis(connection_pool=pool)
 
 
