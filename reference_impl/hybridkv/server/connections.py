@@ -100,16 +100,20 @@ class ConnectionGate:
 
     def check(self) -> None:
         n = self.connections
-        if self.listening and n >= self.max_clients:
-            os.replace(self.path, self.closed_path)
-            self.listening = False
-            self.closings += 1
-            log.warning("%d clients connected, the cap (--max-clients, or what the open-file limit %d leaves): "
-                        "not accepting more until some leave", n, fd_limit())
-        elif not self.listening and n <= self.max_clients * 9 // 10:
-            os.replace(self.closed_path, self.path)
-            self.listening = True
-            log.info("%d clients connected: accepting again", n)
+        try:
+            if self.listening and n >= self.max_clients:
+                os.replace(self.path, self.closed_path)
+                self.listening = False
+                self.closings += 1
+                log.warning("%d clients connected, the cap (--max-clients, or what the open-file limit %d "
+                            "leaves): not accepting more until some leave", n, fd_limit())
+            elif not self.listening and n <= self.max_clients * 9 // 10:
+                os.replace(self.closed_path, self.path)
+                self.listening = True
+                log.info("%d clients connected: accepting again", n)
+        except OSError as e:  # someone moved the socket file: the loop goes on, the next check tries again
+            log.error("cannot %s the ipc socket file %s: %s", "close" if self.listening else "reopen",
+                      self.path, e)
 
     def close(self) -> None:
         try:
