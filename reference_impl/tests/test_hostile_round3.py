@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import msgspec
@@ -22,7 +21,7 @@ from hybridkv.keys import chunk_keys
 from hybridkv.layout import MAX_LAYERS, MAX_NAME_CHARS, GroupLayout, ModelLayout
 from hybridkv.presets import preset_layout
 from hybridkv.server.launch import ServerStartError, start_server
-from serverkit import Engine, RawDealer
+from serverkit import Engine, RawDealer, small_tmpfs
 
 MIB = 1 << 20
 
@@ -33,16 +32,10 @@ def alive(endpoint: str) -> bool:
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path):
+def arena_tmpfs(tmp_path):
     """A 16 MiB tmpfs of our own, for the arena, to fill up for real (needs the right to mount)."""
-    mnt = tmp_path / f"shm-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m,mode=0700", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a small tmpfs (needs root): {r.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with small_tmpfs(tmp_path, "16m") as mnt:
+        yield mnt
 
 
 def fill(path: Path) -> int:
@@ -65,13 +58,13 @@ def fill(path: Path) -> int:
 
 # ---- 1. a full L1 tmpfs -----------------------------------------------------------------------------
 
-def test_arena_is_backed_at_start_so_a_tmpfs_filled_later_cannot_sigbus_the_server(server_factory, small_tmpfs):
+def test_arena_is_backed_at_start_so_a_tmpfs_filled_later_cannot_sigbus_the_server(server_factory, arena_tmpfs):
     """A sparse arena (ftruncate only) gets its pages on first touch; once another process filled the mount,
     the server's first copy into an unbacked page was SIGBUS. Backed at start, the filler gets ENOSPC."""
-    s = server_factory("--l1-dir", str(small_tmpfs), l1_gib=8 / 1024)
+    s = server_factory("--l1-dir", str(arena_tmpfs), l1_gib=8 / 1024)
     st = os.stat(s.arena_path)
     assert st.st_blocks * 512 >= st.st_size, f"arena of {st.st_size} B has {st.st_blocks * 512} B allocated"
-    assert fill(small_tmpfs / "filler") <= 16 * MIB - st.st_size
+    assert fill(arena_tmpfs / "filler") <= 16 * MIB - st.st_size
     with CacheClient(s.endpoint, timeout_s=10) as c:
         eng = Engine(c)
         n_chunks = st.st_size // sum(eng.sizes) - 1
@@ -90,13 +83,13 @@ def test_arena_is_backed_at_start_so_a_tmpfs_filled_later_cannot_sigbus_the_serv
     assert s.alive() and alive(s.endpoint)
 
 
-def test_an_arena_the_tmpfs_cannot_hold_is_refused_at_start_in_one_line(server_factory, small_tmpfs):
-    fill(small_tmpfs / "filler")
-    os.truncate(small_tmpfs / "filler", 12 * MIB)  # 4 MiB left
+def test_an_arena_the_tmpfs_cannot_hold_is_refused_at_start_in_one_line(server_factory, arena_tmpfs):
+    fill(arena_tmpfs / "filler")
+    os.truncate(arena_tmpfs / "filler", 12 * MIB)  # 4 MiB left
     with pytest.raises(ServerStartError) as ei:
-        server_factory("--l1-dir", str(small_tmpfs), l1_gib=8 / 1024)
+        server_factory("--l1-dir", str(arena_tmpfs), l1_gib=8 / 1024)
     assert "--l1-gib" in str(ei.value) and "Traceback" not in str(ei.value)
-    assert sorted(p.name for p in small_tmpfs.iterdir()) == ["filler"]
+    assert sorted(p.name for p in arena_tmpfs.iterdir()) == ["filler"]
 
 
 # ---- 2. file descriptors ----------------------------------------------------------------------------
