@@ -305,3 +305,47 @@ def test_sigterm_answers_a_request_in_progress_with_shutting_down(server_factory
         assert ei.value.code == P.ErrorCode.SHUTTING_DOWN, ei.value
         assert time.monotonic() - t < 5
     assert s.proc.wait(timeout=10) == 0
+
+
+def rss_anon(pid: int) -> int:
+    """The server's private memory (its heap), not the arena pages it touched."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/PID/status")
+
+
+def test_one_client_holds_at_most_what_the_formula_in_protocol_md_says(server_factory):
+    """docs/protocol.md: C x [0.35 MiB + L x (0.3 KiB + 150 B x min(K x G, N1)) + R x 0.3 KiB + F x K x 60 B]
+    per connection (+ what requests being answered hold: none here). Two connections try to hold more, with
+    fields at and past their bounds (1 MiB names and request ids were kept before: 1 MiB per lease), and
+    the server's heap stays under twice the formula."""
+    c_, leases, k = 2, 16, 128
+    s = server_factory("--max-engines-per-client", str(c_), "--max-leases", str(leases), "--max-keys", str(k),
+                       l1_gib=0.1)
+    tiny = preset_layout("tiny-hybrid")
+    g = len(tiny.groups)
+    with CacheClient(s.endpoint, timeout_s=30) as first, CacheClient(s.endpoint, timeout_s=30) as second:
+        warm = Engine(second)
+        warm.store(warm.keys(k, seed=9))
+        second.call(P.Unregister(engine=warm.id))
+        before = rss_anon(s.pid)
+        for name in ("n" * (1 << 20), "n" * MAX_NAME_CHARS, "m" * MAX_NAME_CHARS, "o" * MAX_NAME_CHARS):
+            try:  # the first connection registers engines with the longest names it can
+                first.call(P.Register(layout=tiny, chunk_tokens=0, name=name))
+            except ServerError:
+                pass  # too long, or its share is taken
+        eng = Engine(second)
+        keys = eng.keys(k, seed=9)
+        for i in range(leases + 4):  # the second holds every lease it can, each pinning every object
+            for rid in (f"{i}" + "r" * (1 << 20), f"{i}" + "r" * (MAX_NAME_CHARS - 3)):
+                try:
+                    eng.lookup(keys, policy="all", request=rid)
+                except ServerError:
+                    pass
+        counters = first.call(P.Stats())[0].counters
+        assert counters["engines"] == 3 and counters["leases"] == leases
+        grown = rss_anon(s.pid) - before
+    n1 = k * g
+    bound = 2 * c_ * (0.35 * MIB + leases * (300 + 150 * min(k * g, n1)) + 1024 * 300 + 16 * k * 60)
+    assert grown <= bound, f"the server's heap grew {grown / MIB:.2f} MiB; the formula says {bound / MIB:.2f} MiB"
