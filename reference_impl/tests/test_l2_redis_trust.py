@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import struct
 import zlib
 
@@ -121,3 +122,30 @@ def test_with_a_mac_key_only_objects_of_key_holders_are_served(store, tmp_path):
         assert read_back(ours, KEY, len(evil)) is None
         assert ours.stats()["forged"] == 3
         assert read_back(stranger, KEY, len(evil)) is None  # removed: the stranger no longer finds it either
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl makes the test's certificates")
+def test_tls_with_a_client_certificate(tmp_path):
+    """rediss:// to a store that speaks only TLS and asks for client certificates (tls-auth-clients)."""
+    certs = rediskit.make_certs(str(tmp_path))
+    store = rediskit.RedisProcess(certs=certs)
+    try:
+        data = random.Random(4).randbytes(300_000)
+        tls = {"tls_ca_file": f"{certs}/ca.crt", "tls_cert_file": f"{certs}/client.crt",
+               "tls_key_file": f"{certs}/client.key"}
+        with adapter(store.url, **tls) as l2:
+            l2.put(KEY, 0, NS, data)
+            assert read_back(l2, KEY, len(data)) == data
+            assert l2.stats()["store_up"] == 1
+        with adapter(store.url, tls_ca_file=f"{certs}/ca.crt") as no_cert:  # the store refuses the handshake
+            assert read_back(no_cert, KEY, len(data)) is None
+            with pytest.raises(L2Error):
+                no_cert.put(KEY, 1, NS, data)
+        with adapter(store.url.replace("rediss://", "redis://")) as plain:  # no TLS at all
+            assert read_back(plain, KEY, len(data)) is None
+        with adapter(store.url, **{**tls, "tls_ca_file": f"{certs}/client.crt"}) as wrong_ca:  # unverified store
+            assert read_back(wrong_ca, KEY, len(data)) is None
+    finally:
+        store.close()
+    with pytest.raises(L2ConfigError, match="needs a rediss://"):
+        adapter("redis://127.0.0.1:1/0", tls_ca_file=f"{certs}/ca.crt")

@@ -200,8 +200,9 @@ class L2ConfigError(ValueError):
 MIN_MAC_KEY_BYTES = 16
 
 
-def read_secret(path: str, what: str) -> bytes:
-    """A password or key from a file only its owner can read (surrounding whitespace dropped)."""
+def read_secret(path: str, what: str, content: bool = True) -> bytes:
+    """A password or key from a file only its owner can read (surrounding whitespace dropped); with
+    `content` False only that check (a TLS key, which OpenSSL reads itself)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as e:
@@ -211,6 +212,8 @@ def read_secret(path: str, what: str) -> bytes:
         if stat.S_IMODE(st.st_mode) & 0o077:
             raise L2ConfigError(f"--l2-adapter {what} {path} is open to other users (mode "
                                 f"{oct(stat.S_IMODE(st.st_mode))}); chmod 600 it")
+        if not content:
+            return b""
         with os.fdopen(fd, "rb", closefd=False) as f:
             data = f.read(1 << 16).strip()
     finally:
@@ -257,6 +260,11 @@ class RedisL2Spec:
     # HMAC-SHA256 key: every object written carries a MAC over its header and payload, and an object
     # without a valid one is never served (counted `forged`). Anyone who can write the store can forge a CRC.
     mac_key: bytes = field(default=b"", repr=False)
+    # TLS (rediss:// or valkeys://): the CA that signed the store's certificate (default: the system's), and
+    # this server's certificate and key where the store asks clients for one (tls-auth-clients)
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
 
     def __post_init__(self) -> None:
         from urllib.parse import urlsplit
@@ -287,6 +295,13 @@ class RedisL2Spec:
         if u.password is not None:
             raise L2ConfigError(f"redis L2 url {u.scheme}://{u.hostname}:{u.port}{u.path} carries a password: "
                                 "it would show in ps and logs; give password_file or password_env instead")
+        tls = u.scheme in ("rediss", "valkeys")
+        for name in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
+            if getattr(self, name) and not tls:
+                raise L2ConfigError(f"redis L2 {name} needs a rediss:// (TLS) url, got {self.url!r}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise L2ConfigError("redis L2 tls_cert_file and tls_key_file go together (a client certificate and "
+                                "its key)")
         if self.mac_key and len(self.mac_key) < MIN_MAC_KEY_BYTES:
             raise L2ConfigError(f"redis L2 mac key is {len(self.mac_key)} bytes; at least {MIN_MAC_KEY_BYTES}")
 
@@ -297,7 +312,8 @@ L2Spec = FsL2Spec | RedisL2Spec
 _FS_KEYS = {"base_path", "max_capacity_gb", "fsync"}
 _REDIS_KEYS = {"url", "prefix", "max_capacity_gb", "chunk_mb", "timeout_s", "meta_timeout_s",
                "connect_timeout_s", "max_connections", "ttl_s", "index_ttl_s", "miss_ttl_s", "retry_after_s",
-               "username", "password_file", "password_env", "mac_key_file"}
+               "username", "password_file", "password_env", "mac_key_file", "tls_ca_file", "tls_cert_file",
+               "tls_key_file"}
 
 
 def parse_l2_adapter(text: str) -> L2Spec:
@@ -354,6 +370,11 @@ def parse_l2_adapter(text: str) -> L2Spec:
             kw["password"] = os.environ[var]
         if "mac_key_file" in d:
             kw["mac_key"] = read_secret(str(_typed(d, "mac_key_file", str)), "mac_key_file")
+        for name in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
+            if name in d:
+                kw[name] = str(_typed(d, name, str))
+        if "tls_key_file" in d:
+            read_secret(str(kw["tls_key_file"]), "tls_key_file", content=False)
         return RedisL2Spec(**kw)  # type: ignore[arg-type]
     raise L2ConfigError(f'--l2-adapter "type" must be "fs", "redis" or "valkey", got {kind!r}')
 

@@ -79,7 +79,8 @@ class RedisL2(L2Adapter):
         self._prefix_bytes = spec.prefix.encode()
         self._meta_name = re.compile(rb"m:[0-9a-f]{%d}-[0-9]{1,9}" % (2 * KEY_BYTES))
         self.capacity_bytes = 0  # the store's maxmemory bounds it, not us
-        auth = {"username": spec.username, "password": spec.password}
+        auth: dict[str, Any] = {"username": spec.username, "password": spec.password,
+                                "tls": {"ca": spec.tls_ca_file, "cert": spec.tls_cert_file, "key": spec.tls_key_file}}
         self._data = redis_client(spec.url, spec.timeout_s, spec.connect_timeout_s, spec.max_connections, **auth)
         self._meta = redis_client(spec.url, spec.meta_timeout_s, min(spec.connect_timeout_s, spec.meta_timeout_s), 4,
                                   **auth)
