@@ -23,12 +23,13 @@ class RedisProcess:
     """One redis-server without persistence; `kill` and `start` again reuse the same port (a restart)."""
 
     def __init__(self, maxmemory: str = "0", policy: str = "allkeys-lru", password: str = "",
-                 certs: str = "") -> None:
-        """`certs`: a folder from make_certs(): TLS only (on our port), and clients must show a certificate."""
+                 certs: str = "", extra: tuple[str, ...] = ()) -> None:
+        """`certs`: a folder from make_certs(): TLS only (on our port), and clients must show a certificate.
+        `extra`: more redis-server arguments (an ACL `--user` line)."""
         assert REDIS_BIN is not None
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="hkv-redis-")
-        self.maxmemory, self.policy, self.password, self.certs = maxmemory, policy, password, certs
+        self.maxmemory, self.policy, self.password, self.certs, self.extra = maxmemory, policy, password, certs, extra
         self.proc: subprocess.Popen | None = None
         self.start()
 
@@ -52,7 +53,7 @@ class RedisProcess:
              "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", self.dir, "--maxmemory", self.maxmemory, "--maxmemory-policy", self.policy,
              "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning",
-             *(["--requirepass", self.password] if self.password else [])],
+             *(["--requirepass", self.password] if self.password else []), *self.extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5,

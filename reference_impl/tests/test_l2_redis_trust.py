@@ -149,3 +149,24 @@ def test_tls_with_a_client_certificate(tmp_path):
         store.close()
     with pytest.raises(L2ConfigError, match="needs a rediss://"):
         adapter("redis://127.0.0.1:1/0", tls_ca_file=f"{certs}/ca.crt")
+
+
+def test_an_acl_user_limited_to_its_prefix(tmp_path):
+    """An ACL user that may touch only `tenant-a:*`: its adapter works there, is refused elsewhere, and a
+    wrong password is a store that is down."""
+    store = rediskit.RedisProcess(extra=("--user", "hkv-a", "on", ">acl-pass-a", "~tenant-a:*", "+@all"))
+    try:
+        data = random.Random(5).randbytes(300_000)
+        pw = secret_file(tmp_path, "pw", b"acl-pass-a")
+        with adapter(store.url, username="hkv-a", password_file=pw, prefix="tenant-a:") as mine:
+            mine.put(KEY, 0, NS, data)
+            assert read_back(mine, KEY, len(data)) == data
+        with adapter(store.url, username="hkv-a", password_file=pw, prefix="tenant-b:") as elsewhere, \
+                pytest.raises(L2Error):
+            elsewhere.put(KEY, 0, NS, data)
+        bad = secret_file(tmp_path, "bad", b"wrong")
+        with adapter(store.url, username="hkv-a", password_file=bad, prefix="tenant-a:") as wrong:
+            assert read_back(wrong, KEY, len(data)) is None
+            assert wrong.stats()["store_up"] == 0
+    finally:
+        store.close()
