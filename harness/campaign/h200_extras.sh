@@ -5,9 +5,10 @@
 #   bash harness/campaign/h200_extras.sh microbench OUT  # round-trip microbenchmarks beside a bare ZMQ echo (~1 min)
 #   bash harness/campaign/h200_extras.sh l2 OUT          # L2 spill/reload vs the disk's O_DIRECT rates (~2 min)
 #   bash harness/campaign/h200_extras.sh transfer OUT    # transfer tests on CUDA + fixed cost of a store / load (~3 min)
+#   bash harness/campaign/h200_extras.sh compute OUT     # compute beside stores and loads, per copy engine (~4 min)
 # Results land in OUT/<part>/; every figure there is beside a ceiling measured in the same run.
 set -euo pipefail
-part=${1:?part: kernels, microbench, l2 or transfer}
+part=${1:?part: kernels, microbench, l2, transfer or compute}
 out=${2:?output directory}
 export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
@@ -43,8 +44,18 @@ case "$part" in
       > "$out/$part/issue_cprofile.txt" 2>&1 || status=1
     exit $status
     ;;
+  compute)
+    # issue 26: matmuls and decode attention on the engine's stream while pages are stored / loaded, every copy
+    # engine and preset page size; then the engine's stream at high priority, and the compute as graph replays
+    # (no launch gaps from a busy Python process), on the pages where the choice matters
+    "$py" -m hybridkv_bench.compute_beside --device cuda --out "$out/$part/eager" | tee "$out/$part/eager.log"
+    "$py" -m hybridkv_bench.compute_beside --device cuda --priorities high --pages 147456 409600 3211264 \
+      --out "$out/$part/high" | tee "$out/$part/high.log"
+    "$py" -m hybridkv_bench.compute_beside --device cuda --launch graph --computes matmul \
+      --pages 147456 409600 3211264 --out "$out/$part/graph" | tee "$out/$part/graph.log"
+    ;;
   *)
-    echo "unknown part $part (kernels, microbench, l2 or transfer)" >&2
+    echo "unknown part $part (kernels, microbench, l2, transfer or compute)" >&2
     exit 2
     ;;
 esac

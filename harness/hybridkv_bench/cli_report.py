@@ -1,5 +1,6 @@
-"""`hybridkv report RUN [--baseline FILE] [--out DIR]`: write report.md and figures for a run folder.
-`hybridkv report --compare RUN... [--out DIR]`: one picture of shm vs CUDA-IPC vs pickle / torch.save."""
+"""`hybridkv report RUN [--baseline FILE] [--out DIR]`: write report.md, report.html and figures for a run folder.
+`hybridkv report --compare RUN RUN... [--out DIR]`: every case of every run side by side, with the changes against
+the first run and the regressions beyond the runs' repeat spread (compare.md, compare.html, compare.png)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="gate against this baseline for the verdict that opens report.md "
                              "(default: the invariants alone)")
     parser.add_argument("--compare", nargs="+", metavar="RUN", default=None,
-                        help="instead of one report: compare.png of hybridkv shm, CUDA-IPC, pickle and torch.save, "
-                             "each by its fastest case in these runs")
+                        help="instead of one report: every case of these runs side by side, per case and path, with "
+                             "each figure's change against the first run and the regressions beyond the runs' own "
+                             "repeat spread (compare.md, compare.html, compare.png)")
     parser.add_argument("--workload", default=None,
-                        help="with --compare: the workload to compare (default: the first all runs hold)")
+                        help="with --compare: the workload drawn in compare.png (default: the first; the tables hold "
+                             "every workload)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -32,10 +35,13 @@ def run(args: argparse.Namespace) -> int:
         if args.compare:
             from .compare import compare
 
-            path, table = compare(args.compare, args.out or ".", args.workload)
+            paths, regressed = compare(args.compare, args.out or ".", args.workload)
             incomplete = [f for f in args.compare if not load_run(f).complete]
-            print(table)
-            print(path)
+            print(f"{len(regressed)} figures regressed beyond the runs' repeat spread" + (":" if regressed else ""))
+            for line in regressed:
+                print(f"  {line}")
+            for p in paths:
+                print(p)
             if incomplete:
                 print(f"warning: incomplete runs compared: {', '.join(incomplete)}")
             return 0

@@ -8,4 +8,5 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "calibrate": ("hybridkv_bench.cli_calibrate", "measure this machine's copy ceilings"),
     "list": ("hybridkv_bench.cli_list", "list scenarios and model presets"),
     "l2bench": ("hybridkv_bench.cli_l2bench", "L2 spill and reload (disk or Redis) beside the storage's own ceiling"),
+    "vllm-ttft": ("hybridkv_bench.cli_vllm_ttft", "TTFT of a real vLLM engine: cold, via hybridkv, from vLLM's cache"),
 }

@@ -14,7 +14,7 @@ A whole store and a whole load are split into steps by their handle's timestamps
 `LOAD_STEPS` below): hand-offs between threads, binding the plan and queueing the copies, waiting for
 them, the commit round trip, and waking the caller.
 
-    python -m hybridkv_bench.fixed_cost [--rounds 200] [--chunks 2 71] [--json]
+    python -m hybridkv_bench.fixed_cost [--rounds 200] [--chunks 2 71] [--presets qwen3.6-27b:8] [--json]
     python -m hybridkv_bench.fixed_cost --device cuda --page-bytes 0 --l1-gib 24   # on a GPU, real pages
 
 With `--page-bytes 0` the presets' own pages are kept: the copy is then real, and the split of a whole
@@ -245,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--l1-gib", type=float, default=0.25)
     ap.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
+    ap.add_argument("--presets", nargs="+", default=[f"{n}:{tp}" for n, tp in PRESETS], metavar="NAME:TP",
+                    help="the layouts to profile (default: " + " ".join(f"{n}:{tp}" for n, tp in PRESETS) + ")")
     gaps = ", ".join(f"{g * 1e3:g}" for g in IDLE_GAPS_S)
     ap.add_argument("--idle-rt", action="store_true", help=f"instead: a round trip's p50 after idle gaps of {gaps} ms")
     ap.add_argument("--cprofile", type=int, default=0, metavar="TOP",
@@ -254,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--rounds and --chunks must be >= 1, --page-bytes 0 or a multiple of 16")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device here")
+    try:
+        presets = [(name, int(tp)) for name, tp in (p.rsplit(":", 1) for p in args.presets)]
+    except ValueError:
+        ap.error(f"--presets takes NAME:TP, got {args.presets}")
     d = tempfile.mkdtemp(prefix="hkv-", dir="/tmp")
     server = start_server(f"ipc://{d}/s.sock", l1_gib=args.l1_gib)
     try:
@@ -262,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"idle_rt_p50_us": row}) if args.json else
                   "Health round trip (p50 us): " + "  ".join(f"{k} {v:.0f}" for k, v in row.items()))
             return 0
-        for name, tp in PRESETS:
+        for name, tp in presets:
             layout = preset_layout(name, tp)
             if args.page_bytes:
                 layout = small_pages(layout, args.page_bytes)

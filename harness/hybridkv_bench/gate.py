@@ -244,18 +244,28 @@ def invariant_checks(run: Run) -> list[GateCheck]:
 
 # ---- baseline checks ---------------------------------------------------------------------------------
 
-def repeat_spread(run: Run, case: CaseResult, metric: str) -> float | None:
-    """(max - min) / median of `metric` computed on each measured repeat of `case` alone; None below two."""
+def repeat_values(run: Run, case: CaseResult, metric: str) -> list[float]:
+    """`metric` computed on each measured repeat of `case` alone (repeats where it is not a number left out)."""
     rows = [r for r in run.rows_of(case) if r.repeat >= 0]
     values = []
     for rep in sorted({r.repeat for r in rows}):
         v = case_metrics([r for r in rows if r.repeat == rep], run.record.calibration, case.metrics).get(metric)
         if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
             values.append(float(v))
+    return values
+
+
+def spread_of(values: list[float]) -> float | None:
+    """(max - min) / median; None below two values."""
     if len(values) < 2:
         return None
     med = statistics.median(values)
     return (max(values) - min(values)) / abs(med) if med else None
+
+
+def repeat_spread(run: Run, case: CaseResult, metric: str) -> float | None:
+    """(max - min) / median of `metric` computed on each measured repeat of `case` alone; None below two."""
+    return spread_of(repeat_values(run, case, metric))
 
 
 def _matches(c: CaseResult, workload: str, case: str) -> bool:

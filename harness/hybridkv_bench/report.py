@@ -1,4 +1,4 @@
-"""`hybridkv report`: a run folder in, report.md and PNG figures out.
+"""`hybridkv report`: a run folder in, report.md, report.html (self-contained) and PNG figures out.
 
 Request-derived metrics are recomputed from requests.csv with the same `case_metrics` the runner
 uses; a case whose run.json figures differ from the recomputation is listed under "Integrity".
@@ -21,6 +21,7 @@ from .scenario import AXES
 from .verdict import verdict_lines
 
 REPORT_MD = "report.md"
+REPORT_HTML = "report.html"  # the same, one self-contained file (pictures inline) to attach to a pull request
 MIB = 1 << 20
 
 
@@ -243,4 +244,7 @@ def write_report(run_folder: str | Path, out: str | Path | None = None,
     ) if p is not None]
     md = out_dir / REPORT_MD
     md.write_text(render_markdown(run, df, findings, figures, baseline))
-    return [md, *figures]
+    from .report_html import write_html  # it imports markdown_it, which only this needs
+
+    page = write_html(md, out_dir / REPORT_HTML, f"hybridkv run: {run.scenario_name}")
+    return [md, page, *figures]

@@ -18,8 +18,10 @@ CALIBRATION = {"method": "cpu-memcpy", "device": "test", "bytes": 1 << 28, "iter
 RATE_GBPS = {"shm": 15.0, "raw": 8.0, "pickle": 0.7, "torch_save": 0.9, "cuda_ipc": 12.0}
 
 
-def fake_rows(sf: ScenarioFile, case_name: str, axes: dict, workload, seed: int = 0) -> list[RequestRow]:
-    """Cold then warm requests per repeat (warm-up repeats negative), like a long_doc_qa runner."""
+def fake_rows(sf: ScenarioFile, case_name: str, axes: dict, workload, seed: int = 0,
+              rate_scale: float = 1.0) -> list[RequestRow]:
+    """Cold then warm requests per repeat (warm-up repeats negative), like a long_doc_qa runner; transfers at
+    RATE_GBPS x rate_scale, each time with up to 5% jitter."""
     s = sf.scenario
     layout = s.model.layout()
     chunk = s.model.resolved_chunk_tokens(layout)
@@ -30,7 +32,7 @@ def fake_rows(sf: ScenarioFile, case_name: str, axes: dict, workload, seed: int 
     hit = prompt // chunk * chunk
     stored = prefix_bytes(layout, chunk, total, axes["store_policy"])
     loaded = prefix_bytes(layout, chunk, hit, axes["retrieve_policy"])
-    rate = RATE_GBPS[axes["wire_format"]] * 1e9
+    rate = RATE_GBPS[axes["wire_format"]] * 1e9 * rate_scale
     rng = random.Random(f"{seed}-{case_name}-{workload.label}")
     rows = []
     for rep in range(-s.warmup, s.repeats):
@@ -58,8 +60,10 @@ def server_metrics(wire: str) -> dict:
 
 
 def write_fake_run(folder: Path, sf: ScenarioFile, *, finish: bool = True, fail: set[str] = frozenset(),
-                   tamper: dict | None = None, max_cases: int | None = None) -> Path:
-    """A run folder for `sf`; cases named in `fail` fail; `tamper` overrides metrics in run.json."""
+                   tamper: dict | None = None, max_cases: int | None = None, seed: int = 0,
+                   rate_scale: dict[str, float] | None = None) -> Path:
+    """A run folder for `sf`; cases named in `fail` fail; `tamper` overrides metrics in run.json; `rate_scale`
+    scales the transfer rate of the cases it names; `seed` draws other jitter."""
     context = {"git_sha": "0" * 40, "git_dirty": False, "host": "test",
                "started_at": "2026-01-01T00:00:00+00:00", "finished_at": None, "argv": ["test"]}
     writer = RunWriter(folder, sf.record(), context, CALIBRATION)
@@ -73,7 +77,7 @@ def write_fake_run(folder: Path, sf: ScenarioFile, *, finish: bool = True, fail:
                 writer.add_case(CaseResult(name=case.name, workload=workload.label, axes=case.axes,
                                            status="failed", error="server went away"))
                 continue
-            rows = fake_rows(sf, case.name, case.axes, workload)
+            rows = fake_rows(sf, case.name, case.axes, workload, seed, (rate_scale or {}).get(case.name, 1.0))
             writer.add_requests(rows)
             metrics = case_metrics(rows, CALIBRATION, server_metrics(case.axes["wire_format"]))
             metrics.update((tamper or {}).get(case.name, {}))

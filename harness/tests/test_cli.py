@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -7,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 from benchkit import REPO, write_fake_run
 from hybridkv.cli import main
@@ -95,18 +97,49 @@ def test_light_commands_do_not_import_torch(module: str):
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ}, cwd=REPO)
 
 
-def test_report_compare(run_folder: Path, tmp_path: Path, smoke, capsys):
-    other = write_fake_run(tmp_path / "other", smoke)
-    assert main(["report", "--compare", str(run_folder), str(other), "--out", str(tmp_path / "cmp")]) == 0
+def test_report_compare_shows_both_runs_of_the_same_path_with_deltas(tmp_path: Path, smoke, capsys):
+    """Two runs of the same paths (the second with one shm case's transfers at half the rate): every case of
+    both is shown, side by side, with its change, and only that case's rates are called regressions. Five
+    repeats, so that each run's spread covers its jitter (two repeats' spread often does not)."""
+    sf = dataclasses.replace(smoke, scenario=msgspec.structs.replace(smoke.scenario, repeats=5))
+    slow = "shm-kernel-single-boundary-all"
+    run_folder = write_fake_run(tmp_path / "run", sf)
+    other = write_fake_run(tmp_path / "other" / "run", sf, seed=1, rate_scale={slow: 0.5})
+    out_dir = tmp_path / "cmp"
+    assert main(["report", "--compare", str(run_folder), str(other), "--out", str(out_dir)]) == 0
     out = capsys.readouterr().out
-    assert (tmp_path / "cmp" / "compare.png").read_bytes()[:4] == b"\x89PNG"
-    # one row per wire format the runs hold, each its fastest case; raw is not part of the picture
-    assert "| hybridkv shm | shm-" in out and "| pickle (seed) |" in out and "| torch.save (seed) |" in out
-    assert "raw" not in out and "CUDA-IPC" not in out
-    assert main(["report", "--compare", str(run_folder), "--workload", "fan_out", "--out", str(tmp_path)]) == 0
-    capsys.readouterr()
-    assert main(["report", "--compare", str(run_folder), "--workload", "nope", "--out", str(tmp_path)]) == 2
-    assert "no run holds measured cases of workload 'nope'" in capsys.readouterr().err
+    assert (out_dir / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    md = (out_dir / "compare.md").read_text()
+    # both folders are named "run": the labels say whose parent they are
+    labels = [f"{run_folder.parent.name}/run", "other/run"]
+    assert f"| case | path | figure | {labels[0]} | {labels[1]} | repeat spread | verdict |" in md
+    cases = {line.split(" | ")[0][2:] for line in md.splitlines() if line.startswith("| ") and " GB/s |" in line}
+    assert slow in cases and "pickle-kernel-single-boundary-all" in cases and len(cases) > 4
+    rows = [line for line in md.splitlines() if line.startswith(f"| {slow} | hybridkv shm | load GB/s |")]
+    assert len(rows) == len(smoke.scenario.workloads)  # the same case on each workload
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        a, (b, delta) = float(cells[3]), cells[4].split(" ")
+        assert 0.45 < float(b) / a < 0.55
+        assert re.fullmatch(r"\(-[45]\d\.\d%\)", delta), row
+        assert cells[-1] == "regressed"
+    # everything else moved by jitter alone: within the repeat spread, never called a regression
+    regressed = [line for line in md.splitlines() if line.endswith("| regressed |")]
+    assert regressed and all(f"| {slow} |" in line for line in regressed)
+    assert all(any(f in line for f in ("GB/s", "/ peak", "TTFT")) for line in regressed)
+    assert "figures regressed beyond the runs' repeat spread:" in out and f"{slow}: load_gbps" in out
+    assert "## Regressions beyond the repeat spread" in md
+    html = (out_dir / "compare.html").read_text()
+    assert '<img src="data:image/png;base64,' in html and "compare.png" not in html.split("<body>")[1]
+    assert "<table>" in html and slow in html
+    # a run against itself: nothing moved
+    assert main(["report", "--compare", str(run_folder), str(run_folder), "--out", str(tmp_path / "same")]) == 0
+    assert "0 figures regressed" in capsys.readouterr().out
+    assert main(["report", "--compare", str(run_folder), str(other), "--workload", "nope", "--out",
+                 str(tmp_path)]) == 2
+    assert "no run holds finished cases of workload 'nope'" in capsys.readouterr().err
+    assert main(["report", "--compare", str(run_folder), "--out", str(tmp_path)]) == 2
+    assert "--compare needs two run folders or more, got 1" in capsys.readouterr().err
     assert main(["report", str(run_folder), "--compare", str(other)]) == 2
     assert main(["report"]) == 2
 

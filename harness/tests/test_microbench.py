@@ -18,6 +18,7 @@ from hybridkv.baselines.codec import decode_tensor, encode_tensor
 from hybridkv.engine.client import CacheClient
 from hybridkv.keys import chunk_keys, namespace
 from hybridkv.presets import preset_layout
+from hybridkv_bench.lookup_bench import store_chunks
 from hybridkv_kernels import PagedLayers, build_plan, run_plan
 
 pytestmark = pytest.mark.benchmark
@@ -94,15 +95,9 @@ def echo_endpoint(sock_dir):
 @pytest.fixture
 def client_71(lookup_server):
     """A client, its engine and 71 chunks of tiny-hybrid stored (every group of every chunk)."""
-    layout = preset_layout("tiny-hybrid")
     with CacheClient(lookup_server, timeout_s=10) as c:
-        reg, _ = c.call(P.Register(layout=layout, chunk_tokens=0))
-        keys = chunk_keys(reg.namespace, np.arange(71 * 80) % 5000, 80)
-        prep, _ = c.call(P.PrepareStore(engine=reg.engine, request="s", keys=keys,
-                                        objects=[(k, g) for k in range(71) for g in range(4)]))
-        if prep.slots:  # a test before this one may have stored them already
-            c.call(P.CommitStore(engine=reg.engine, reservation=prep.reservation))
-        yield c, reg.engine, keys
+        engine, keys = store_chunks(c)  # a test before this one may have stored them already
+        yield c, engine, keys
 
 
 @ROUND_TRIP

@@ -14,7 +14,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def test_report_writes_markdown_and_figures(run_folder: Path):
     paths = write_report(run_folder)
     names = sorted(p.name for p in paths)
-    assert names == ["policies.png", "report.md", "server.png", "throughput.png", "ttft.png"]
+    assert names == ["policies.png", "report.html", "report.md", "server.png", "throughput.png", "ttft.png"]
     for p in paths:
         assert p.parent == run_folder and p.stat().st_size > 1000
         if p.suffix == ".png":
@@ -29,6 +29,23 @@ def test_report_writes_markdown_and_figures(run_folder: Path):
     assert "## Failed cases\n\nNone." in md
     for fig in ("ttft.png", "throughput.png", "server.png", "policies.png"):
         assert f"]({fig})" in md
+
+
+def test_report_html_is_one_file_with_its_pictures_inline(run_folder: Path):
+    import base64
+    import re
+
+    write_report(run_folder)
+    page = (run_folder / "report.html").read_text()
+    assert page.startswith("<!doctype html>") and "<title>hybridkv run: smoke</title>" in page
+    sources = re.findall(r'<img src="([^"]+)"', page)
+    assert len(sources) == 4  # the four figures of report.md, none pointing at a file or the network
+    assert all(s.startswith("data:image/png;base64,") for s in sources)
+    inlined = {base64.b64decode(s.split(",", 1)[1]) for s in sources}
+    assert inlined == {(run_folder / f).read_bytes() for f in ("ttft.png", "throughput.png", "server.png",
+                                                              "policies.png")}
+    assert "<table>" in page and "| shm-" not in page  # tables rendered, not left as Markdown
+    assert "http://" not in page and "https://" not in page
 
 
 def test_report_recomputes_from_the_csv_and_flags_run_json_that_disagrees(tmp_path: Path, smoke):

@@ -1,9 +1,9 @@
 """The copy-engine implementation: every run of pages adjacent on both sides is one memcpy.
 
 Consecutive block ids of a layer whose page stride equals the page size are one run, so a
-well-allocated sequence moves in few large copies. On CUDA a plan's runs go to the copy engines in two
-batched driver calls (`cuda_batch`, CUDA 12.8+) on two streams, which keeps two copy engines busy back to
-back; without it
+well-allocated sequence moves in few large copies. On CUDA a plan's runs go to the copy engines in batched
+driver calls (`cuda_batch`, CUDA 12.8+) on two streams, which keeps two copy engines busy back to back, in slices
+of `SLICE_RUNS` so the first copies start while the rest is queued; without it
 (an older driver, or HYBRIDKV_DMA_BATCH=0) each run is its own `copy_`, and the gaps between copies make
 small pages launch-bound (0.65 of the ceiling on 0.4 MB pages, 4-7 GB/s on 64 KiB pages, kernels/README.md).
 On a CPU the same code runs as plain memcpy.
@@ -42,6 +42,11 @@ def copy_runs(plan: PageCopyPlan) -> tuple[np.ndarray, np.ndarray]:
 
 
 _local = threading.local()
+# Runs per batched driver call. A call's copies can start only once it returns, and the driver spends about
+# 0.77 us per copy in it (H200, results/h200/2026-12-01-eve/): a TP8 rank's 100k-token store (4,000+ page copies)
+# in one call per stream kept the copy engines idle for about 3 ms. Slices of this many runs, the two streams'
+# taking turns, start the copy engines after the first slice while the rest is queued.
+SLICE_RUNS = 512
 
 
 def _side_stream(stream: torch.cuda.Stream) -> torch.cuda.Stream:
@@ -59,9 +64,9 @@ def _side_stream(stream: torch.cuda.Stream) -> torch.cuda.Stream:
 
 def copy_pages_dma(plan: PageCopyPlan, batched: bool | None = None, stream: torch.cuda.Stream | None = None) -> None:
     """Run `plan` in order with `stream` (None: the current stream): on CUDA, when the driver batches memcpys
-    (`batched=None`: whenever available), its runs of pages in two batched driver calls, one on the stream and
-    one on a side stream joined back to it (two copy engines at work: 0.95-0.98 of the ceiling on the H200
-    where one batch held 0.92-0.97); else one async `copy_` per run."""
+    (`batched=None`: whenever available), its runs of pages in batched driver calls of up to `SLICE_RUNS`, half on
+    the stream and half on a side stream joined back to it, the two taking turns (two copy engines at work:
+    0.95-0.98 of the ceiling on the H200 where one batch held 0.92-0.97); else one async `copy_` per run."""
     if stream is not None and plan.device.type != "cuda":
         raise ValueError(f"a CUDA stream was given for a plan on {plan.device}")
     starts, lengths = copy_runs(plan)
@@ -78,8 +83,12 @@ def copy_pages_dma(plan: PageCopyPlan, batched: bool | None = None, stream: torc
             return
         side = _side_stream(stream)
         side.wait_stream(stream)  # the side half starts after what the caller queued, as the main half does
-        batch(dst[1::2], src[1::2], sizes[1::2], side.cuda_stream, device)
-        batch(dst[0::2], src[0::2], sizes[0::2], stream.cuda_stream, device)
+        halves = ((dst[1::2], src[1::2], sizes[1::2], side.cuda_stream),
+                  (dst[0::2], src[0::2], sizes[0::2], stream.cuda_stream))
+        for lo in range(0, len(halves[1][0]), SLICE_RUNS):  # the main half is the longer one
+            for d, s, n, handle in halves:
+                if lo < len(d):
+                    batch(d[lo:lo + SLICE_RUNS], s[lo:lo + SLICE_RUNS], n[lo:lo + SLICE_RUNS], handle, device)
         stream.wait_stream(side)  # the plan is done on the caller's stream when both halves are
         return
     if batched:

@@ -1,9 +1,9 @@
 """The copy-engine choice, and running a page copy plan with it on a given stream or the current one.
 
-One knob, `CopyEngine`: `auto` (the default everywhere) picks `dma` for pages of at least
-`BATCHED_DMA_MIN_PAGE_BYTES` on CUDA when the driver batches memcpys (`cuda_batch`: 0.92-0.97 of the PCIe
-ceiling on every preset's pages on the H200), otherwise for pages of at least `DMA_MIN_PAGE_BYTES`, and
-`kernel` below, as the H200 runs measured (kernels/README.md); `kernel` is
+One knob, `CopyEngine`: `auto` (the default everywhere) picks `dma` on CUDA whenever the driver batches
+memcpys (`cuda_batch`), at every page size, because the copy engines cost the model's compute little and the
+kernel takes SMs from it (`engines.py` has the figures); without batching `dma` for pages of at least
+`DMA_MIN_PAGE_BYTES` and `kernel` below, where one copy per page is launch-bound (kernels/README.md); `kernel` is
 the one-launch Triton gather/scatter on CUDA and the torch reference elsewhere (Triton compiles for
 no CPU; its interpreter is a test tool, about 50x slower than torch there); `dma`, `triton` and
 `torch` pin one implementation (benchmarks, tests, comparisons).
@@ -22,7 +22,7 @@ import torch
 from hybridkv_kernels import cuda_batch
 from hybridkv_kernels.copy_dma import copy_pages_dma
 from hybridkv_kernels.copy_torch import copy_pages_torch
-from hybridkv_kernels.engines import BATCHED_DMA_MIN_PAGE_BYTES, COPY_ENGINES, DMA_MIN_PAGE_BYTES, IMPLS, Impl
+from hybridkv_kernels.engines import COPY_ENGINES, DMA_MIN_PAGE_BYTES, IMPLS, Impl
 from hybridkv_kernels.plan import PageCopyPlan, PageTransfer, plan_gather, plan_scatter
 
 
@@ -62,8 +62,7 @@ def choose_impl(engine: str, page_bytes: int, device: torch.device | str) -> Imp
         raise ValueError(f"page_bytes must be positive, got {page_bytes}")
     if engine == "auto":
         batched = device.type == "cuda" and cuda_batch.available()
-        threshold = BATCHED_DMA_MIN_PAGE_BYTES if batched else DMA_MIN_PAGE_BYTES
-        engine = "dma" if page_bytes >= threshold else "kernel"
+        engine = "dma" if batched or page_bytes >= DMA_MIN_PAGE_BYTES else "kernel"
     if engine == "kernel":
         return "triton" if device.type == "cuda" and _triton_usable(device) else "torch"
     impl: Impl = "dma" if engine == "dma" else "triton" if engine == "triton" else "torch"

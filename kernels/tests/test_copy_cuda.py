@@ -12,8 +12,8 @@ import threading
 import numpy as np
 import pytest
 import torch
-from hybridkv_kernels import available_impls, cuda_batch, plan_gather, plan_scatter, run_plan
-from hybridkv_kernels.copy_dma import copy_pages_dma
+from hybridkv_kernels import PagedLayers, available_impls, cuda_batch, plan_gather, plan_scatter, run_plan
+from hybridkv_kernels.copy_dma import SLICE_RUNS, copy_pages_dma
 from kernel_pools import POOLS, SENTINEL, assert_guards, guarded, qwen_like_groups, random_bytes
 
 pytestmark = pytest.mark.cuda
@@ -154,3 +154,24 @@ def test_batched_dma_from_a_thread_that_never_used_cuda(shm_arena):
     assert not errors, errors
     for pool, blocks, (_, _, obj) in zip(groups, ids, transfers, strict=True):
         np.testing.assert_array_equal(obj.cpu().numpy(), pool.expected_object(blocks))
+
+
+def test_batched_dma_in_slices_moves_every_run():
+    """A plan of more runs than one slice (and a partial last slice) goes out in several driver calls on two
+    streams: every page lands, gathered and scattered back."""
+    if not cuda_batch.available():
+        pytest.skip("the driver has no batched memcpy")
+    n, pb = 3 * SLICE_RUNS + 7, 256
+    pool = torch.randint(0, 256, (2 * n, pb), dtype=torch.uint8, device="cuda")
+    layers = PagedLayers.from_tensors([pool], pb)
+    ids = list(range(2 * n - 1, 0, -2))  # descending, every other block: no two pages make one run
+    obj = torch.empty(n * pb, dtype=torch.uint8, pin_memory=True).fill_(SENTINEL)
+    stream = torch.cuda.Stream()
+    copy_pages_dma(plan_gather([(layers, ids, obj)]), batched=True, stream=stream)
+    stream.synchronize()
+    assert torch.equal(obj.view(n, pb).cuda(), pool[ids])
+    want = pool[ids].clone()
+    pool[ids] = SENTINEL
+    copy_pages_dma(plan_scatter([(layers, ids, obj)]), batched=True, stream=stream)
+    stream.synchronize()
+    assert torch.equal(pool[ids], want)

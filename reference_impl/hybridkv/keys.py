@@ -37,15 +37,23 @@ def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
     return arr.astype("<u4", copy=False).tobytes()
 
 
-def chunk_keys(ns: bytes, tokens: Sequence[int] | np.ndarray, chunk_tokens: int) -> list[bytes]:
-    """Keys of every full chunk of `tokens` (a trailing partial chunk has no key: it is never cached)."""
+def chunk_keys(ns: bytes, tokens: Sequence[int] | np.ndarray, chunk_tokens: int,
+               extras: Sequence[bytes] | None = None) -> list[bytes]:
+    """Keys of every full chunk of `tokens` (a trailing partial chunk has no key: it is never cached).
+
+    `extras[i]`, where given and not empty, is what else decides chunk i's KV beside its tokens (under vLLM:
+    the cache salt, LoRA adapter, images in the chunk, prompt embeddings): it enters key i, and through the
+    chain every later key. Chunks without extras keep the token-only key."""
     if len(ns) != KEY_BYTES:
         raise ValueError(f"namespace must be {KEY_BYTES} bytes, got {len(ns)}")
     data = _token_bytes(tokens)
     step = 4 * chunk_tokens
     keys: list[bytes] = []
     prev = ns
-    for off in range(0, len(data) - step + 1, step):
-        prev = hashlib.blake2b(prev + data[off:off + step], digest_size=KEY_BYTES).digest()
+    for i, off in enumerate(range(0, len(data) - step + 1, step)):
+        extra = extras[i] if extras is not None and i < len(extras) else b""
+        # after the fixed-length token bytes, a tagged length keeps (tokens, extra) pairs apart
+        tail = b"x" + len(extra).to_bytes(4, "little") + extra if extra else b""
+        prev = hashlib.blake2b(prev + data[off:off + step] + tail, digest_size=KEY_BYTES).digest()
         keys.append(prev)
     return keys

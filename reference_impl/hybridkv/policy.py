@@ -55,6 +55,17 @@ def resume_objects(layout: ModelLayout, policy: str, n: int, skip: int = 0) -> l
     return out
 
 
+def resume_bytes(layout: ModelLayout, policy: str, n: int, skip: int, object_bytes: Sequence[int]) -> int:
+    """Bytes of resume_objects(layout, policy, n, skip) in O(groups), without building the list: a lookup
+    counts what it hands out on every hit."""
+    chunks = n - min(skip, n)
+    attention = sum(object_bytes[g] for g in layout.attention_groups)
+    recurrent = sum(object_bytes[g] for g in layout.recurrent_groups)
+    every = check_policy(policy) == "all"
+    return chunks * attention + (chunks if every else min(chunks, 1)) * recurrent + (recurrent if n and skip >= n
+                                                                                    else 0)
+
+
 def object_blocks(layout: ModelLayout, chunk_tokens: int, group: int, chunk: int,
                   block_ids: Sequence[int]) -> Sequence[int]:
     """The blocks of one group's block list that hold object (chunk, group): the chunk's blocks for

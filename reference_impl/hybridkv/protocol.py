@@ -153,8 +153,13 @@ class Health(Message, tag="health"):
     """Ask whether the server is up."""
 
 
+class Status(Message, tag="status"):
+    """Ask for the operator's summary (`hybridkv status`): open to every client, so it holds server-wide
+    totals and sizes only, never a key, namespace, engine name or error message (docs/trust-model.md)."""
+
+
 Request = (Register | Unregister | Heartbeat | Lookup | Prefetch | PrepareStore | CommitStore | AbortStore | ShareCuda
-           | Retrieve | Release | EndSession | Stats | Clear | Health)
+           | Retrieve | Release | EndSession | Stats | Clear | Health | Status)
 
 
 # ---- replies -------------------------------------------------------------------------------------
@@ -236,8 +241,28 @@ class HealthResult(Message, tag="health_result"):
     pid: int
 
 
+class RecentError(msgspec.Struct, array_like=True, frozen=True):
+    """One error reply the server sent: how long ago, to which request type, with which code (no message:
+    a message may name another tenant's key)."""
+    age_s: float
+    request: str
+    code: str
+
+
+class StatusResult(Message, tag="status_result"):
+    version: str
+    pid: int
+    uptime_s: float
+    figures: dict[str, int | float]   # server-wide totals and gauges (hybridkv.server.telemetry.STATUS_FIGURES)
+    limits: dict[str, int]            # the configured bounds the figures are held against
+    window_s: float                   # the span `window` covers: the last minute, or the uptime when shorter
+    window: dict[str, int | float]    # growth of the totals over that span (hit rate and GB/s come from it)
+    errors: dict[str, int]            # error replies sent, by ErrorCode
+    recent_errors: list[RecentError]  # the last few, newest first
+
+
 Reply = (Error | Registered | LookupResult | Prefetching | Prepared | Committed | Retrieved | Done | StatsResult
-         | HealthResult)
+         | HealthResult | StatusResult)
 
 
 class ErrorCode(enum.StrEnum):

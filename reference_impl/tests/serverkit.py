@@ -44,10 +44,12 @@ def small_tmpfs(parent: Path, size: str) -> Iterator[Path]:
 class Engine:
     """The engine side of the shm format, by hand: register, map the arena, write and read slots."""
 
-    def __init__(self, client: CacheClient, layout=None, chunk_tokens: int = 0, tp_rank: int = 0, salt: str = ""):
+    def __init__(self, client: CacheClient, layout=None, chunk_tokens: int = 0, tp_rank: int = 0, salt: str = "",
+                 name: str = ""):
         self.client = client
         self.layout = layout or preset_layout("tiny-hybrid")
-        reg, _ = client.call(P.Register(layout=self.layout, chunk_tokens=chunk_tokens, tp_rank=tp_rank, salt=salt))
+        reg, _ = client.call(P.Register(layout=self.layout, chunk_tokens=chunk_tokens, tp_rank=tp_rank, salt=salt,
+                                        name=name))
         self.reg = reg
         self.id = reg.engine
         self.sizes = reg.object_bytes

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hybridkv.policy import chunk_objects, resume_objects
+from hybridkv.policy import chunk_objects, resume_bytes, resume_objects
 from hybridkv.presets import preset_layout, preset_names
 
 
@@ -29,3 +29,14 @@ def test_resume_with_every_chunk_held_loads_only_the_boundary_state():
     assert resume_objects(layout, "boundary", 3, skip=3) == [(2, g) for g in layout.recurrent_groups]
     assert resume_objects(layout, "boundary", 0, skip=2) == []
     assert resume_objects(layout, "all", 2, skip=1) == [(1, g) for g in range(len(layout.groups))]
+
+
+@pytest.mark.parametrize("name", ["tiny-hybrid", "qwen3.6-27b-4layers"])
+@pytest.mark.parametrize("policy", ["boundary", "all"])
+def test_resume_bytes_is_the_sum_over_resume_objects(name, policy):
+    layout = preset_layout(name)
+    sizes = [1000 + 7 * g for g in range(len(layout.groups))]  # distinct per group: a wrong group shows
+    for n in range(0, 5):
+        for skip in range(0, 7):
+            want = sum(sizes[g] for _, g in resume_objects(layout, policy, n, skip))
+            assert resume_bytes(layout, policy, n, skip, sizes) == want, (n, skip)

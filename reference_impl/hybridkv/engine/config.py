@@ -21,8 +21,8 @@ class TransferConfig:
     """How an engine moves bytes; validated at construction."""
 
     wire_format: P.WireFormat = "shm"
-    # auto: DMA (one batched driver call per plan where the driver has it) for pages of 400 KB and more
-    # (1 MiB without batching), the one-launch kernel below (as measured on the H200);
+    # auto: DMA at every page size where the driver batches memcpys (the copy engines leave the SMs to the
+    # model; the kernel took a third of an H200's matmul rate), else DMA from 1 MiB pages and the kernel below;
     # kernel / dma / triton / torch pin a choice (see hybridkv_kernels.dispatch)
     copy_engine: CopyEngine = "auto"
     streams: Streams = "single"        # single: every group on one stream; per_group: a stream per group (the seed's)

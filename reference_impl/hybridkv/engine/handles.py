@@ -3,8 +3,9 @@ and the asynchronous `TransferHandle`."""
 
 from __future__ import annotations
 
+import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -78,6 +79,27 @@ class TransferHandle:
     objects: int = 0
     skipped: int = 0
     refused: int = 0
+    # cancel() against the point of no return (a load's first write into the engine's pages, a store's
+    # commit after its pages were read): whichever comes first wins, under the lock
+    _gate: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _cancelled: bool = False
+    _passed: bool = False
+
+    def cancel(self) -> bool:
+        """Give the transfer up: True when it will never write the engine's pages (a load) or commit (a
+        store), False when it passed that point already (its copies then end on their own, in bounded
+        time, reading or writing memory the caller still held when it asked)."""
+        with self._gate:
+            if not self._passed:
+                self._cancelled = True
+            return self._cancelled
+
+    def proceed(self) -> None:
+        """Pass the point of no return, or raise CancelledError when cancel() came first."""
+        with self._gate:
+            if self._cancelled:
+                raise CancelledError(f"the {self.kind} of {self.request_id!r} was cancelled")
+            self._passed = True
 
     def wait(self, timeout: float | None = None) -> TransferHandle:
         """Block until the pages are safe (store: read; retrieve: written); re-raises a failure."""

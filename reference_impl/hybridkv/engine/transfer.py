@@ -86,18 +86,21 @@ class KVTransfer:
 
     # ---- public API -------------------------------------------------------------------------------
 
-    def keys(self, token_ids: Sequence[int] | np.ndarray) -> list[bytes]:
-        """Chunk keys of every full chunk of `token_ids` in this engine's namespace."""
-        return chunk_keys(self.namespace, token_ids, self.chunk_tokens)
+    def keys(self, token_ids: Sequence[int] | np.ndarray, extras: Sequence[bytes] | None = None) -> list[bytes]:
+        """Chunk keys of every full chunk of `token_ids` in this engine's namespace (`extras`: what else decides
+        each chunk's KV, see `hybridkv.keys.chunk_keys`)."""
+        return chunk_keys(self.namespace, token_ids, self.chunk_tokens, extras)
 
-    def lookup(self, request_id: str, token_ids: Sequence[int] | np.ndarray, skip_tokens: int = 0) -> Hit:
-        """The longest resumable prefix; its objects are pinned (and in L1) until retrieved or end_session."""
-        keys = self.keys(token_ids)
+    def lookup(self, request_id: str, token_ids: Sequence[int] | np.ndarray, skip_tokens: int = 0,
+               timeout: float | None = None, extras: Sequence[bytes] | None = None) -> Hit:
+        """The longest resumable prefix; its objects are pinned (and in L1) until retrieved or end_session.
+        `timeout` (default: the client's) bounds the wait for the server's answer."""
+        keys = self.keys(token_ids, extras)
         if not keys:
             return Hit(request_id, keys, 0, self.chunk_tokens, 0, [])
         r, _ = self.client.call(P.Lookup(engine=self.engine_id, request=request_id, keys=keys,
                                          policy=self.config.retrieve_policy,
-                                         skip_chunks=skip_tokens // self.chunk_tokens))
+                                         skip_chunks=skip_tokens // self.chunk_tokens), timeout=timeout)
         return Hit(request_id, keys, r.hit_chunks, self.chunk_tokens, r.lease, r.objects)
 
     def prefetch(self, token_ids: Sequence[int] | np.ndarray) -> Future[P.Prefetching]:
@@ -119,8 +122,12 @@ class KVTransfer:
         sent.add_done_callback(answered)
         return out
 
-    def retrieve(self, hit: Hit, block_ids: Sequence[Sequence[int]]) -> TransferHandle:
-        """Load a hit's objects into the engine's blocks (one list per group), asynchronously."""
+    def retrieve(self, hit: Hit, block_ids: Sequence[Sequence[int]],
+                 ready: torch.cuda.Event | None = None) -> TransferHandle:
+        """Load a hit's objects into the engine's blocks (one list per group), asynchronously. On CUDA the
+        copies start after `ready`, by default after the work already queued on the caller's current stream
+        (an engine zeroes new blocks there before it loads into them). `cancel()` on the handle before the
+        first page is written means none will be."""
         h = TransferHandle("load", hit.request_id)
         jobs = self._object_blocks(hit.objects, block_ids)  # validate in the caller's thread
         if not hit.objects:
@@ -128,14 +135,23 @@ class KVTransfer:
             h.done.set_result(h)
             h.committed.set_result(h)
             return h
-        copy = self.copies.copier(h, "scatter")
+        if ready is None and self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        scatter = self.copies.copier(h, "scatter", ready)
+
+        def copy(items: list) -> None:
+            h.proceed()  # the last moment a cancel can stop the load: nothing written yet
+            scatter(items)
+
         if not self.wire.direct:
             self._load_q.put((h, self._do_load, (hit, lambda: self.wire.load(h, hit, jobs, copy))))
         elif not self._issue_in_caller:
             self._load_q.put((h, self._do_load, (hit, lambda: copy(self.wire.slots(jobs)))))
         else:
             try:
-                issued = self.copies.issue(h, "scatter", self.wire.slots(jobs))
+                h.proceed()
+                issued = self.copies.issue(h, "scatter", self.wire.slots(jobs), ready)
             except BaseException as e:
                 self._fail(h, e)
                 self._release(hit.lease, wait=False)
@@ -144,13 +160,14 @@ class KVTransfer:
         return h
 
     def prepare_store(self, request_id: str, token_ids: Sequence[int] | np.ndarray, start_chunk: int = 0,
-                      block_ids: Sequence[Sequence[int]] | None = None) -> PreparedStore:
+                      block_ids: Sequence[Sequence[int]] | None = None,
+                      extras: Sequence[bytes] | None = None) -> PreparedStore:
         """Reserve the server's slots for a store ahead of it (e.g. when the request is scheduled, before its
         prefill), so that the store itself is copy + commit. Returns at once; the reply comes on the
         client's I/O thread. Delta-aware: objects the server holds when it answers get no slot. With the
         blocks the store will read (`block_ids`), they are validated now and the copy plan's engine half is
         built while the prepare is in flight."""
-        keys = self.keys(token_ids)
+        keys = self.keys(token_ids, extras)
         objects = chunk_objects(self.layout, self.config.store_policy, start_chunk, len(keys))
         jobs = self._all_blocks(objects, block_ids) if block_ids is not None else None  # before reserving
         t0 = time.perf_counter()
@@ -172,7 +189,7 @@ class KVTransfer:
 
     def store(self, request_id: str, token_ids: Sequence[int] | np.ndarray,
               block_ids: Sequence[Sequence[int]], start_chunk: int = 0,
-              prepared: PreparedStore | None = None) -> TransferHandle:
+              prepared: PreparedStore | None = None, extras: Sequence[bytes] | None = None) -> TransferHandle:
         """Store every full chunk of `token_ids` from the engine's blocks, asynchronously and delta-aware.
 
         With `prepared` (from `prepare_store` of the same request, tokens and start chunk) the slots are
@@ -186,7 +203,7 @@ class KVTransfer:
             objects = chunk_objects(self.layout, self.config.store_policy, start_chunk,
                                     len(token_ids) // self.chunk_tokens)
             jobs = self._all_blocks(objects, block_ids)  # bad block ids reserve nothing
-            prepared = self.prepare_store(request_id, token_ids, start_chunk)
+            prepared = self.prepare_store(request_id, token_ids, start_chunk, extras=extras)
             prepared.t_submit = h.t_submit  # one span: the store's own prepare is part of it
         else:
             self._check_prepared(prepared, request_id, token_ids, start_chunk)
@@ -233,6 +250,10 @@ class KVTransfer:
         """The request is finished: the server drops its pins and open reservations."""
         done, _ = self.client.call(P.EndSession(engine=self.engine_id, request=request_id))
         return done.count
+
+    def end_session_soon(self, request_id: str) -> Future:
+        """end_session without waiting for the answer (an engine's step path must not block on the server)."""
+        return self.client.submit(P.EndSession(engine=self.engine_id, request=request_id))
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """Request ids whose stores / retrieves completed since the last call (vLLM's get_finished)."""
@@ -365,6 +386,9 @@ class KVTransfer:
         return [(s, by_object[s.chunk, s.group]) for s in reply.slots]
 
     def _pages_read(self, h: TransferHandle, reply: P.Prepared) -> None:
+        """The store's pages are read; it commits unless cancel() came first (then the caller may have
+        reused the blocks while they were read: CancelledError, and the reservation is aborted)."""
+        h.proceed()
         h.nbytes, h.objects = sum(s.length for s in reply.slots), len(reply.slots)
         self._resolve_done(h)
 

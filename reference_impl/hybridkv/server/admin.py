@@ -11,6 +11,7 @@ from hybridkv.keys import namespace
 from hybridkv.layout import LayoutError
 from hybridkv.server.context import Answer, Context, Frames, RequestError, no_frames
 from hybridkv.server.sessions import Engine
+from hybridkv.server.telemetry import server_figures
 
 E = P.ErrorCode
 
@@ -76,12 +77,7 @@ def share_cuda(ctx: Context, ident: bytes, msg: P.ShareCuda, frames: Frames) -> 
 def stats(ctx: Context, ident: bytes, msg: P.Stats, frames: Frames) -> Answer:
     no_frames(msg, frames)
     _admin_only(ctx, "stats")
-    c = ctx.counters.as_dict()
-    c.update(ctx.objects.stats())
-    c.update(engines=len(ctx.sessions.engines), leases=len(ctx.sessions.leases),
-             reservations=len(ctx.sessions.reservations), parked=len(ctx.parked), workers_inflight=ctx.workers.inflight,
-             uptime_s=time.monotonic() - ctx.started)
-    return P.StatsResult(counters=c), []
+    return P.StatsResult(counters=server_figures(ctx)), []
 
 
 def clear(ctx: Context, ident: bytes, msg: P.Clear, frames: Frames) -> Answer:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import sys
@@ -83,6 +82,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_l2_and_seed_arguments(p)
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                    help="log level (default: %(default)s)")
+    add_observability_arguments(p)
+
+
+def add_observability_arguments(p: argparse.ArgumentParser) -> None:
+    """--metrics-port / --metrics-host (Prometheus), --log-format, --headline-interval."""
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port, printed on the "
+                        "ready line; default: no metrics endpoint); see docs/metrics.md")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address the metrics endpoint listens on; it has no authentication, and shows server-wide "
+                        "totals only (default: %(default)s)")
+    p.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="log lines as text or as JSON lines with stable field names (default: %(default)s)")
+    p.add_argument("--headline-interval", type=float, default=60.0, metavar="S",
+                   help="log a line with the headline counters every S seconds; 0: never (default: %(default)s)")
 
 
 # The seed's server flags we do not take, and what replaces each (one line each, exit status 2).
@@ -150,8 +164,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.cuda_ipc:
         # The server holds no VRAM: hide every GPU before anything could initialise CUDA.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from hybridkv.server.logs import setup_logging
+
+    setup_logging(args.log_level, args.log_format)
     import zmq
 
     from hybridkv.arena import ArenaError
@@ -161,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
     from hybridkv.server.l2 import L2Error
     from hybridkv.server.lifecycle import EndpointInUse
     from hybridkv.server.loop import CacheServer
+    from hybridkv.server.metrics_http import MetricsEndpoint, MetricsError, check_metrics_address
+    from hybridkv.server.telemetry import Telemetry
 
     # Until the server exists, SIGTERM must still unwind through the finally below (not kill us mid-start
     # with the arena created); afterwards it asks the loop to stop.
@@ -169,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, terminate)
     server: CacheServer | None = None
+    metrics: MetricsEndpoint | None = None
     raise_fd_limit()  # libzmq cannot survive EMFILE: take every descriptor the hard limit allows
     try:
         l2_redis = apply_l2_and_seed(args)
@@ -177,6 +195,10 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"L1 size (--l1-gib) must be above 0 and below {MAX_GIB:.0f} GiB, got {args.l1_gib:g}")
         if not 0 <= args.l2_gib < MAX_GIB:
             raise ConfigError(f"L2 size (--l2-gib) must be 0 or more and below {MAX_GIB:.0f} GiB, got {args.l2_gib:g}")
+        if args.metrics_port is not None:
+            check_metrics_address(args.metrics_host, args.metrics_port)  # before an arena is made
+        if not args.headline_interval >= 0:
+            raise ConfigError(f"--headline-interval must be 0 (never) or more seconds, got {args.headline_interval:g}")
         cfg = ServerConfig(
             endpoint=args.endpoint, l1_bytes=int(args.l1_gib * GIB), l1_dir=args.l1_dir, l2_dir=args.l2_dir,
             l2_bytes=int(args.l2_gib * GIB), l2_fsync=args.l2_fsync, chunk_tokens=args.chunk_tokens,
@@ -190,11 +212,14 @@ def run(args: argparse.Namespace) -> int:
             max_queued_replies=args.max_queued_replies, max_pending=args.max_pending,
             max_prefetches=args.max_prefetches, l2_redis=l2_redis,
             parent_pid=os.getppid() if args.exit_with_parent else 0)
-        server = CacheServer(cfg)
+        server = CacheServer(cfg, telemetry=Telemetry(args.headline_interval))
         try:
             endpoint = server.bind()
         except zmq.ZMQError as e:
             raise UserError(f"cannot listen on --endpoint {cfg.endpoint}: {e}") from None
+        if args.metrics_port is not None:
+            metrics = MetricsEndpoint(server.telemetry, server.workers.wake, args.metrics_host, args.metrics_port)
+        shown = f" metrics={metrics.url}" if metrics is not None else ""
         running = server
         signal.signal(signal.SIGTERM, lambda *_: running.stop())
         signal.signal(signal.SIGINT, lambda *_: running.stop())
@@ -203,12 +228,14 @@ def run(args: argparse.Namespace) -> int:
 
         def ready() -> None:
             print(f"hybridkv server ready: endpoint={endpoint} l1={args.l1_gib:g}GiB arena={running.arena.path} "
-                  f"l2={l2} pid={os.getpid()}", flush=True)
+                  f"l2={l2}{shown} pid={os.getpid()}", flush=True)
 
         server.serve_forever(on_ready=ready)
-    except (ConfigError, ArenaError, L2Error, EndpointInUse, OSError) as e:
+    except (ConfigError, ArenaError, L2Error, EndpointInUse, MetricsError, OSError) as e:
         raise UserError(str(e)) from None
     finally:
+        if metrics is not None:
+            metrics.close()
         if server is not None:
             server.close()  # every exit path (an error, SIGTERM at start) removes the arena
     try:

@@ -16,6 +16,7 @@ from hybridkv.server.errors import RequestError
 from hybridkv.server.formats import Formats
 from hybridkv.server.objects import ObjectStore
 from hybridkv.server.sessions import Sessions
+from hybridkv.server.telemetry import Telemetry
 from hybridkv.server.workers import Workers
 
 E = P.ErrorCode
@@ -46,6 +47,8 @@ class Context:
     """Answer a request later (a deferred answer: the client's pending count goes down)."""
     parked: list[Parked] = field(default_factory=list)
     """Requests waiting for workers; the loop steps them again when a worker finishes."""
+    telemetry: Telemetry = field(default_factory=Telemetry)
+    """Latencies, error codes and the snapshots other threads read (metrics endpoint, Status)."""
 
     another_turn: bool = False
     """A parked request stopped at its share of one loop turn (not to wait for a worker): the loop steps the

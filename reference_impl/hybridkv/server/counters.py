@@ -36,6 +36,15 @@ class Counters:
     bad_messages: int = 0
     limit_refusals: int = 0
     forbidden_refusals: int = 0
+    # hits by tier and in tokens (the Prometheus metrics and `hybridkv status`): a hit chunk is of tier l2 when a
+    # lookup had to read one of its objects back from L2, probe when the lookup pinned nothing (pin=False)
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    hit_chunks_l2: int = 0
+    hit_tokens_l2: int = 0
+    probe_hit_chunks: int = 0
+    probe_hit_tokens: int = 0
+    bytes_leased: int = 0               # bytes of the objects lookups pinned for their engines to load
 
     def as_dict(self) -> dict[str, int | float]:
         return dataclasses.asdict(self)

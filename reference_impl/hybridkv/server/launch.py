@@ -26,6 +26,7 @@ class ServerProcess:
     proc: subprocess.Popen
     endpoint: str
     arena_path: str
+    metrics_url: str | None = None  # the Prometheus endpoint, when started with --metrics-port
 
     @property
     def pid(self) -> int:
@@ -90,7 +91,8 @@ def start_server(endpoint: str, *args: str, l1_gib: float, client_timeout: float
         proc.wait()
         raise ServerStartError(f"cache server did not start ({' '.join(cmd[3:])}): {line.strip()} {err.strip()}")
     arena = line.split("arena=")[1].split()[0]
-    return ServerProcess(proc, endpoint, arena)
+    metrics = line.split("metrics=")[1].split()[0] if "metrics=" in line else None
+    return ServerProcess(proc, endpoint, arena, metrics)
 
 
 def _remove_arenas_of(pid: int, args: tuple[str, ...]) -> None:

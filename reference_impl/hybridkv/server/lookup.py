@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hybridkv import protocol as P
-from hybridkv.policy import resume_objects
+from hybridkv.policy import resume_bytes, resume_objects
 from hybridkv.server.context import Answer, Context, Frames, RequestError, check_keys, no_frames
 from hybridkv.server.l1 import Entry, NoSlot, ObjectKey, State
 from hybridkv.server.sessions import Engine
@@ -41,10 +41,11 @@ def lookup(ctx: Context, ident: bytes, msg: P.Lookup, frames: Frames) -> Answer:
     eng, keys = resume_request(ctx, ident, msg, frames)
     ctx.counters.lookups += 1
     ctx.counters.lookup_chunks += len(keys)
+    ctx.counters.lookup_tokens += len(keys) * eng.chunk_tokens
     ctx.objects.probe_l2(keys, len(eng.layout.groups))
     if not msg.pin:
         n = hit_length(ctx, eng, keys, msg.policy, set())
-        ctx.counters.hit_chunks += n
+        count_hit(ctx, eng, n, 0, probe=True)
         return P.LookupResult(hit_chunks=n, lease=0, objects=[]), []
     ctx.sessions.lease_room(eng)
     op = LookupOp(ctx, ident, msg, eng, keys)
@@ -62,6 +63,7 @@ class LookupOp:
         self.missing: set[ObjectKey] = set()
         self.loading: list[Entry] = []  # prefetches this op waits for
         self.waited = False  # counted once in lookup_l2_waits
+        self.from_l2: set[int] = set()  # chunks with an object this lookup waited on an L2 read for (tier l2)
 
     def _pin(self, e: Entry) -> None:
         old = self.pinned.get(e.oid)
@@ -116,9 +118,11 @@ class LookupOp:
                         continue  # spills will free room: this op is stepped again when they finish
                     self._pin(r)
                     self.loading.append(r)
+                    self.from_l2.add(c)
                     continue
                 if e.state is State.LOADING:
                     self.loading.append(e)
+                    self.from_l2.add(c)
             if not restart:
                 break
             n = hit_length(ctx, eng, keys, msg.policy, self.missing)  # a miss was found: the hit is shorter
@@ -140,9 +144,25 @@ class LookupOp:
         lid = 0
         if entries:
             lid = self.ctx.sessions.add_lease(self.eng, self.msg.request, entries, locs).id
-        self.ctx.counters.hit_chunks += n
+        eng = self.eng
+        count_hit(self.ctx, eng, n, sum(1 for c in self.from_l2 if c < n), probe=False)
+        self.ctx.counters.bytes_leased += resume_bytes(eng.layout, self.msg.policy, n, self.msg.skip_chunks,
+                                                       eng.object_bytes)
         self.ctx.send(self.ident, self.req_id, P.LookupResult(hit_chunks=n, lease=lid, objects=locs), ())
 
     def _unpin(self, keep: set[ObjectKey]) -> None:
         for oid in [o for o in self.pinned if o not in keep]:
             self.ctx.objects.unpin(self.pinned.pop(oid))
+
+
+def count_hit(ctx: Context, eng: Engine, n: int, l2_chunks: int, probe: bool) -> None:
+    """Count a lookup's hit of n chunks, l2_chunks of them read back from L2 (its tier)."""
+    c, tokens = ctx.counters, eng.chunk_tokens
+    c.hit_chunks += n
+    c.hit_tokens += n * tokens
+    if probe:
+        c.probe_hit_chunks += n
+        c.probe_hit_tokens += n * tokens
+    elif l2_chunks:
+        c.hit_chunks_l2 += l2_chunks
+        c.hit_tokens_l2 += l2_chunks * tokens

@@ -30,6 +30,7 @@ from hybridkv.server.l2 import L2Adapter, make_l2
 from hybridkv.server.lifecycle import claim_ipc_path
 from hybridkv.server.objects import ObjectStore
 from hybridkv.server.sessions import SessionLimits, Sessions
+from hybridkv.server.telemetry import Telemetry, status
 from hybridkv.server.workers import Workers
 
 log = logging.getLogger("hybridkv.server")
@@ -42,7 +43,7 @@ HANDLERS: dict[type, Callable[[Context, bytes, Any, Frames], Answer]] = {
     P.Lookup: lookup.lookup, P.Prefetch: prefetch.prefetch, P.PrepareStore: store.prepare,
     P.CommitStore: store.commit, P.AbortStore: store.abort, P.ShareCuda: admin.share_cuda,
     P.Retrieve: retrieve.retrieve, P.Release: retrieve.release, P.EndSession: retrieve.end_session,
-    P.Stats: admin.stats, P.Clear: admin.clear, P.Health: admin.health,
+    P.Stats: admin.stats, P.Clear: admin.clear, P.Health: admin.health, P.Status: status,
 }
 
 
@@ -59,7 +60,7 @@ FULL_GC_BUSY_S = 600.0  # a server never idle still frees old reference cycles t
 class CacheServer:
     """Serves lookups, stores and retrieves for many engines; see docs/protocol.md."""
 
-    def __init__(self, config: ServerConfig, context: zmq.Context | None = None):
+    def __init__(self, config: ServerConfig, context: zmq.Context | None = None, telemetry: Telemetry | None = None):
         self.config = config
         self.started = time.monotonic()
         for path in remove_dead_arenas(config.l1_dir):
@@ -74,7 +75,9 @@ class CacheServer:
                                                    config.max_leases, config.max_reservations),
                                      config.client_timeout_s)
             self.ctx = Context(config, self.arena, self.sessions, self.objects, self.workers, self.counters,
-                               Formats(self.arena, config.cuda_ipc), self.started, self._send_later)
+                               Formats(self.arena, config.cuda_ipc), self.started, self._send_later,
+                               telemetry=telemetry or Telemetry())
+            self.telemetry = self.ctx.telemetry
         except BaseException:
             self.arena.close()
             raise
@@ -146,6 +149,8 @@ class CacheServer:
                 if ctx.another_turn:  # a large request goes on after every other client had its turn
                     ctx.another_turn = False
                     self._run_parked()
+                if self.telemetry.wanted:  # a scrape waits for a snapshot (metrics_http)
+                    self.telemetry.publish(self.ctx)
                 if time.monotonic() >= next_tick:
                     self._tick()
                     next_tick = time.monotonic() + min(0.5, self.config.client_timeout_s / 4)
@@ -263,6 +268,7 @@ class CacheServer:
         # Counted before dispatch: a handler may answer "later" before it even returns (a parked op
         # whose first step completes), and that answer takes the count down again.
         self._pending[ident] = pending + 1
+        self.telemetry.begin(ident, msg)
         try:
             out = self._dispatch(ident, msg, payload)
         except RequestError as e:
@@ -289,6 +295,7 @@ class CacheServer:
     def _send(self, ident: bytes, req_id: int, reply: P.Message, frames: Frames = ()) -> None:
         assert self._sock is not None
         reply.id = req_id
+        self.telemetry.answered(ident, req_id, reply)
         # ROUTER drops (never blocks on) messages to a vanished peer or one over its send high-water
         # mark: a client that does not read its replies costs at most max_queued_replies of them.
         if frames:
@@ -350,3 +357,4 @@ class CacheServer:
         if self._gate is not None:
             self._gate.resync()
         self._run_parked()
+        self.telemetry.tick(self.ctx)

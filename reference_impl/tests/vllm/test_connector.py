@@ -25,7 +25,7 @@ def test_prefix_hit_loads_a_s_exact_bytes(serve, make_engine):
     settle(eng)
     b = a[:5 * C] + tokens(150, 1)
     eng.add_request("B", b)
-    so, rep = eng.step()
+    so, rep = eng.step_until_scheduled()
     assert so.scheduled_new_reqs[0].num_computed_tokens == 5 * C  # the external hit, whole chunks
     # the 5 attention blocks and 3 state blocks were zeroed before the load: what verify found, the load wrote
     assert eng.zeroed_blocks == 5 + 3
@@ -52,7 +52,7 @@ def test_unaligned_lengths_and_the_n_minus_1_cap(serve, make_engine, b_len, hit)
     run(eng, "A", a)
     settle(eng)
     eng.add_request("B", a[:b_len])  # a prompt that is all cached still computes its last token
-    so, rep = eng.step()
+    so, rep = eng.step_until_scheduled()
     assert so.scheduled_new_reqs[0].num_computed_tokens == hit
     assert rep.corrupt_pages == 0 and rep.verified_pages > 0
     assert eng.run().corrupt_pages == 0
@@ -68,7 +68,7 @@ def test_local_prefix_hit_plus_external_hit(serve, make_engine):
     eng.worker.worker_side.wait_idle(10)
     loads, hits = worker_stats(eng).loads, sched_stats(eng).hit_tokens
     eng.add_request("B", a[:5 * C] + tokens(40, 5))
-    so, rep = eng.step()
+    so, rep = eng.step_until_scheduled()
     assert so.scheduled_new_reqs[0].num_computed_tokens == 5 * C
     assert worker_stats(eng).loads == loads + 1
     # local 2 chunks, external 3: the connector reports (and loads) only the external ones
@@ -88,20 +88,22 @@ def test_abort_during_a_load_then_hit_again(serve, make_engine):
     eng.run()
     assert "B" not in eng.scheduler.requests
     eng.add_request("D", a[:4 * C] + tokens(20, 7))
-    so, rep = eng.step()
+    so, rep = eng.step_until_scheduled()
     assert so.scheduled_new_reqs[0].num_computed_tokens == 4 * C
     assert rep.corrupt_pages == 0 and rep.verified_pages > 0
     assert eng.run().corrupt_pages == 0
 
 
-def test_preemption_during_a_load_reloads_on_resume(serve, make_engine):
+def test_preemption_after_a_load_reloads_on_resume(serve, make_engine):
     srv = serve()
     eng = make_engine(srv.endpoint)
     a = tokens(4 * C + 9, 8)
     run(eng, "A", a)
     settle(eng)
-    eng.add_request("B", a[:4 * C] + tokens(50, 9))
-    # vLLM preempts every running request (its own path, as under memory pressure) while B's load is in flight
+    eng.add_request("B", a[:4 * C] + tokens(250, 9))  # several steps past the hit
+    so, rep = eng.step_until_scheduled()  # the load ran while B waited in vLLM's queue
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 4 * C and rep.corrupt_pages == 0
+    # vLLM preempts every running request (its own path, as under memory pressure), dropping its prefix cache
     eng.step(after_schedule=lambda so: eng.scheduler.reset_prefix_cache(reset_running_requests=True))
     assert eng.scheduler.requests["B"].num_preemptions == 1
     total = eng.run()
@@ -115,7 +117,7 @@ def test_server_down_costs_hits_not_requests(sock_dir, make_engine):
     a = tokens(3 * C + 3, 10)
     assert run(eng, "A", a).corrupt_pages == 0
     eng.add_request("B", a)
-    so, _ = eng.step()
+    so, _ = eng.step_until_scheduled()
     assert so.scheduled_new_reqs[0].num_computed_tokens in (0, 3 * C)  # vLLM's own cache may hit, never ours
     eng.run()
     assert sched_stats(eng).hit_tokens == 0 and worker_stats(eng).stores == 0
@@ -171,3 +173,36 @@ def test_bad_extra_config_names_the_key(serve, make_engine):
         make_engine("ipc:///tmp/x.sock", store_policy="sometimes")
     with pytest.raises(ValueError, match="retrieve_policy 'all' is not supported"):
         make_engine("ipc:///tmp/x.sock", retrieve_policy="all")
+
+
+def _server_counters(endpoint: str) -> dict:
+    from hybridkv import protocol as P
+    from hybridkv.engine.client import CacheClient
+
+    with CacheClient(endpoint, timeout_s=10) as c:
+        stats, _ = c.call(P.Stats())
+    return stats.counters
+
+
+def test_one_pin_set_per_request_however_often_vllm_asks(serve, make_engine):
+    """vLLM asks again every step for a request it could not admit (no free blocks): one lookup, one lease."""
+    srv = serve("--admin")
+    eng = make_engine(srv.endpoint, num_blocks=60, step_tokens=4000)
+    a = tokens(5 * C + 17, 60)
+    run(eng, "A", a)
+    settle(eng)
+    eng.add_request("big", tokens(48 * C, 61), max_tokens=40)  # holds most blocks while it decodes 40 steps
+    eng.step()
+    before = _server_counters(srv.endpoint)
+    eng.add_request("B", a[:5 * C] + tokens(40, 62))
+    waited = 0
+    while "B" not in {r.req_id for r in eng.step()[0].scheduled_new_reqs} and eng.scheduler.has_requests():
+        waited += 1
+    after = _server_counters(srv.endpoint)
+    assert waited >= 3, "B was admitted at once: the test did not make vLLM ask again"
+    # the scheduler's one lookup, and the worker's (its load pins under the worker's own engine)
+    assert after["lookups"] - before["lookups"] == 2, "a lookup (and a pin set) per step vLLM asked"
+    assert eng.run().corrupt_pages == 0
+    eng.worker.worker_side.wait_idle(10)
+    eng.scheduler.connector.scheduler_side.wait_idle(10)
+    assert _server_counters(srv.endpoint)["leases"] == 0

@@ -62,10 +62,11 @@ def test_a_prefix_in_l2_waits_in_vllm_s_queue_not_in_the_lookup(serve, make_engi
     after = counters(srv.endpoint)
     assert after["l2_prefetches"] > before["l2_prefetches"], "the prefix was read back from L2"
     if l2_wait_s:
-        assert steps_unscheduled >= 1 and sched_stats(eng).lookups_deferred == steps_unscheduled
+        # the steps B waited: the deferred lookups, then its asynchronous load
+        assert sched_stats(eng).lookups_deferred >= 1 and steps_unscheduled > sched_stats(eng).lookups_deferred
         assert after["lookup_l2_waits"] == before["lookup_l2_waits"], "the lookup did not wait on L2"
     else:
-        assert steps_unscheduled == 0 and sched_stats(eng).lookups_deferred == 0
+        assert sched_stats(eng).lookups_deferred == 0
         assert after["lookup_l2_waits"] > before["lookup_l2_waits"]
 
 
@@ -77,7 +78,7 @@ def test_a_server_without_l2_costs_no_prefetch_round_trip(serve, make_engine):
     assert run(eng, "A", a).corrupt_pages == 0
     settle(eng)
     eng.add_request("B", a[:4 * C] + tokens(20, 34))
-    so, rep = eng.step()
+    so, rep = eng.step_until_scheduled()
     assert so.scheduled_new_reqs[0].num_computed_tokens == 4 * C and rep.corrupt_pages == 0
     eng.run()
     assert counters(srv.endpoint)["prefetch_requests"] == 0 and sched_stats(eng).lookups_deferred == 0

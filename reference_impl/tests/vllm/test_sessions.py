@@ -38,7 +38,7 @@ def clear(eng) -> int:
 
 def first_step(eng, rid: str, toks: list[int]):
     eng.add_request(rid, toks)
-    so, rep = eng.step()
+    so, rep = eng.step_until_scheduled()
     return so.scheduled_new_reqs[0].num_computed_tokens, rep
 
 

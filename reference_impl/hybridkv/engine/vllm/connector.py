@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -54,15 +55,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         tc = self._kv_transfer_config
         self.settings = ConnectorSettings.from_extra(tc.kv_connector_extra_config)
-        cache = vllm_config.cache_config
-        if not cache.enable_prefix_caching or cache.mamba_cache_mode != "align":
-            raise ValueError("HybridKVConnector needs --enable-prefix-caching and --mamba-cache-mode align: vLLM then "
-                             f"keeps a GDN state per block boundary (got prefix caching {cache.enable_prefix_caching}, "
-                             f"mamba_cache_mode {cache.mamba_cache_mode!r})")
-        if tc.kv_load_failure_policy != "recompute":
-            raise ValueError("HybridKVConnector needs kv_load_failure_policy 'recompute' in --kv-transfer-config: "
-                             "a lost load must cost a recompute, not fail the request "
-                             f"(got {tc.kv_load_failure_policy!r})")
+        check_supported(vllm_config)
         parallel = vllm_config.parallel_config
         self.layout = layout_from_kv_cache_config(kv_cache_config, vllm_config.model_config.model,
                                                   parallel.tensor_parallel_size)
@@ -93,7 +86,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker_side.start_load(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        pass  # every load finished in start_load_kv: GDN layers never call this
+        pass  # loads are asynchronous: a request is scheduled only once its load is done
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
@@ -104,12 +97,19 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker_side.save(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if self.worker_side is not None:
-            self.worker_side.request_finished(finished_req_ids)
-        return None, None  # loads are synchronous and stores never hold vLLM's blocks
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending, results.finished_recving
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Loads that ended (failed ones too: vLLM recomputes those per request, never an engine error)."""
+        if self.worker_side is None:
+            return KVConnectorTransferResults()
+        self.worker_side.request_finished(finished_req_ids)
+        finished, failed = self.worker_side.transfer_results()
+        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker_side.take_failed_blocks() if self.worker_side is not None else set()
+        return set()  # failures are per request (failed_recving): vLLM refuses block errors with several groups
 
     def _meta(self) -> HybridKVMetadata:
         meta = self._get_connector_metadata()
@@ -125,7 +125,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.scheduler_side is None:
             return 0, False
         self._requests.setdefault(request.request_id, request)
-        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+        hit, _ = self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+        return hit, bool(hit)  # loads are asynchronous: the request waits in vLLM's queue, never the step
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self.scheduler_side is not None:
@@ -154,3 +155,25 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler_side.close()
         if self.worker_side is not None:
             self.worker_side.close()
+
+
+def check_supported(vllm_config: VllmConfig) -> None:
+    """Refuse at start-up, naming the setting, what the connector cannot serve correctly."""
+    cache, tc = vllm_config.cache_config, vllm_config.kv_transfer_config
+    assert tc is not None
+    if not cache.enable_prefix_caching or cache.mamba_cache_mode != "align":
+        raise ValueError("HybridKVConnector needs --enable-prefix-caching (which puts Mamba/GDN caching in align mode: "
+                         "a state per block boundary); got prefix caching "
+                         f"{cache.enable_prefix_caching}, mamba_cache_mode {cache.mamba_cache_mode!r}")
+    if tc.kv_load_failure_policy != "recompute":
+        raise ValueError("HybridKVConnector needs kv_load_failure_policy 'recompute' in --kv-transfer-config: "
+                         f"a lost load must cost a recompute, not fail the request (got {tc.kv_load_failure_policy!r})")
+    if tc.kv_role != "kv_both":
+        raise ValueError(f"HybridKVConnector needs kv_role 'kv_both' in --kv-transfer-config (got {tc.kv_role!r}): "
+                         "the same engine stores and loads")
+    if vllm_config.parallel_config.pipeline_parallel_size != 1:
+        raise ValueError("HybridKVConnector does not support pipeline parallelism: set --pipeline-parallel-size 1 "
+                         f"(got {vllm_config.parallel_config.pipeline_parallel_size})")
+    if vllm_config.speculative_config is not None:
+        raise ValueError("HybridKVConnector does not support speculative decoding (its extra state blocks are not "
+                         "cached): remove --speculative-config")

@@ -1,4 +1,4 @@
-"""vLLM's own scheduler, KV-cache planner and cache tensors on CPU, with a simulated forward: what the
+"""vLLM 0.33's own scheduler, KV-cache planner and cache tensors on CPU, with a simulated forward: what the
 connector's tests and the harness's `vllm` engine drive. The model is never built; its KV-cache specs come
 from the model class's own state-shape rules, the block size from vLLM's hybrid alignment for a named
 attention backend (FlashAttention on Hopper by default), and the pages a forward would write are derived
@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -276,7 +277,7 @@ class OfflineEngine:
         # and every block a load is to write is zeroed here too (vLLM leaves reused attention blocks as they
         # are): bytes an earlier request left there can never pass for a load that did not happen
         for job in getattr(meta, "loads", ()):
-            for block_id in self.worker.worker_side.job_blocks(job):
+            for block_id in job_blocks(self.layout, self.worker.chunk_tokens, job):
                 for t in self.kv_caches.values():
                     t[block_id].zero_()
                 self.zeroed_blocks += 1
@@ -285,9 +286,10 @@ class OfflineEngine:
             w.handle_preemptions(meta)
             w.bind_connector_metadata(meta)
             w.start_load_kv(None)
-        failed = w.get_block_ids_with_load_errors() if w is not None else set()
+        # loads are asynchronous: a request is scheduled with a hit only once its load is done (or it failed and
+        # vLLM recomputes it), so every scheduled prefix is checked here
         for nr in so.scheduled_new_reqs:
-            if nr.num_computed_tokens and not failed:
+            if nr.num_computed_tokens:
                 self.verify(nr.req_id, tuple(nr.block_ids), nr.num_computed_tokens, report)
                 report.loaded_requests.append(nr.req_id)
         req_ids, sampled = [], []
@@ -305,9 +307,10 @@ class OfflineEngine:
         out = KVConnectorOutput()
         if w is not None and meta is not None:
             w.wait_for_save()
-            sending, recving = w.get_finished(so.finished_req_ids)
-            out.finished_sending, out.finished_recving = sending, recving
-            out.invalid_block_ids = failed | w.get_block_ids_with_load_errors()
+            results = w.get_transfer_results(so.finished_req_ids)
+            out.finished_sending, out.finished_recving = results.finished_sending, results.finished_recving
+            out.failed_recving = results.failed_recving
+            out.invalid_block_ids = w.get_block_ids_with_load_errors()
             w.clear_connector_metadata()
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=sampled, kv_connector_output=out)
@@ -315,18 +318,36 @@ class OfflineEngine:
         self.reports.append(report)
         return so, report
 
-    def run(self, max_steps: int = 1000) -> StepReport:
-        """Step until no request is left; the sum of the steps' reports."""
+    def step_until_scheduled(self, timeout_s: float = 30.0):
+        """Step until a new request is scheduled (a hit's asynchronous load is done first): that step's
+        (scheduler output, report)."""
+        until = time.monotonic() + timeout_s
+        while True:
+            so, rep = self.step()
+            if so.scheduled_new_reqs:
+                return so, rep
+            if time.monotonic() > until:
+                raise TimeoutError(f"no new request was scheduled in {timeout_s:g} s")
+            time.sleep(0.002)
+
+    def run(self, max_steps: int = 1000, max_idle_s: float = 120.0) -> StepReport:
+        """Step until no request is left; the sum of the steps' reports. Steps that schedule nothing (only
+        loads in flight) do not count against `max_steps`; they may last `max_idle_s` in all."""
         total = StepReport()
-        for _ in range(max_steps):
-            if not self.scheduler.has_requests():
-                break
-            _, r = self.step()
+        steps, idle_until = 0, time.monotonic() + max_idle_s
+        while self.scheduler.has_requests():
+            so, r = self.step()
+            if so.total_num_scheduled_tokens:
+                steps += 1
+            elif time.monotonic() > idle_until:
+                raise RuntimeError(f"loads still in flight after {max_idle_s:g} s of idle steps")
+            else:
+                time.sleep(0.002)  # only loads in flight: vLLM's engine loop polls them the same way
+            if steps > max_steps:
+                raise RuntimeError(f"requests still running after {max_steps} steps")
             total.verified_pages += r.verified_pages
             total.corrupt_pages += r.corrupt_pages
             total.loaded_requests += r.loaded_requests
-        else:
-            raise RuntimeError(f"requests still running after {max_steps} steps")
         return total
 
     def close(self) -> None:
@@ -335,3 +356,15 @@ class OfflineEngine:
         conn = self.scheduler.connector
         if conn is not None:
             conn.shutdown()
+
+
+def job_blocks(layout: ModelLayout, chunk_tokens: int, job) -> set[int]:
+    """The blocks a load writes: the hit's attention blocks past the local hit, and the state block."""
+    out: set[int] = set()
+    first, n = job.skip_tokens // chunk_tokens, len(job.token_ids) // chunk_tokens
+    for g, grp in enumerate(layout.groups):
+        bpc = chunk_tokens // grp.block_tokens
+        ids = job.block_ids[g]
+        out.update(ids[first * bpc:n * bpc] if grp.kind == "attention" else ids[n * bpc - 1:n * bpc])
+    out.discard(0)  # the null block is never loaded into
+    return out

@@ -15,6 +15,7 @@ class LoadJob:
     token_ids: list[int]          # the hit's tokens: every chunk of them is loaded
     skip_tokens: int              # tokens vLLM already holds locally (prefix cache): their attention is not loaded
     block_ids: tuple[list[int], ...]
+    extras: list[bytes] | None = None  # per chunk, what else decides its KV (cache salt, LoRA, images, embeds)
 
 
 @dataclass(slots=True)
@@ -25,6 +26,7 @@ class StoreJob:
     token_ids: list[int]
     start_chunk: int
     block_ids: tuple[list[int], ...]
+    extras: list[bytes] | None = None
 
 
 @dataclass

@@ -14,6 +14,8 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerError
 from hybridkv.engine.vllm.plan import HybridKVMetadata, LoadJob, StoreJob
@@ -36,6 +38,8 @@ class _Pending:
 
     token_ids: list[int]
     skip_tokens: int
+    lease: int  # the server's pins of the hit: one set per request, however often vLLM asks
+    extras: list[bytes] | None
 
 
 @dataclass(slots=True)
@@ -77,32 +81,53 @@ class SchedulerSide:
         self._requests: dict[str, _Request] = {}
         self._loads: list[LoadJob] = []
         self._ending: list[Future] = []  # EndSession replies not in yet (vLLM never waits for them)
-        self._connect()
+        self._registering: tuple[CacheClient, Future] | None = None  # a reconnect in flight
+        self._start_registering()
+        self._connect(at_start=True)
 
     # ---- the server connection ------------------------------------------------------------------
 
-    def _connect(self) -> bool:
-        """Register with the server; False (a miss for now) when it is unreachable, LayoutError when it refuses."""
-        if self._client is not None:
-            return True
-        if time.monotonic() < self._next_try:
-            return False
+    def _start_registering(self) -> None:
+        """Send Register on a new connection without waiting: a hung server never holds up the scheduler."""
         client = CacheClient(self.settings.endpoint, timeout_s=self.settings.lookup_timeout_s)
         try:
-            reg, _ = client.call(P.Register(layout=self.layout, chunk_tokens=self.chunk_tokens, tp_rank=0,
-                                            salt=self.settings.salt, name="vllm-scheduler"))
-        except ServerError as e:
+            fut = client.submit(P.Register(layout=self.layout, chunk_tokens=self.chunk_tokens, tp_rank=0,
+                                           salt=self.settings.salt, name="vllm-scheduler"))
+        except Exception as e:
             client.close()
-            if e.code == P.ErrorCode.LAYOUT:
-                raise LayoutError(f"cache server {self.settings.endpoint} refused vLLM's layout: {e.message}") from None
+            self._unreachable(e)
+            return
+        self._registering = client, fut
+
+    def _connect(self, at_start: bool = False) -> bool:
+        """True when registered. Otherwise False (a miss for now): a Register is sent if none is in flight and
+        the server was not tried within `retry_s`. At start-up the answer is awaited, and a layout the server
+        refuses is a LayoutError; later it is a logged miss (e.g. a server restarted with another chunk size)."""
+        if self._client is not None:
+            return True
+        if self._registering is None:
+            if time.monotonic() < self._next_try:
+                return False
+            self._start_registering()
+            if self._registering is None:
+                return False
+        client, fut = self._registering
+        if not (at_start or fut.done()):
+            return False
+        self._registering = None
+        try:
+            reg, _ = fut.result(timeout=self.settings.lookup_timeout_s + 5)
+            expect = [self.layout.object_bytes(g, self.chunk_tokens) for g in range(len(self.layout.groups))]
+            if reg.object_bytes != expect:
+                raise LayoutError(f"cache server sizes objects {reg.object_bytes}, vLLM's layout {expect}")
+        except (ServerError, LayoutError) as e:
+            client.close()
+            if at_start and (isinstance(e, LayoutError) or e.code == P.ErrorCode.LAYOUT):
+                raise LayoutError(f"cache server {self.settings.endpoint} refused vLLM's layout: {e}") from None
             return self._unreachable(e)
         except Exception as e:  # timeout, bad endpoint: the server is down
             client.close()
             return self._unreachable(e)
-        expect = [self.layout.object_bytes(g, self.chunk_tokens) for g in range(len(self.layout.groups))]
-        if reg.object_bytes != expect:
-            client.close()
-            raise LayoutError(f"cache server sizes objects {reg.object_bytes}, vLLM's layout {expect}")
         client.keepalive(reg.engine, reg.heartbeat_s)
         self._client, self._engine, self._namespace, self._l2 = client, reg.engine, reg.namespace, reg.l2
         return True
@@ -127,7 +152,10 @@ class SchedulerSide:
         rid = request.request_id
         track = self._requests.setdefault(rid, _Request())
         track.looked_up = True
-        self._pending.pop(rid, None)
+        if (pending := self._pending.get(rid)) is not None:
+            if pending.skip_tokens == num_computed_tokens:
+                return len(pending.token_ids) - num_computed_tokens, False  # pinned already: no second lookup
+            self._release(self._pending.pop(rid))
         n_tokens = request.num_tokens
         limit = (n_tokens - 1) // self.chunk_tokens * self.chunk_tokens
         if limit <= num_computed_tokens or not self._connect():
@@ -138,8 +166,9 @@ class SchedulerSide:
         t0 = time.perf_counter()
         policy = check_policy(self.settings.retrieve_policy)
         skip = num_computed_tokens // self.chunk_tokens
+        extras = chunk_extras(request, limit // self.chunk_tokens, self.chunk_tokens)
         try:
-            keys = chunk_keys(self._namespace, tokens, self.chunk_tokens)
+            keys = chunk_keys(self._namespace, tokens, self.chunk_tokens, extras)
             if (p := self._prefetch(track, keys, policy, skip)) is not None:
                 if p.hit_chunks * self.chunk_tokens <= num_computed_tokens:
                     return 0, False  # nothing beyond vLLM's own hit, in L1 or L2: no lookup needed
@@ -156,10 +185,21 @@ class SchedulerSide:
         finally:
             self.stats.lookup_s += time.perf_counter() - t0
         hit = r.hit_chunks * self.chunk_tokens
+        pending = _Pending(tokens[:hit], num_computed_tokens, r.lease, extras)
         if hit <= num_computed_tokens:
+            self._release(pending)
             return 0, False
-        self._pending[rid] = _Pending(tokens[:hit], num_computed_tokens)
+        self._pending[rid] = pending
         return hit - num_computed_tokens, False
+
+    def _release(self, pending: _Pending) -> None:
+        """Drop a hit's pins without waiting (vLLM did not take it, or asks again from another point)."""
+        if self._client is None or not pending.lease:
+            return
+        try:
+            self._client.submit(P.Release(engine=self._engine, lease=pending.lease))
+        except Exception as e:
+            self._drop_connection(e)
 
     def _prefetch(self, track: _Request, keys: list[bytes], policy: Policy, skip: int) -> P.Prefetching | None:
         """A Prefetch of the request's prefix (answered at once, pinning nothing; it starts the reads of what
@@ -183,14 +223,17 @@ class SchedulerSide:
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """vLLM allocated the request's blocks: plan the load of the hit it accepted."""
         pending = self._pending.pop(request.request_id, None)
-        if num_external_tokens <= 0 or pending is None:
+        if pending is None:
+            return
+        if num_external_tokens <= 0:
+            self._release(pending)
             return
         if pending.skip_tokens + num_external_tokens != len(pending.token_ids):
             # vLLM trimmed the hit (e.g. a local sub-block tail); load only what it accepted, in whole chunks
             hit = (pending.skip_tokens + num_external_tokens) // self.chunk_tokens * self.chunk_tokens
             pending.token_ids = pending.token_ids[:hit]
         self._loads.append(LoadJob(request.request_id, pending.token_ids, pending.skip_tokens,
-                                   tuple(list(b) for b in blocks.get_block_ids())))
+                                   tuple(list(b) for b in blocks.get_block_ids()), pending.extras))
         self.stats.hit_tokens += num_external_tokens
         self.stats.loads_planned += 1
 
@@ -235,7 +278,8 @@ class SchedulerSide:
             if any(len(ids[g]) < n * (self.chunk_tokens // self.layout.groups[g].block_tokens)
                    for g in self.layout.attention_groups):
                 continue
-            jobs.append(StoreJob(rid, list(req.all_token_ids[:boundary]), track.stored_chunks, ids))
+            jobs.append(StoreJob(rid, list(req.all_token_ids[:boundary]), track.stored_chunks, ids,
+                                 chunk_extras(req, n, self.chunk_tokens)))
             track.stored_chunks = max(track.stored_chunks, n)
             self.stats.stores_planned += 1
         return jobs
@@ -278,3 +322,17 @@ class SchedulerSide:
                 pass  # the server reclaims silent engines anyway
             self._client.close()
             self._client = None
+
+
+def chunk_extras(request: Request, n_chunks: int, chunk_tokens: int) -> list[bytes] | None:
+    """Per chunk, what else vLLM's own prefix cache keys a block by (vLLM's own function: cache salt, LoRA name
+    and path, multimodal inputs in the chunk, prompt embeddings), encoded stably; None when a request has none.
+    Chunk keys carry them, so tenants with different `cache_salt`s, adapters or images never share KV."""
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+    out: list[bytes] = []
+    mm_idx = 0
+    for i in range(n_chunks):
+        extra, mm_idx = generate_block_hash_extra_keys(request, i * chunk_tokens, (i + 1) * chunk_tokens, mm_idx)
+        out.append(msgspec.msgpack.encode(extra) if extra else b"")
+    return out if any(out) else None

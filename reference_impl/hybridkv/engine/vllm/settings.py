@@ -22,7 +22,8 @@ class ConnectorSettings:
     store_policy: str = "boundary"  # attention of every chunk, the recurrent state wherever vLLM offers one
     retrieve_policy: str = "boundary"  # attention of every hit chunk, the recurrent state at the hit's end
     chunk_tokens: int = 0           # 0: vLLM's block size (the unified hybrid block)
-    lookup_timeout_s: float = 2.0   # a lookup slower than this counts as a miss
+    lookup_timeout_s: float = 1.0   # a lookup (scheduler or worker) slower than this counts as a miss
+    step_timeout_s: float = 1.0     # the longest a step waits for a store's copies; later ones are cancelled
     # A request whose cached prefix is partly on disk (L2): the connector starts the reads (Prefetch) and
     # tells vLLM "not yet", so the request waits in vLLM's queue, not the scheduler in a lookup; vLLM asks
     # again each step. After this long the lookup waits for the reads itself. 0: always wait in the lookup.
@@ -49,10 +50,11 @@ class ConnectorSettings:
                              "offer: the server would hold a CUDA context")
         if not self.endpoint.startswith(("ipc://", "tcp://")):
             raise ValueError(f"kv_connector_extra_config endpoint must be ipc:// or tcp://, got {self.endpoint!r}")
-        for name in ("lookup_timeout_s", "timeout_s", "retry_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"kv_connector_extra_config {name} must be > 0, got {getattr(self, name)!r}")
-        if not self.l2_wait_s >= 0:
+        for name in ("lookup_timeout_s", "step_timeout_s", "timeout_s", "retry_s"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"kv_connector_extra_config {name} must be > 0 and finite, "
+                                 f"got {getattr(self, name)!r}")
+        if not 0 <= self.l2_wait_s < float("inf"):
             raise ValueError(f"kv_connector_extra_config l2_wait_s must be >= 0, got {self.l2_wait_s!r}")
         if self.chunk_tokens < 0:
             raise ValueError(f"kv_connector_extra_config chunk_tokens must be >= 0, got {self.chunk_tokens}")

@@ -1,19 +1,35 @@
 """The connector's worker half: `hybridkv.engine.transfer.KVTransfer` moves the bytes, the same code the
-CUDA suite covers on the GPU machine. Loads run before the forward (GDN layers never wait per layer), stores
-after it; a store's reservation is asked for before the forward too (`prepare_store`, with the blocks vLLM
-gave it), so the store after the forward is copy + commit. A store's copy is awaited in `wait_for_save` so
-vLLM may free or reuse the blocks at once, its commit to the server goes on in the background.
+CUDA suite covers on the GPU machine.
+
+Nothing here makes vLLM's step wait on the cache server longer than `lookup_timeout_s` / `step_timeout_s`:
+- Loads are asynchronous (vLLM's `load_kv_async`): `start_load` sends each load's pinning lookup (at most
+  `lookup_timeout_s`; a server that does not answer is dropped, so only the first request that meets it
+  waits) and starts its copies, which end on their own; the request waits in vLLM's queue
+  (WAITING_FOR_REMOTE_KVS) holding its blocks until `transfer_results` reports it. A load that failed, or
+  whose copies had not started `lookup_timeout_s` later (a payload wire's answer stuck), is reported as a
+  failed receive, which vLLM recomputes; a load given up before its first page write never writes.
+  Because the load ends before the request is scheduled, the GDN state written into block `(h-1)//B` is
+  there when vLLM's mamba preprocessing copies it into the request's running block.
+- Copies start after the work the engine queued on its current stream before `start_load` (vLLM zeroes
+  new blocks there).
+- A store's reservation is asked for before the forward (`prepare_store` with vLLM's block ids), its copy
+  awaited in `save` for at most `step_timeout_s` (vLLM may reuse the blocks afterwards): one that is not
+  done by then is cancelled and never commits.
+- Reconnecting to the server (Register) happens on a thread of its own, never in the step.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
 from hybridkv_kernels import CopyEngine
 
+from hybridkv import protocol as P
 from hybridkv.engine.client import ServerError
 from hybridkv.engine.transfer import KVTransfer, PreparedStore, Streams, TransferConfig, TransferHandle
 from hybridkv.engine.vllm.plan import HybridKVMetadata, LoadJob
@@ -34,12 +50,24 @@ class WorkerStats:
 
     loads: int = 0
     load_failures: int = 0
+    loads_given_up: int = 0  # copies not started lookup_timeout_s after the lookup: reported failed, never written
     loaded_bytes: int = 0
     stores: int = 0
     store_failures: int = 0
+    stores_cancelled: int = 0  # copy not done within step_timeout_s: never committed
     stored_bytes: int = 0
     load_s: float = 0.0
     store_s: float = 0.0
+
+
+@dataclass(slots=True, eq=False)
+class _Load:
+    """One request's asynchronous load, from `start_load` until `transfer_results` reports it."""
+
+    job: LoadJob
+    deadline: float  # its copies must have started by then, or the load is given up
+    handle: TransferHandle | None = None  # None: it failed before any copy (`error`)
+    error: BaseException | None = None
 
 
 @dataclass(slots=True)
@@ -61,13 +89,17 @@ class WorkerSide:
         self.transfer: KVTransfer | None = None
         self._pages: list[list[torch.Tensor]] | None = None
         self._next_try = 0.0
-        self._failed_blocks: set[int] = set()
+        self._lock = threading.Lock()  # self.transfer and self._connecting, set by the loader thread too
+        self._connecting: Future | None = None
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="hkv-vllm-connect")  # reconnects, off the step
+        self._loads: dict[str, _Load] = {}
         self._in_flight: dict[str, list[TransferHandle]] = {}
         self._ending: dict[str, _Ending] = {}
         self._prepared: dict[tuple[str, int], PreparedStore] = {}  # (request, start chunk) -> this step's prepare
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Page views of vLLM's cache tensors, checked against the layout, then the server connection."""
+        """Page views of vLLM's cache tensors, checked against the layout, then the server connection (at
+        start-up a layout the server refuses is an error; later it is a miss)."""
         from hybridkv_kernels import page_view
 
         missing = [n for g in self.layout.groups for n in g.layer_names if n not in kv_caches]
@@ -77,153 +109,246 @@ class WorkerSide:
             self._pages = [[page_view(kv_caches[n], g.page_bytes) for n in g.layer_names] for g in self.layout.groups]
         except ValueError as e:
             raise LayoutError(f"vLLM's cache tensors do not hold the layout's pages: {e}") from None
-        self._connect()
+        self._connect(at_start=True)
 
-    def _connect(self) -> bool:
-        if self.transfer is not None:
-            return True
+    # ---- the server connection (the loader thread's, after start-up) ------------------------------
+
+    def _connect(self, at_start: bool = False) -> KVTransfer | None:
+        """The connection, made now if the server was not tried within `retry_s`; None when it is down."""
+        if (t := self.transfer) is not None:
+            return t
         if self._pages is None or time.monotonic() < self._next_try:
-            return False
+            return None
         s = self.settings
         # the settings' values were checked against these Literals when the extra config was read
         cfg = TransferConfig(wire_format=cast(WireFormat, s.wire_format), copy_engine=cast(CopyEngine, s.copy_engine),
                              streams=cast(Streams, s.streams), retrieve_policy=cast(Policy, s.retrieve_policy),
                              store_policy="boundary",
                              chunk_tokens=self.chunk_tokens, tp_rank=self.tp_rank, salt=s.salt,
-                             timeout_s=s.timeout_s, name=f"vllm-rank{self.tp_rank}")
+                             timeout_s=s.timeout_s if at_start else s.lookup_timeout_s,
+                             name=f"vllm-rank{self.tp_rank}")
         try:
-            self.transfer = KVTransfer(s.endpoint, self.layout, self._pages, cfg)
-        except ServerError as e:
-            if e.code == ErrorCode.LAYOUT:
-                raise LayoutError(f"cache server {s.endpoint} refused vLLM's layout: {e.message}") from None
-            return self._unreachable(e)
-        except LayoutError:
-            raise
+            t = KVTransfer(s.endpoint, self.layout, self._pages, cfg)
+        except (ServerError, LayoutError) as e:
+            if at_start and (isinstance(e, LayoutError) or e.code == ErrorCode.LAYOUT):
+                raise LayoutError(f"cache server {s.endpoint} refused vLLM's layout: {e}") from None
+            self._unreachable(e)  # e.g. restarted with another --chunk-tokens: misses, logged
+            return None
         except Exception as e:  # timeout, connection refused: the server is down
-            return self._unreachable(e)
-        return True
+            self._unreachable(e)
+            return None
+        t.client.timeout_s = s.timeout_s
+        with self._lock:
+            self.transfer = t
+        return t
 
-    def _unreachable(self, e: BaseException) -> bool:
+    def _connect_soon(self) -> None:
+        """Reconnect on the loader thread (Register may wait for a hung server), never in vLLM's step."""
+        with self._lock:
+            if self.transfer is not None or self._pages is None or time.monotonic() < self._next_try:
+                return
+            if self._connecting is not None and not self._connecting.done():
+                return
+            self._connecting = self._loader.submit(self._connect)
+
+    def _unreachable(self, e: BaseException) -> None:
         log.warning("hybridkv: cache server %s unreachable from rank %d (%s); retrying in %.0f s",
                     self.settings.endpoint, self.tp_rank, e, self.settings.retry_s)
         self._next_try = time.monotonic() + self.settings.retry_s
-        return False
 
-    def _drop(self, e: BaseException) -> None:
-        if self.transfer is not None:
-            self.transfer.close()
+    def _drop(self, t: KVTransfer, e: BaseException) -> None:
+        """Forget a connection that failed; it is closed on a thread of its own (close waits for its work)."""
+        with self._lock:
+            if self.transfer is not t:
+                return
             self.transfer = None
-        self._in_flight.clear()
-        self._ending.clear()
-        self._prepared.clear()
+            self._in_flight.clear()
+            self._ending.clear()
+            self._prepared.clear()
         self._unreachable(e)
+        threading.Thread(target=t.close, name="hkv-vllm-close", daemon=True).start()
 
-    # ---- loads: before the forward ---------------------------------------------------------------
+    # ---- loads: asynchronous, before the request is scheduled ------------------------------------
 
     def start_load(self, meta: HybridKVMetadata) -> None:
-        """Reserve this step's stores (their round trips overlap the loads and the forward), then run every
-        planned load to completion; a load that fails marks its blocks for recompute."""
+        """Reserve this step's stores (their round trips overlap the forward), then start every planned load:
+        the pinning lookup (at most `lookup_timeout_s`), then copies ordered after the work already queued on
+        the engine's current stream, which end on their own (CUDA streams, or the transfer's load thread).
+        `transfer_results` reports them; nothing here waits for a copy."""
         self._prepare_stores(meta)
+        if not meta.loads:
+            return
+        ready = self._ready_event()
         for job in meta.loads:
+            load = _Load(job, 0.0)
+            self._loads[job.request_id] = load
             t0 = time.perf_counter()
             try:
-                self._load(job)
+                load.handle = self._start_load(job, ready)
             except Exception as e:
-                self.stats.load_failures += 1
-                self._failed_blocks.update(self.job_blocks(job))
-                log.warning("hybridkv: load of %s failed (%s); vLLM recomputes it", job.request_id, e)
-                if isinstance(e, (TimeoutError, ConnectionError, ServerError)):
-                    self._drop(e)  # the server is gone or refusing: reconnect later
+                load.error = e
             self.stats.load_s += time.perf_counter() - t0
+            load.deadline = time.monotonic() + self.settings.lookup_timeout_s
 
-    def _load(self, job: LoadJob) -> None:
-        if not self._connect():
+    def _ready_event(self) -> torch.cuda.Event | None:
+        """An event after the engine's queued work (CUDA), or None (CPU: that work is done already)."""
+        if self._pages is None or self._pages[0][0].device.type != "cuda":
+            return None
+        import torch
+
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self._pages[0][0].device))
+        return ev
+
+    def _start_load(self, job: LoadJob, ready: torch.cuda.Event | None) -> TransferHandle:
+        """Pin the hit under this rank's engine and start copying it into vLLM's blocks."""
+        t = self.transfer
+        if t is None:
+            self._connect_soon()
             raise ConnectionError("no connection to the cache server")
-        assert self.transfer is not None
-        hit = self.transfer.lookup(job.request_id, job.token_ids, skip_tokens=job.skip_tokens)
+        try:
+            hit = t.lookup(job.request_id, job.token_ids, skip_tokens=job.skip_tokens,
+                           timeout=self.settings.lookup_timeout_s, extras=job.extras)
+        except (TimeoutError, ConnectionError, ServerError) as e:
+            if not isinstance(e, ServerError) or e.code == ErrorCode.UNKNOWN_ENGINE:
+                self._drop(t, e)  # the server is gone, hung or forgot us: reconnect later, off the step
+            raise
         if hit.hit_tokens < len(job.token_ids):
-            self.transfer.end_session(job.request_id)
+            t.end_session_soon(job.request_id)
             raise LookupError(f"the server holds {hit.hit_tokens} of the {len(job.token_ids)} hit tokens now")
-        h = self.transfer.retrieve(hit, job.block_ids).wait(self.settings.timeout_s)
-        self.stats.loads += 1
-        self.stats.loaded_bytes += h.nbytes
+        return t.retrieve(hit, job.block_ids, ready)
 
-    def job_blocks(self, job: LoadJob) -> set[int]:
-        """The blocks a load writes: the hit's attention blocks past the local hit, and the state block."""
-        out: set[int] = set()
-        first, n = job.skip_tokens // self.chunk_tokens, len(job.token_ids) // self.chunk_tokens
-        for g, grp in enumerate(self.layout.groups):
-            bpc = self.chunk_tokens // grp.block_tokens
-            ids = job.block_ids[g]
-            out.update(ids[first * bpc:n * bpc] if grp.kind == "attention" else ids[n * bpc - 1:n * bpc])
-        out.discard(0)  # the null block is never loaded into
-        return out
-
-    def take_failed_blocks(self) -> set[int]:
-        out, self._failed_blocks = self._failed_blocks, set()
-        return out
+    def transfer_results(self) -> tuple[set[str], set[str]]:
+        """(finished, failed) loads since the last call; a failed one is also finished (vLLM's contract). A
+        load whose lookup is overdue is given up here, so a hung server costs a recompute, not a wait."""
+        finished: set[str] = set()
+        failed: set[str] = set()
+        now = time.monotonic()
+        for rid, load in list(self._loads.items()):
+            h = load.handle
+            if h is None or h.done.done():
+                if h is not None and h.done.exception() is None:
+                    self.stats.loads += 1
+                    self.stats.loaded_bytes += h.nbytes
+                else:
+                    failed.add(rid)
+                    self.stats.load_failures += 1
+                    log.warning("hybridkv: load of %s failed (%s); vLLM recomputes it", rid,
+                                load.error if h is None else h.done.exception())
+            elif now > load.deadline and h.cancel():
+                failed.add(rid)
+                self.stats.load_failures += 1
+                self.stats.loads_given_up += 1
+                log.warning("hybridkv: load of %s given up: its copies had not started %.2g s after it was asked "
+                            "for; vLLM recomputes it", rid, self.settings.lookup_timeout_s)
+            else:
+                continue
+            del self._loads[rid]
+            finished.add(rid)
+        return finished, failed
 
     # ---- stores: prepared before the forward, copied after it ------------------------------------
 
     def _prepare_stores(self, meta: HybridKVMetadata) -> None:
         """Send each planned store's prepare now; a store whose prepare failed here prepares itself later."""
         self._prepared.clear()  # an earlier step's leftovers: end_session aborts them on the server
-        if not meta.stores or self.transfer is None:
+        t = self.transfer
+        if not meta.stores or t is None:
             return
         for job in meta.stores:
             try:
-                self._prepared[job.request_id, job.start_chunk] = self.transfer.prepare_store(
-                    job.request_id, job.token_ids, job.start_chunk, block_ids=job.block_ids)
+                self._prepared[job.request_id, job.start_chunk] = t.prepare_store(
+                    job.request_id, job.token_ids, job.start_chunk, block_ids=job.block_ids, extras=job.extras)
             except Exception as e:
                 log.warning("hybridkv: prepare of the store of %s failed (%s); the store prepares itself",
                             job.request_id, e)
 
     def save(self, meta: HybridKVMetadata) -> None:
-        """Copy every planned store out of vLLM's blocks; commits finish in the background."""
-        if not meta.stores or not self._connect():
+        """Copy every planned store out of vLLM's blocks (at most `step_timeout_s` for the step); commits
+        finish in the background. A store not copied in time is cancelled: it never commits."""
+        if not meta.stores:
             return
-        assert self.transfer is not None
+        t = self.transfer
+        if t is None:
+            self._connect_soon()
+            return
         t0 = time.perf_counter()
+        until = time.monotonic() + self.settings.step_timeout_s
+        handles = []
+        cancelled = 0
         for job in meta.stores:
             try:
-                h = self.transfer.store(job.request_id, job.token_ids, job.block_ids, start_chunk=job.start_chunk,
-                                        prepared=self._prepared.pop((job.request_id, job.start_chunk), None))
-                h.wait(self.settings.timeout_s)  # pages read: vLLM may reuse the blocks
+                handles.append(t.store(job.request_id, job.token_ids, job.block_ids, start_chunk=job.start_chunk,
+                                       prepared=self._prepared.pop((job.request_id, job.start_chunk), None),
+                                       extras=job.extras))
             except Exception as e:
                 self.stats.store_failures += 1
                 log.warning("hybridkv: store of %s failed (%s); a later request misses it", job.request_id, e)
+        for h in handles:
+            try:
+                h.wait(max(0.0, until - time.monotonic()))  # pages read: vLLM may reuse the blocks
+            except TimeoutError:
+                if h.cancel():
+                    cancelled += 1
+                    continue
+                h.wait(self.settings.timeout_s)  # read already, committing: the copies end on their own
+            except Exception as e:
+                self.stats.store_failures += 1
+                log.warning("hybridkv: store of %s failed (%s); a later request misses it", h.request_id, e)
                 continue
             self.stats.stores += 1
             self.stats.stored_bytes += h.nbytes
-            self._in_flight.setdefault(job.request_id, []).append(h)
+            self._in_flight.setdefault(h.request_id, []).append(h)
         self.stats.store_s += time.perf_counter() - t0
+        if cancelled:
+            # a hung server (or one whose answers stopped): no more stores until a reconnect, or every step
+            # would wait step_timeout_s again
+            self.stats.stores_cancelled += cancelled
+            self._drop(t, TimeoutError(f"{cancelled} stores not copied in {self.settings.step_timeout_s:g} s; "
+                                       "cancelled, never committed"))
 
     def request_finished(self, finished: set[str]) -> None:
-        """End the server sessions of finished requests once their commits are in."""
+        """End the server sessions of finished requests once their commits are in (without waiting)."""
         for rid in finished:
             self._ending.setdefault(rid, _Ending()).handles.extend(self._in_flight.pop(rid, []))
+        t = self.transfer
         for rid in [r for r, e in self._ending.items() if all(h.committed.done() for h in e.handles)]:
             ending = self._ending.pop(rid)
             self.stats.store_failures += sum(1 for h in ending.handles if h.committed.exception() is not None)
-            if self.transfer is not None:
+            if t is not None:
                 try:
-                    self.transfer.end_session(rid)
+                    t.end_session_soon(rid)
                 except Exception as e:
-                    self._drop(e)
+                    self._drop(t, e)
 
     def wait_idle(self, timeout_s: float) -> None:
-        """Wait for every in-flight commit, then end the sessions of finished requests whose commits were all
-        that kept them open (the harness, tests and shutdown): after this the server holds none of their pins."""
+        """Wait for every load and in-flight commit, then end the sessions of finished requests whose commits
+        were all that kept them open (the harness, tests and shutdown): after this the server holds none of
+        their pins."""
+        until = time.monotonic() + timeout_s
+        for load in list(self._loads.values()):
+            if load.handle is not None:
+                try:
+                    load.handle.wait(max(0.0, until - time.monotonic()))
+                except Exception:
+                    pass  # reported by transfer_results
         for hs in [*self._in_flight.values(), *(e.handles for e in self._ending.values())]:
             for h in hs:
                 try:
-                    h.wait_committed(timeout_s)
+                    h.wait_committed(max(0.0, until - time.monotonic()))
                 except Exception:
                     pass  # counted when its request ends
         self.request_finished(set())
+        if (t := self.transfer) is not None:
+            try:
+                t.client.call(P.Health(), timeout=max(0.1, until - time.monotonic()))
+            except Exception:
+                pass
 
     def close(self) -> None:
+        self._loader.shutdown(wait=False, cancel_futures=True)
         if self.transfer is not None:
             self.wait_idle(self.settings.timeout_s)
             self.transfer.close()
             self.transfer = None
+
