@@ -162,8 +162,12 @@ def load_baseline(path: str | Path) -> Baseline:
         data = tomllib.loads(text)
     except OSError as e:
         raise BaselineError(f"{path}: cannot read baseline ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise BaselineError(f"{path}: not UTF-8 text") from None
     except tomllib.TOMLDecodeError as e:
         raise BaselineError(toml_error(str(path), text, e)) from None
+    except RecursionError:
+        raise BaselineError(f"{path}: nested too deeply to be a baseline") from None
     try:
         return msgspec.convert(data, Baseline)
     except msgspec.ValidationError as e:

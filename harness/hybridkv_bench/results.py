@@ -203,6 +203,16 @@ OPTIONAL_COLUMNS = frozenset({"store_copy_s", "load_copy_s", *MODEL_COLUMNS, "en
 
 
 def _read_requests(path: Path, folder: Path) -> list[RequestRow]:
+    try:
+        return _parse_requests(path, folder)
+    except UnicodeDecodeError as e:
+        raise NotARunFolder(folder, f"{REQUESTS_CSV} is not UTF-8 text (byte {e.start} is "
+                                    f"{e.object[e.start:e.start + 1]!r})") from None
+    except csv.Error as e:  # a NUL byte, an unterminated quote at the end, a field over csv's size limit
+        raise NotARunFolder(folder, f"{REQUESTS_CSV} is not CSV: {e}") from None
+
+
+def _parse_requests(path: Path, folder: Path) -> list[RequestRow]:
     with open(path, newline="") as f:
         reader = csv.reader(f)
         header = next(reader, None)

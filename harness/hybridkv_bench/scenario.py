@@ -305,10 +305,14 @@ def decode_scenario(data: dict | str, source: str = "<string>") -> Scenario:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise ScenarioError(toml_error(source, text, e)) from None
+        except RecursionError:  # tomllib parses nested arrays and inline tables recursively
+            raise ScenarioError(f"{source}: nested too deeply to be a scenario") from None
     try:
         scenario = msgspec.convert(data, type=Scenario)
     except msgspec.ValidationError as e:
         raise ScenarioError(f"{source}: {_describe(e)}") from None
+    except RecursionError:
+        raise ScenarioError(f"{source}: nested too deeply to be a scenario") from None
     validate(scenario, source)
     return scenario
 

@@ -142,3 +142,27 @@ def test_report_compare_shows_both_runs_of_the_same_path_with_deltas(tmp_path: P
     assert "--compare needs two run folders or more, got 1" in capsys.readouterr().err
     assert main(["report", str(run_folder), "--compare", str(other)]) == 2
     assert main(["report"]) == 2
+
+
+@pytest.mark.parametrize("keep_header", [False, True])
+def test_report_and_gate_of_a_binary_requests_csv_are_one_line_errors(tmp_path: Path, smoke, keep_header, capsys):
+    folder = write_fake_run(tmp_path / "run", smoke, max_cases=1)
+    baseline = tmp_path / "base.toml"
+    assert main(["gate", str(folder), "--write-baseline", str(baseline)]) == 0
+    csv = folder / "requests.csv"
+    head = csv.read_bytes().split(b"\n")[0] + b"\n" if keep_header else b""
+    csv.write_bytes(head + bytes(range(256)) * 64)
+    capsys.readouterr()
+    for argv in (["report", str(folder)], ["gate", str(folder), "--baseline", str(baseline)]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "requests.csv is not" in err, err
+
+
+def test_a_deeply_nested_scenario_or_baseline_is_a_one_line_error(tmp_path: Path, run_folder: Path, capsys):
+    deep = tmp_path / "deep.toml"
+    deep.write_text("x = " + "[" * 5000 + "]" * 5000 + "\n")
+    assert main(["bench", str(deep), "--out", str(tmp_path / "out")]) == 2  # refused as it loads
+    assert main(["gate", str(run_folder), "--baseline", str(deep)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and all("nested too deeply" in line for line in err), err

@@ -8,6 +8,7 @@ payload bytes on that path; it only hands out (offset, length) slots.
 from __future__ import annotations
 
 import bisect
+import errno
 import fcntl
 import mmap
 import os
@@ -37,7 +38,7 @@ class Arena:
         if not directory.is_dir():
             raise ArenaError(f"arena directory {directory} does not exist")
         free = shm_free_bytes(directory)
-        # tmpfs allocates on first touch; a file larger than the mount's free space would SIGBUS later.
+        # the quick answer; posix_fallocate below is the one that holds when others share the mount
         if size > free:
             raise ArenaError(f"L1 size {size / 2**30:.2f} GiB exceeds the {free / 2**30:.2f} GiB free "
                              f"in {directory}; lower --l1-gib or enlarge the mount")
@@ -51,11 +52,19 @@ class Arena:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while this process lives: "owner alive"
             os.ftruncate(fd, size)
+            # tmpfs allocates a page on first touch, and a touch the mount cannot back is SIGBUS, not an
+            # error: whoever fills the mount after our start would kill the server (and any shm engine
+            # mid-copy). Backing every page now turns that into ENOSPC here, before anything is served.
+            os.posix_fallocate(fd, 0, size)
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             os.rename(tmp, self.path)
         except OSError as e:
             os.close(fd)
             tmp.unlink(missing_ok=True)
+            if e.errno == errno.ENOSPC:
+                raise ArenaError(f"L1 size {size / 2**30:.2f} GiB does not fit in {directory} "
+                                 f"({shm_free_bytes(directory) / 2**30:.2f} GiB free once others took "
+                                 "their share); lower --l1-gib or enlarge the mount") from None
             raise ArenaError(f"cannot map {size} B at {self.path}: {e}") from e
         self._fd = fd  # kept open: the lock lasts exactly as long as this process or close()
         self.buf = memoryview(self._mm)

@@ -8,7 +8,7 @@ are msgspec structs that validate themselves on construction and on decode.
 from __future__ import annotations
 
 import hashlib
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -27,6 +27,12 @@ MAX_PAGE_BYTES = 1 << 40
 MAX_BLOCK_TOKENS = 1 << 24
 MAX_CHUNK_TOKENS = 1 << 32
 MAX_OBJECT_BYTES = 1 << 48
+# Bounds on what a registered layout makes the server keep for its engine (docs/protocol.md#limits):
+# vLLM's layer names are about 40 characters, the largest hybrid models have under 100 layers in a few groups.
+MAX_NAME_CHARS = 256   # a model id or a layer name
+MAX_LAYERS = 1024      # in one layout, all groups together
+MAX_GROUPS = 64
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
 
 
 class LayoutError(ValueError):
@@ -37,7 +43,7 @@ class GroupLayout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """One KV-cache group: its kind, its layers, the bytes of one page per layer and tokens per block."""
 
     kind: GroupKind
-    layer_names: tuple[str, ...]
+    layer_names: Annotated[tuple[Name, ...], msgspec.Meta(max_length=MAX_LAYERS)]
     page_bytes: int
     block_tokens: int
     # dtype of the page contents, used only by the legacy pickle / torch.save formats
@@ -65,8 +71,8 @@ class GroupLayout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 class ModelLayout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A model's KV-cache layout on one tensor-parallel rank: its groups, in vLLM's group order."""
 
-    model: str
-    groups: tuple[GroupLayout, ...]
+    model: Name
+    groups: Annotated[tuple[GroupLayout, ...], msgspec.Meta(max_length=MAX_GROUPS)]
     tp_size: int = 1
 
     def __post_init__(self) -> None:
@@ -77,6 +83,8 @@ class ModelLayout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         if self.tp_size < 1:
             raise LayoutError(f"tp_size must be >= 1, got {self.tp_size}")
         names = [n for g in self.groups for n in g.layer_names]
+        if len(names) > MAX_LAYERS:
+            raise LayoutError(f"{len(names)} layers in the layout; the limit is {MAX_LAYERS}")
         if len(set(names)) != len(names):
             raise LayoutError("a layer appears in more than one group")
         if not any(g.kind == "attention" for g in self.groups):

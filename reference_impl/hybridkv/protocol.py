@@ -9,11 +9,15 @@ the protocol version `v` and a request id `id` that the reply echoes.
 from __future__ import annotations
 
 import enum
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
-from hybridkv.layout import ModelLayout
+from hybridkv.layout import MAX_NAME_CHARS, ModelLayout
+
+# A request id, an engine name or a tenant salt: kept by the server for as long as a lease, a reservation or
+# an engine lives, so bounded (vLLM's request ids are under 100 characters).
+Text = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
 
 PROTOCOL_VERSION = 1
 
@@ -35,8 +39,8 @@ class Register(Message, tag="register"):
     layout: ModelLayout
     chunk_tokens: int
     tp_rank: int = 0
-    salt: str = ""
-    name: str = ""
+    salt: Text = ""
+    name: Text = ""
 
 
 class Unregister(Message, tag="unregister"):
@@ -52,7 +56,7 @@ class Heartbeat(Message, tag="heartbeat"):
 class Lookup(Message, tag="lookup"):
     """Find the longest resumable prefix of `keys`; pin its objects for `request` and bring them into L1."""
     engine: int
-    request: str
+    request: Text
     keys: list[bytes]
     policy: RetrievePolicy = "boundary"
     # chunks the engine already holds: their attention objects are neither pinned nor returned
@@ -73,7 +77,7 @@ class Prefetch(Message, tag="prefetch"):
 class PrepareStore(Message, tag="prepare_store"):
     """Reserve L1 slots for the objects (chunk index into keys, group) that the server lacks."""
     engine: int
-    request: str
+    request: Text
     keys: list[bytes]
     objects: list[tuple[int, int]]
 
@@ -132,7 +136,7 @@ class Release(Message, tag="release"):
 class EndSession(Message, tag="end_session"):
     """A request has finished: release its leases and abort its open reservations."""
     engine: int
-    request: str
+    request: Text
 
 
 class Stats(Message, tag="stats"):
@@ -272,6 +276,7 @@ class ErrorCode(enum.StrEnum):
     LAYOUT = "layout"
     LIMIT = "limit"                      # over a configured bound (keys, bytes, engines, leases, queue)
     FORBIDDEN = "forbidden"              # an operation on every tenant, on a server without --admin
+    SHUTTING_DOWN = "shutting_down"      # the server is stopping: this request will never be answered otherwise
     INTERNAL = "internal"
 
 

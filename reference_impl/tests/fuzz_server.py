@@ -84,14 +84,23 @@ def _as_dict(msg: P.Message) -> dict:
 _ROUNDS = itertools.count()
 
 
-def _seeds(client: SocketClient) -> list[tuple[dict, list[bytes]]]:
-    """Valid requests of every type, with live ids of this connection."""
+def _seeds(client: SocketClient, engines: set[int]) -> list[tuple[dict, list[bytes]]]:
+    """Valid requests of every type, with live ids of this connection. First the engines of earlier rounds
+    (`engines`: seeded and fuzzed Registers that succeeded) are unregistered: a connection registers at most
+    --max-engines-per-client, and a long fuzz would reach it."""
+    for engine in engines:
+        try:
+            client.call(P.Unregister(engine=engine))
+        except RuntimeError:
+            pass  # a fuzzed Unregister got there first
+    engines.clear()
     from serverkit import Engine
 
     layout = preset_layout("tiny-hybrid")
     # A namespace per seeding: a reservation committed by the previous round's fuzz must not leave this
     # round's prepare with no slot to name.
     eng = Engine(client, layout=layout, salt=f"round{next(_ROUNDS)}")
+    engines.add(eng.id)
     keys = eng.keys(3, seed=1)
     eng.store(keys)
     hit = eng.lookup(keys)
@@ -220,8 +229,9 @@ def fuzz(endpoint: str, pid: int, messages: int, seed: int = 0, log=print) -> Fu
     t0 = time.monotonic()
     warm_rss = 0.0
     stalled = False
+    engines: set[int] = set()
     while sent < messages and not stalled:
-        seeds = _seeds(own)  # nothing in flight here: the seeding calls get their own answers
+        seeds = _seeds(own, engines)  # nothing in flight here: the seeding calls get their own answers
         batch = min(RESEED_EVERY, messages - sent)
         done = inflight = 0
         last_answer = time.monotonic()
@@ -246,6 +256,8 @@ def fuzz(endpoint: str, pid: int, messages: int, seed: int = 0, log=print) -> Fu
                 try:
                     reply = P.decode_reply(out[0])
                     code = reply.code if isinstance(reply, P.Error) else type(reply).__name__
+                    if isinstance(reply, P.Registered):
+                        engines.add(reply.engine)
                 except msgspec.MsgspecError:
                     code = "undecodable-reply"
                 codes[code] = codes.get(code, 0) + 1

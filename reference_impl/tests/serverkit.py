@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
 import msgspec
 import numpy as np
+import pytest
 import zmq
 from hybridkv import protocol as P
 from hybridkv.arena import map_arena
@@ -16,6 +23,22 @@ def spawn_server(sock_dir: str, *args: str, name: str = "s", l1_gib: float = 0.0
                  client_timeout: float = 30.0) -> ServerProcess:
     """A server for tests that manage its life themselves (the `server_factory` fixture stops its own)."""
     return start_server(f"ipc://{sock_dir}/{name}.sock", *args, "--admin", l1_gib=l1_gib, client_timeout=client_timeout)
+
+
+@contextmanager
+def small_tmpfs(parent: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (mount's syntax: 2m, 16m) of our own, to fill up for real; skips without the right
+    to mount (root)."""
+    mnt = parent / f"mnt-{uuid.uuid4().hex[:6]}"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 class Engine:

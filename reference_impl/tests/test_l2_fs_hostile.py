@@ -7,14 +7,13 @@ an L2Error that says so; capacity bounds the disk space the files really take; f
 from __future__ import annotations
 
 import os
-import subprocess
 import threading
-import uuid
 from pathlib import Path
 
 import pytest
 from hybridkv.server.l2 import L2Error
 from hybridkv.server.l2_fs import DATA_OFFSET, FilesystemL2
+from serverkit import small_tmpfs
 
 NS = b"namespace-a-0001"
 MB = 1 << 20
@@ -82,14 +81,8 @@ def test_symlinked_lock_file_is_refused(tmp_path):
 @pytest.fixture
 def small_fs(tmp_path):
     """A 2 MiB tmpfs of our own, to fill up for real (needs the right to mount)."""
-    mnt = tmp_path / f"mnt-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {r.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with small_tmpfs(tmp_path, "2m") as mnt:
+        yield mnt
 
 
 def test_full_disk_is_an_l2_error_that_says_so(small_fs):

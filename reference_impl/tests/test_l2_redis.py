@@ -179,6 +179,24 @@ def test_clear_by_namespace(store):
         assert store.client().dbsize() == 0
 
 
+def test_a_prefix_that_extends_another_is_a_separate_tenant(store):
+    """Tenants "t" and "tm:": a SCAN for "t" + "m:*" matches every key of "tm:". Neither clear of "t" (its own
+    namespace, then everything) touches the other tenant's objects, nor keys that are not ours to parse."""
+    with make(store, prefix="t") as t, make(store, prefix="tm:") as tm:
+        for i in range(6):
+            t.put(key_of(i), 0, NS_A, payload(i, 300 * 1024))
+            tm.put(key_of(i), 0, NS_A, payload(i + 100, 300 * 1024))
+        client = store.client()
+        strangers = {b"tm:m:not-a-meta": b"x", b"tm:m:" + key_of(1).hex().encode() + b"-0x": b"y", b"tq": b"z"}
+        client.mset(strangers)
+        assert t.clear(NS_A) == 6
+        assert t.clear() == 0
+        assert [read_back(tm, key_of(i), 0) for i in range(6)] == [payload(i + 100, 300 * 1024) for i in range(6)]
+        assert all(read_back(t, key_of(i), 0) is None for i in range(6))
+        assert client.mget(list(strangers)) == list(strangers.values())
+        assert tm.clear() == 6
+
+
 def test_store_down_then_restarted(store, caplog):
     """A killed store is misses and failed puts (L2Error), fast and logged once; a restart heals."""
     data = payload(9, MB)

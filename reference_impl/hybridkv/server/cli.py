@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -12,6 +13,7 @@ if TYPE_CHECKING:
     from hybridkv.server.loop import CacheServer
 
 GIB = 1 << 30
+MAX_GIB = float(1 << 32)  # 4 EiB: any larger size (inf among them) is a typo, not a machine
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,7 +62,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bytes of one request's msgpack frame (default: %(default)s)")
     p.add_argument("--max-frame-bytes", type=int, default=256 << 20,
                    help="bytes of any one frame; a larger one drops its connection (default: %(default)s)")
+    p.add_argument("--max-clients", type=int, default=0,
+                   help="connections at once; past it the endpoint stops accepting until some leave "
+                        "(default 0: what the open-file limit, raised to its hard value, leaves room for)")
     p.add_argument("--max-engines", type=int, default=1024, help="registered engines (default: %(default)s)")
+    p.add_argument("--max-engines-per-client", type=int, default=64,
+                   help="engines one connection may register, its share of --max-engines (default: %(default)s)")
     p.add_argument("--max-leases", type=int, default=4096, help="leases held per engine (default: %(default)s)")
     p.add_argument("--max-reservations", type=int, default=1024,
                    help="open store reservations per engine (default: %(default)s)")
@@ -165,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
     from hybridkv.arena import ArenaError
     from hybridkv.cli import UserError
     from hybridkv.server.config import ConfigError, ServerConfig
+    from hybridkv.server.connections import raise_fd_limit
     from hybridkv.server.l2 import L2Error
     from hybridkv.server.lifecycle import EndpointInUse
     from hybridkv.server.loop import CacheServer
@@ -179,13 +187,14 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, terminate)
     server: CacheServer | None = None
     metrics: MetricsEndpoint | None = None
+    raise_fd_limit()  # libzmq cannot survive EMFILE: take every descriptor the hard limit allows
     try:
         l2_redis = apply_l2_and_seed(args)
         # say it in the unit it was given in, not in the bytes it becomes
-        if not args.l1_gib > 0:
-            raise ConfigError(f"L1 size (--l1-gib) must be above 0 GiB, got {args.l1_gib:g}")
-        if not args.l2_gib >= 0:
-            raise ConfigError(f"L2 size (--l2-gib) must be 0 GiB or more, got {args.l2_gib:g}")
+        if not 0 < args.l1_gib < MAX_GIB:
+            raise ConfigError(f"L1 size (--l1-gib) must be above 0 and below {MAX_GIB:.0f} GiB, got {args.l1_gib:g}")
+        if not 0 <= args.l2_gib < MAX_GIB:
+            raise ConfigError(f"L2 size (--l2-gib) must be 0 or more and below {MAX_GIB:.0f} GiB, got {args.l2_gib:g}")
         if args.metrics_port is not None:
             check_metrics_address(args.metrics_host, args.metrics_port)  # before an arena is made
         if not args.headline_interval >= 0:
@@ -197,7 +206,9 @@ def run(args: argparse.Namespace) -> int:
             io_threads=args.io_threads, spill_watermark=args.spill_watermark, flush_on_exit=args.flush_on_exit,
             cuda_ipc=args.cuda_ipc, admin=args.admin, max_keys=args.max_keys,
             max_message_bytes=args.max_message_bytes, max_frame_bytes=args.max_frame_bytes,
-            max_engines=args.max_engines, max_leases=args.max_leases, max_reservations=args.max_reservations,
+            max_clients=args.max_clients, max_engines=args.max_engines,
+            max_engines_per_client=args.max_engines_per_client, max_leases=args.max_leases,
+            max_reservations=args.max_reservations,
             max_queued_replies=args.max_queued_replies, max_pending=args.max_pending,
             max_prefetches=args.max_prefetches, l2_redis=l2_redis,
             parent_pid=os.getppid() if args.exit_with_parent else 0)
@@ -227,5 +238,10 @@ def run(args: argparse.Namespace) -> int:
             metrics.close()
         if server is not None:
             server.close()  # every exit path (an error, SIGTERM at start) removes the arena
-    print("hybridkv server stopped", flush=True)
+    try:
+        print("hybridkv server stopped", flush=True)
+    except BrokenPipeError:
+        # --exit-with-parent: the reader of our stdout is gone, as is the parent; and so that the flush at
+        # interpreter exit does not fail on it again, stdout becomes /dev/null
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0

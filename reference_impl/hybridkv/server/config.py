@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 from dataclasses import dataclass
@@ -78,7 +79,9 @@ class ServerConfig:
     max_keys: int = 1 << 16         # keys per request (a 1M-token prompt of 16-token chunks)
     max_message_bytes: int = 8 << 20   # the msgpack request frame
     max_frame_bytes: int = 256 << 20   # any one frame (payload frames of raw / legacy commits)
+    max_clients: int = 0            # connections at once (0: as many as the open-file limit leaves room for)
     max_engines: int = 1024
+    max_engines_per_client: int = 64  # one connection's share of max_engines (a TP-8 host needs 8 at most)
     max_leases: int = 4096          # per engine
     max_reservations: int = 1024    # per engine
     max_queued_replies: int = 1000  # per client: ZMQ send high-water mark (replies beyond it are dropped)
@@ -103,14 +106,20 @@ class ServerConfig:
             raise ConfigError(f"chunk tokens must be >= 0, got {self.chunk_tokens}")
         if self.eviction not in EVICTION_POLICIES:
             raise ConfigError(f"eviction policy must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
-        if self.client_timeout_s <= 0 or self.quarantine_s < 0:
-            raise ConfigError("client timeout must be > 0 and quarantine >= 0 seconds")
+        # `not` keeps nan out (every comparison with it is false); inf would never reclaim anything either
+        if not 0 < self.client_timeout_s < math.inf:
+            raise ConfigError(f"client timeout (--client-timeout) must be a positive number of seconds, "
+                              f"got {self.client_timeout_s!r}")
+        if not 0 <= self.quarantine_s < math.inf:
+            raise ConfigError(f"quarantine (--quarantine) must be 0 or more seconds, got {self.quarantine_s!r}")
         if self.parent_pid < 0:
             raise ConfigError(f"parent pid must be >= 0, got {self.parent_pid}")
         if not 1 <= self.io_threads <= 64:
             raise ConfigError(f"io threads must be in 1..64, got {self.io_threads}")
-        for name in ("max_keys", "max_message_bytes", "max_frame_bytes", "max_engines", "max_leases",
-                     "max_reservations", "max_queued_replies", "max_pending", "max_prefetches"):
+        if not 0 <= self.max_clients < 1 << 62:
+            raise ConfigError(f"max_clients must be >= 0, got {self.max_clients}")
+        for name in ("max_keys", "max_message_bytes", "max_frame_bytes", "max_engines", "max_engines_per_client",
+                     "max_leases", "max_reservations", "max_queued_replies", "max_pending", "max_prefetches"):
             if not 0 < getattr(self, name) < 1 << 62:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if not 0 <= self.spill_watermark < 1:

@@ -50,6 +50,10 @@ class Context:
     telemetry: Telemetry = field(default_factory=Telemetry)
     """Latencies, error codes and the snapshots other threads read (metrics endpoint, Status)."""
 
+    another_turn: bool = False
+    """A parked request stopped at its share of one loop turn (not to wait for a worker): the loop steps the
+    parked requests again after its next poll, which then does not wait."""
+
     def park(self, op: Parked) -> None:
         self.parked.append(op)
 

@@ -12,10 +12,12 @@ store the same checksummed `ObjectHeader` in front of every payload. `make_l2` b
 from __future__ import annotations
 
 import abc
+import os
+import stat
 import struct
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -195,6 +197,32 @@ class L2ConfigError(ValueError):
     """An L2 adapter setting that cannot work; the message names the setting and the value."""
 
 
+MIN_MAC_KEY_BYTES = 16
+
+
+def read_secret(path: str, what: str, content: bool = True) -> bytes:
+    """A password or key from a file only its owner can read (surrounding whitespace dropped); with
+    `content` False only that check (a TLS key, which OpenSSL reads itself)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise L2ConfigError(f"--l2-adapter {what} {path}: cannot open it ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            raise L2ConfigError(f"--l2-adapter {what} {path} is open to other users (mode "
+                                f"{oct(stat.S_IMODE(st.st_mode))}); chmod 600 it")
+        if not content:
+            return b""
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(1 << 16).strip()
+    finally:
+        os.close(fd)
+    if not data:
+        raise L2ConfigError(f"--l2-adapter {what} {path} is empty")
+    return data
+
+
 @dataclass(frozen=True, slots=True)
 class FsL2Spec:
     """A filesystem L2: `base_path`, a payload capacity, and whether every file is fsynced."""
@@ -225,6 +253,18 @@ class RedisL2Spec:
     index_ttl_s: float = 2.0         # how long a known length is trusted before the store is asked again
     miss_ttl_s: float = 0.25         # how long a known miss is trusted (another host may store it meanwhile)
     retry_after_s: float = 0.5       # after a connection failure, everything is a miss this long (doubling, <= 8 s)
+    # AUTH (a requirepass password, or an ACL user and its password), read at the edge from a file or an
+    # environment variable (read_secret): never in the url or on the command line, never in a repr
+    username: str = ""
+    password: str = field(default="", repr=False)
+    # HMAC-SHA256 key: every object written carries a MAC over its header and payload, and an object
+    # without a valid one is never served (counted `forged`). Anyone who can write the store can forge a CRC.
+    mac_key: bytes = field(default=b"", repr=False)
+    # TLS (rediss:// or valkeys://): the CA that signed the store's certificate (default: the system's), and
+    # this server's certificate and key where the store asks clients for one (tls-auth-clients)
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
 
     def __post_init__(self) -> None:
         from urllib.parse import urlsplit
@@ -252,6 +292,18 @@ class RedisL2Spec:
             raise L2ConfigError("redis L2 index_ttl_s, miss_ttl_s and ttl_s must be >= 0")
         if not 1 <= self.max_connections <= 1024:
             raise L2ConfigError(f"redis L2 max_connections must be in 1..1024, got {self.max_connections}")
+        if u.password is not None:
+            raise L2ConfigError(f"redis L2 url {u.scheme}://{u.hostname}:{u.port}{u.path} carries a password: "
+                                "it would show in ps and logs; give password_file or password_env instead")
+        tls = u.scheme in ("rediss", "valkeys")
+        for name in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
+            if getattr(self, name) and not tls:
+                raise L2ConfigError(f"redis L2 {name} needs a rediss:// (TLS) url, got {self.url!r}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise L2ConfigError("redis L2 tls_cert_file and tls_key_file go together (a client certificate and "
+                                "its key)")
+        if self.mac_key and len(self.mac_key) < MIN_MAC_KEY_BYTES:
+            raise L2ConfigError(f"redis L2 mac key is {len(self.mac_key)} bytes; at least {MIN_MAC_KEY_BYTES}")
 
 
 L2Spec = FsL2Spec | RedisL2Spec
@@ -259,7 +311,9 @@ L2Spec = FsL2Spec | RedisL2Spec
 # The seed's --l2-adapter JSON keys and ours, per type; values are checked by the spec classes.
 _FS_KEYS = {"base_path", "max_capacity_gb", "fsync"}
 _REDIS_KEYS = {"url", "prefix", "max_capacity_gb", "chunk_mb", "timeout_s", "meta_timeout_s",
-               "connect_timeout_s", "max_connections", "ttl_s", "index_ttl_s", "miss_ttl_s", "retry_after_s"}
+               "connect_timeout_s", "max_connections", "ttl_s", "index_ttl_s", "miss_ttl_s", "retry_after_s",
+               "username", "password_file", "password_env", "mac_key_file", "tls_ca_file", "tls_cert_file",
+               "tls_key_file"}
 
 
 def parse_l2_adapter(text: str) -> L2Spec:
@@ -270,8 +324,13 @@ def parse_l2_adapter(text: str) -> L2Spec:
         d = json.loads(text)
     except json.JSONDecodeError as e:
         raise L2ConfigError(f"--l2-adapter is not JSON ({e.msg} at character {e.pos}): {text!r:.200}") from None
+    except RecursionError:
+        raise L2ConfigError(f"--l2-adapter nests too deeply to be an adapter's settings: {text!r:.200}") from None
     if not isinstance(d, dict):
         raise L2ConfigError(f"--l2-adapter must be a JSON object, got {type(d).__name__}: {text!r:.200}")
+    if "password" in d:
+        raise L2ConfigError("--l2-adapter takes no password (it would show in ps and logs): give password_file "
+                            "(a file only you can read) or password_env (the name of an environment variable)")
     kind = d.pop("type", None)
     if kind == "fs":
         _no_unknown(kind, d, _FS_KEYS)
@@ -298,6 +357,24 @@ def parse_l2_adapter(text: str) -> L2Spec:
                 kw[name] = _typed(d, name, int)
         if "max_capacity_gb" in d:
             _number(d, "max_capacity_gb")  # accepted for the seed's sake; the store's maxmemory bounds it
+        if "username" in d:
+            kw["username"] = _typed(d, "username", str)
+        if "password_file" in d and "password_env" in d:
+            raise L2ConfigError("--l2-adapter: give password_file or password_env, not both")
+        if "password_file" in d:
+            kw["password"] = read_secret(str(_typed(d, "password_file", str)), "password_file").decode()
+        if "password_env" in d:
+            var = str(_typed(d, "password_env", str))
+            if not os.environ.get(var):
+                raise L2ConfigError(f"--l2-adapter password_env {var}: that environment variable is not set")
+            kw["password"] = os.environ[var]
+        if "mac_key_file" in d:
+            kw["mac_key"] = read_secret(str(_typed(d, "mac_key_file", str)), "mac_key_file")
+        for name in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
+            if name in d:
+                kw[name] = str(_typed(d, name, str))
+        if "tls_key_file" in d:
+            read_secret(str(kw["tls_key_file"]), "tls_key_file", content=False)
         return RedisL2Spec(**kw)  # type: ignore[arg-type]
     raise L2ConfigError(f'--l2-adapter "type" must be "fs", "redis" or "valkey", got {kind!r}')
 
@@ -317,8 +394,9 @@ def _typed(d: dict, name: str, typ: type, default: object = None) -> object:
 
 def _number(d: dict, name: str) -> float:
     v = d[name]
-    if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
-        raise L2ConfigError(f"--l2-adapter {name!r} must be a positive number, got {v!r}")
+    # JSON's 1e400 is inf: a size that cannot become bytes
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < 1 << 32:
+        raise L2ConfigError(f"--l2-adapter {name!r} must be a positive number below {1 << 32}, got {v!r}")
     return float(v)
 
 

@@ -18,7 +18,10 @@ round trip; queries from the loop use their own connections with a short timeout
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import re
 import struct
 import threading
 import time
@@ -31,6 +34,7 @@ import redis
 from hybridkv.keys import ObjectKey
 from hybridkv.server.l2 import (
     HEADER_BYTES,
+    KEY_BYTES,
     BadObject,
     L2Adapter,
     L2Error,
@@ -50,9 +54,14 @@ META_BYTES = HEADER_BYTES + _CHUNK.size
 _MAX_INDEX = 1 << 20          # known lengths kept; the oldest are forgotten (and asked again)
 _PROBE_BATCH = 1024           # meta keys per pipeline
 _MAX_GROUP_SPAN = 16          # groups of one chunk probed together by length()
-_COUNTERS = ("puts", "gets", "hits", "misses", "corrupt_removed", "evicted_seen", "bytes_written",
+_COUNTERS = ("puts", "gets", "hits", "misses", "corrupt_removed", "forged", "evicted_seen", "bytes_written",
              "bytes_read", "store_errors", "probes")
+MAC_BYTES = 32  # HMAC-SHA256, after the chunk size, in the meta of a server with a MAC key
 
+
+
+class Forged(BadObject):
+    """An object without a valid MAC, on a server that has the key: never served."""
 
 
 @dataclass(slots=True)
@@ -67,9 +76,14 @@ class RedisL2(L2Adapter):
 
     def __init__(self, spec: RedisL2Spec) -> None:
         self.spec = spec
+        self._prefix_bytes = spec.prefix.encode()
+        self._meta_name = re.compile(rb"m:[0-9a-f]{%d}-[0-9]{1,9}" % (2 * KEY_BYTES))
         self.capacity_bytes = 0  # the store's maxmemory bounds it, not us
-        self._data = redis_client(spec.url, spec.timeout_s, spec.connect_timeout_s, spec.max_connections)
-        self._meta = redis_client(spec.url, spec.meta_timeout_s, min(spec.connect_timeout_s, spec.meta_timeout_s), 4)
+        auth: dict[str, Any] = {"username": spec.username, "password": spec.password,
+                                "tls": {"ca": spec.tls_ca_file, "cert": spec.tls_cert_file, "key": spec.tls_key_file}}
+        self._data = redis_client(spec.url, spec.timeout_s, spec.connect_timeout_s, spec.max_connections, **auth)
+        self._meta = redis_client(spec.url, spec.meta_timeout_s, min(spec.connect_timeout_s, spec.meta_timeout_s), 4,
+                                  **auth)
         self._lock = threading.Lock()
         self._known: OrderedDict[ObjectKey, _Known] = OrderedDict()
         # A store that went away may come back empty (a restart): nothing known before it still holds.
@@ -114,6 +128,8 @@ class RedisL2(L2Adapter):
             self._down("put", e)
         cb = self.spec.chunk_bytes
         meta = ObjectHeader(ns, key, group, size, crc32(view, 0)).pack() + _CHUNK.pack(cb)
+        if self.spec.mac_key:
+            meta += self._mac(meta, view)
         names = self._dkeys(key, group, size, cb)
         pipe = self._data.pipeline(transaction=False)
         for i, name in enumerate(names):
@@ -150,6 +166,11 @@ class RedisL2(L2Adapter):
         except DOWN as e:
             self._health.failed("get", e)
             self._count(misses=1, store_errors=1)
+            return False
+        except Forged as e:
+            log.warning("L2 redis: removed forged object %s-%d: %s", key.hex(), group, e)
+            self._drop(key, group, out.nbytes)
+            self._count(misses=1, forged=1)
             return False
         except BadObject as e:
             log.warning("L2 redis: removed bad object %s-%d: %s", key.hex(), group, e)
@@ -192,7 +213,7 @@ class RedisL2(L2Adapter):
         if not todo or not self._health.up():
             return
         self._count(probes=1)
-        bad: list[ObjectKey] = []
+        bad: list[tuple[bytes, int, bool]] = []  # key, group, forged
         try:
             for i in range(0, len(todo), _PROBE_BATCH):
                 batch = todo[i:i + _PROBE_BATCH]
@@ -203,8 +224,8 @@ class RedisL2(L2Adapter):
                         continue
                     try:
                         hdr, _ = self._parse_meta(raw, k, g)
-                    except BadObject:
-                        bad.append((k, g))
+                    except BadObject as e:
+                        bad.append((k, g, isinstance(e, Forged)))
                         self._remember((k, g), None, b"")
                         continue
                     self._remember((k, g), hdr.payload_len, hdr.ns)
@@ -213,10 +234,11 @@ class RedisL2(L2Adapter):
             self._count(store_errors=1)
             return
         self._health.ok()
-        for k, g in bad:
-            log.warning("L2 redis: removed object %s-%d with a bad header", k.hex(), g)
+        for k, g, forged in bad:
+            log.warning("L2 redis: removed object %s-%d with a %s", k.hex(), g, "meta without a MAC" if forged
+                        else "bad header")
             self._delete_quietly([self._mkey(k, g)])
-            self._count(corrupt_removed=1)
+            self._count(**{"forged" if forged else "corrupt_removed": 1})
 
     def remove(self, key: bytes, group: int) -> bool:
         """Delete the object's meta and data keys; True if the meta key existed."""
@@ -326,12 +348,23 @@ class RedisL2(L2Adapter):
             pos += want
         if crc32(out, 0) != hdr.payload_crc:
             raise BadObject("payload checksum mismatch")
+        if self.spec.mac_key and not hmac.compare_digest(meta[META_BYTES:], self._mac(meta[:META_BYTES], out)):
+            raise Forged("no valid MAC: not written by a server with our key")
         self._remember((key, group), size, hdr.ns)
         return True
 
+    def _mac(self, meta: bytes, payload: memoryview) -> bytes:
+        """HMAC-SHA256 over the meta (header: namespace, key, group, length, crc; chunk size) and the payload."""
+        mac = hmac.new(self.spec.mac_key, meta, hashlib.sha256)
+        mac.update(payload)
+        return mac.digest()
+
     def _parse_meta(self, raw: bytes, key: bytes, group: int) -> tuple[ObjectHeader, int]:
-        if len(raw) != META_BYTES:
-            raise BadObject(f"meta value is {len(raw)} bytes, expected {META_BYTES}")
+        want = META_BYTES + (MAC_BYTES if self.spec.mac_key else 0)
+        if len(raw) != want:
+            if self.spec.mac_key and len(raw) == META_BYTES:
+                raise Forged("no MAC: written by a server without our key, or by someone else")
+            raise BadObject(f"meta value is {len(raw)} bytes, expected {want}")
         hdr = ObjectHeader.unpack(raw[:HEADER_BYTES])
         if hdr.key != key or hdr.group != group:
             raise BadObject(f"meta is for {hdr.key.hex()}-{hdr.group}")
@@ -341,6 +374,10 @@ class RedisL2(L2Adapter):
         return hdr, cb
 
     def _clear_batch(self, metas: list[bytes], ns: bytes | None) -> int:
+        # SCAN's glob matches other prefixes that extend ours ("t" + "m:*" is all of tenant "tm:"), so a name
+        # is ours only when all of it after the prefix is our meta key's grammar
+        mine = self._meta_name.fullmatch
+        metas = [m for m in metas if mine(m, len(self._prefix_bytes))]
         if not metas:
             return 0
         names: list[bytes | str] = []
@@ -353,8 +390,11 @@ class RedisL2(L2Adapter):
                 hdr = ObjectHeader.unpack(raw[:HEADER_BYTES])
                 (cb,) = _CHUNK.unpack_from(raw, HEADER_BYTES)
             except (BadObject, struct.error):
-                names.append(name)  # damaged: gone in any clear
-                continue
+                if ns is None:
+                    names.append(name)  # damaged, and its name is ours: gone in a clear of everything
+                continue  # whose namespace it was cannot be told: not for a clear of one namespace
+            if name != self._mkey(hdr.key, hdr.group).encode():
+                continue  # a header copied under another name: not the object this name stands for
             if ns is not None and hdr.ns != ns:
                 continue
             names += [name, *self._dkeys(hdr.key, hdr.group, hdr.payload_len, max(cb, 1))]

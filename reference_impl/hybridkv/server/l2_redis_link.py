@@ -24,13 +24,23 @@ _MAX_BACKOFF_S = 8.0
 _LOG_EVERY_S = 10.0
 
 
-def redis_client(url: str, timeout_s: float, connect_s: float, conns: int) -> redis.Redis:
-    """A client whose pool blocks at `conns` connections and retries a dead connection once, at once."""
+def redis_client(url: str, timeout_s: float, connect_s: float, conns: int, username: str = "",
+                 password: str = "", tls: dict[str, str] | None = None) -> redis.Redis:
+    """A client whose pool blocks at `conns` connections and retries a dead connection once, at once;
+    AUTH with `password` (and `username`, an ACL user) on every new connection when given; on rediss://
+    the store's certificate is verified (against `tls["ca"]`, else the system's CAs) and `tls["cert"]` /
+    `tls["key"]` are this client's certificate."""
     if url.startswith("valkey"):
         url = "redis" + url[len("valkey"):]  # valkey:// and valkeys:// speak the Redis protocol
+    extra: dict[str, object] = {}
+    if url.startswith("rediss://"):
+        tls = tls or {}
+        extra = {"ssl_cert_reqs": "required", "ssl_ca_certs": tls.get("ca") or None,
+                 "ssl_certfile": tls.get("cert") or None, "ssl_keyfile": tls.get("key") or None}
     pool = redis.BlockingConnectionPool.from_url(
         url, max_connections=conns, timeout=timeout_s, socket_timeout=timeout_s,
-        socket_connect_timeout=connect_s, retry=Retry(NoBackoff(), 1), health_check_interval=0)
+        socket_connect_timeout=connect_s, retry=Retry(NoBackoff(), 1), health_check_interval=0,
+        username=username or None, password=password or None, **extra)
     return redis.Redis(connection_pool=pool)
 
 

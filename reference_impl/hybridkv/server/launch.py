@@ -7,6 +7,7 @@ separate process, as it is in production, so its VRAM, mapped libraries and CPU 
 from __future__ import annotations
 
 import os
+import resource
 import select
 import signal
 import subprocess
@@ -56,15 +57,18 @@ class ServerProcess:
 
 
 def start_server(endpoint: str, *args: str, l1_gib: float, client_timeout: float = 30.0,
-                 log_level: str = "warning", ready_timeout: float = 60.0, stderr=subprocess.PIPE) -> ServerProcess:
-    """Run `hybridkv serve` with these flags in a new process; returns once it printed its ready line."""
+                 log_level: str = "warning", ready_timeout: float = 60.0, stderr=subprocess.PIPE,
+                 nofile: int = 0) -> ServerProcess:
+    """Run `hybridkv serve` with these flags in a new process; returns once it printed its ready line.
+    `nofile` > 0 starts it under that open-file limit, soft and hard (as `ulimit -n` in its shell would)."""
     # --exit-with-parent: a starter killed by SIGKILL leaves no server (and no arena in /dev/shm) behind
     cmd = [sys.executable, "-m", "hybridkv.cli", "serve", "--endpoint", endpoint, "--l1-gib", f"{l1_gib:.6f}",
            "--client-timeout", str(client_timeout), "--log-level", log_level, "--exit-with-parent", *args]
     # A CPU-only server sees no GPU from its first instruction (serve also hides them itself); only the
     # cuda_ipc baseline needs one.
     env = dict(os.environ) if "--cuda-ipc" in args else {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+    limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))) if nofile else None
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, preexec_fn=limit)
     deadline = time.monotonic() + ready_timeout
     line = ""
     out = proc.stdout

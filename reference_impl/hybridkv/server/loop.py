@@ -8,6 +8,7 @@ This module never imports torch (the legacy codecs import it on first use).
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -21,6 +22,7 @@ from hybridkv import protocol as P
 from hybridkv.arena import Arena, remove_dead_arenas
 from hybridkv.server import admin, lookup, prefetch, retrieve, store
 from hybridkv.server.config import ServerConfig
+from hybridkv.server.connections import ConnectionGate, listen_backlog
 from hybridkv.server.context import Answer, Context, Frames, RequestError
 from hybridkv.server.counters import Counters
 from hybridkv.server.formats import Formats
@@ -45,6 +47,16 @@ HANDLERS: dict[type, Callable[[Context, bytes, Any, Frames], Answer]] = {
 }
 
 
+# CPython's full collection walks every tracked object: with an L1 of a million small objects it stops the loop
+# for hundreds of milliseconds, whoever made the objects. So full collections run only in a tick that found
+# the server idle (no request since the last tick, none parked), at most this often; the young generations
+# still collect new cycles as they always did.
+FULL_GC_EVERY_S = 60.0
+SHUTDOWN_LINGER_MS = 500  # how long the last answers may take to leave at shutdown
+SHUTDOWN_REFUSALS = 10_000  # queued requests answered `shutting_down` at most (the rest: their timeout)
+FULL_GC_BUSY_S = 600.0  # a server never idle still frees old reference cycles this often
+
+
 class CacheServer:
     """Serves lookups, stores and retrieves for many engines; see docs/protocol.md."""
 
@@ -59,8 +71,9 @@ class CacheServer:
             self.workers = Workers(config.io_threads)
             self.counters = Counters()
             self.objects = ObjectStore(config, self.arena, l2, self.workers, self.counters)
-            self.sessions = Sessions(SessionLimits(config.max_engines, config.max_leases,
-                                                   config.max_reservations), config.client_timeout_s)
+            self.sessions = Sessions(SessionLimits(config.max_engines, config.max_engines_per_client,
+                                                   config.max_leases, config.max_reservations),
+                                     config.client_timeout_s)
             self.ctx = Context(config, self.arena, self.sessions, self.objects, self.workers, self.counters,
                                Formats(self.arena, config.cuda_ipc), self.started, self._send_later,
                                telemetry=telemetry or Telemetry())
@@ -70,9 +83,12 @@ class CacheServer:
             raise
         self._zctx = context or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
+        self._gate: ConnectionGate | None = None  # ipc only: the connection cap
         self._pending: dict[bytes, int] = {}  # requests answered later, per client
         self._stopping = False
         self._closed = False
+        self._requests_seen = 0       # requests counted at the last tick: none since means idle
+        self._full_gc_at = time.monotonic()
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -89,8 +105,11 @@ class CacheServer:
         sock.setsockopt(zmq.RCVHWM, self.config.max_pending)
         # libzmq refuses a larger frame before allocating it, and drops the connection that sent it.
         sock.setsockopt(zmq.MAXMSGSIZE, max(self.config.max_frame_bytes, self.config.max_message_bytes))
+        sock.setsockopt(zmq.BACKLOG, listen_backlog(self.config.io_threads))
         try:
             sock.bind(ep)
+            if ep.startswith("ipc://"):
+                self._gate = ConnectionGate(sock, ep[len("ipc://"):], self.config.max_clients, self.config.io_threads)
         except BaseException:
             sock.close(linger=0)
             raise
@@ -99,32 +118,44 @@ class CacheServer:
 
     def serve_forever(self, on_ready: Callable[[], None] | None = None) -> None:
         """Run until stop(); then shut down cleanly (in-flight L2 writes finish, arena unlinked)."""
+        thresholds = gc.get_threshold()
         try:
             if self._sock is None:
                 self.bind()
             assert self._sock is not None
-            sock, wake_r = self._sock, self.workers.wake_r
+            sock, wake_r, gate = self._sock, self.workers.wake_r, self._gate
             # zmq_poll's own list (a socket and a pipe's fd): no Poller, no dict of its answer
             items: list[tuple[Any, int]] = [(sock, zmq.POLLIN), (wake_r, zmq.POLLIN)]
+            if gate is not None:
+                items.append((gate.monitor, zmq.POLLIN))
+            gc.freeze()  # what start made lives as long as the server: no collection needs to walk it
+            gc.set_threshold(thresholds[0], thresholds[1], 1 << 30)
             if on_ready:
                 on_ready()
             next_tick = time.monotonic()
+            ctx = self.ctx
             while not self._stopping:
                 # One request per turn: the next poll finds any request still queued at once (its first pass
                 # does not wait), so a busy socket costs one poll a request, as a drain loop's poll(0) did,
                 # and a lone request (the latency case) costs one poll instead of two; completions and
                 # timers are looked at between any two requests.
-                for what, _ in zmq_poll(items, 200):
+                for what, _ in zmq_poll(items, 0 if ctx.another_turn else 200):
                     if what is sock:
                         self._receive()
+                    elif gate is not None and what is gate.monitor:
+                        gate.drain()
                     elif self.workers.drain():
                         self._run_parked()
+                if ctx.another_turn:  # a large request goes on after every other client had its turn
+                    ctx.another_turn = False
+                    self._run_parked()
                 if self.telemetry.wanted:  # a scrape waits for a snapshot (metrics_http)
                     self.telemetry.publish(self.ctx)
                 if time.monotonic() >= next_tick:
                     self._tick()
                     next_tick = time.monotonic() + min(0.5, self.config.client_timeout_s / 4)
         finally:
+            gc.set_threshold(*thresholds)
             self.close()
 
     def stop(self) -> None:
@@ -137,7 +168,9 @@ class CacheServer:
         if self._closed:
             return
         self._closed = True
+        self.objects.shutting_down()
         try:
+            self._refuse_waiting()
             if self.config.flush_on_exit:
                 self.objects.flush()
             self.workers.close()  # in-flight L2 writes complete: L2 stays consistent
@@ -145,14 +178,37 @@ class CacheServer:
             log.exception("error while finishing L2 writes at shutdown")
         finally:
             try:
+                if self._gate is not None:
+                    self._gate.close()
                 if self._sock is not None:
-                    self._sock.close(linger=0)
+                    # long enough for the last answers to leave; a client that does not read loses them
+                    self._sock.close(linger=SHUTDOWN_LINGER_MS)
+                    self._sock = None
                 self.objects.close()
             except Exception:
                 log.exception("error while closing the socket or L2 at shutdown")
             finally:
                 self.arena.close()
                 self.workers.release()
+
+    def _refuse_waiting(self) -> None:
+        """Answer `shutting_down` to every request that would otherwise never be answered: parked ones, and
+        those still queued in the socket, so their clients stop waiting now instead of at their timeout.
+        (Requests on a worker are answered as they complete, while the pool finishes.)"""
+        parked, self.ctx.parked[:] = self.ctx.parked[:], []
+        for op in parked:
+            self.ctx.fail(op.ident, op.req_id, E.SHUTTING_DOWN, "the server is shutting down")
+        sock = self._sock
+        if sock is None:
+            return
+        for _ in range(SHUTDOWN_REFUSALS):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if len(frames) >= 2:
+                self._error(frames[0].bytes, P.peek_envelope(frames[1].buffer)[1], E.SHUTTING_DOWN,
+                            "the server is shutting down")
 
     # ---- requests --------------------------------------------------------------------------------
 
@@ -258,7 +314,7 @@ class CacheServer:
     def _send_later(self, ident: bytes, req_id: int, reply: P.Message, frames: Frames) -> None:
         """A deferred answer: the client has one request fewer pending."""
         self._answered(ident)
-        if self._sock is not None and not self._closed:
+        if self._sock is not None:  # until the socket closes: answers of work finishing at shutdown still go
             self._send(ident, req_id, reply, frames)
 
     def _error(self, ident: bytes, req_id: int, code: E, message: str) -> None:
@@ -293,5 +349,12 @@ class CacheServer:
             self.counters.engines_reclaimed += 1
             admin.drop_engine(self.ctx, eng, reclaimed=True)
         self.objects.tick(now)
+        idle = self.counters.requests == self._requests_seen and not self.ctx.parked
+        self._requests_seen = self.counters.requests
+        if now - self._full_gc_at >= (FULL_GC_EVERY_S if idle else FULL_GC_BUSY_S):
+            gc.collect()
+            self._full_gc_at = now
+        if self._gate is not None:
+            self._gate.resync()
         self._run_parked()
         self.telemetry.tick(self.ctx)

@@ -65,6 +65,7 @@ class ObjectStore:
         self._failures_unlogged = 0
         self._dropped_logged = 0
         self.last_spill_error = ""
+        self._stopping = False
 
     # ---- questions ---------------------------------------------------------------------------------
 
@@ -202,9 +203,14 @@ class ObjectStore:
 
     # ---- L2 spills ---------------------------------------------------------------------------------
 
+    def shutting_down(self) -> None:
+        """From now on no spill starts by itself: the pool is about to close, and a spill that finishes would
+        start the next, which the closed pool refuses (a write that never ran is no failed write)."""
+        self._stopping = True
+
     def spill_ahead(self) -> None:
         """Keep the spill watermark: copy the oldest dirty objects to L2, a batch per worker job."""
-        if self.l2 is None:
+        if self.l2 is None or self._stopping:
             return
         room = self.config.io_threads - self._spills_inflight
         while room > 0:
@@ -237,7 +243,10 @@ class ObjectStore:
 
         self._spills_inflight += 1
         if not self._workers.submit(job, lambda res, exc: self._spill_done(batch, res, exc)):
-            self._spill_done(batch, None, RuntimeError("server shutting down"))
+            # shutting down: never written, so neither a failure to count nor a reason to start the next one
+            self._spills_inflight -= 1
+            for e in batch:
+                self.l1.spill_finished(e, ok=False)
 
     def _spill_done(self, batch: list[Entry], results: list[BaseException | None] | None,
                     exc: BaseException | None) -> None:

@@ -27,7 +27,7 @@ def retrieve(ctx: Context, ident: bytes, msg: P.Retrieve, frames: Frames) -> Ans
             ctx.fail(ident, req_id, E.BAD_REQUEST, f"{msg.format} retrieve failed: {type(exc).__name__}: {exc}")
 
     if not ctx.workers.submit(out, done):
-        raise RequestError(E.INTERNAL, "the server is shutting down")
+        raise RequestError(E.SHUTTING_DOWN, "the server is shutting down")
     return None
 
 

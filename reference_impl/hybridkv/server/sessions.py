@@ -64,6 +64,7 @@ class Engine:
 @dataclass(slots=True)
 class SessionLimits:
     max_engines: int
+    max_engines_per_client: int  # one connection's share of max_engines
     max_leases: int         # per engine
     max_reservations: int   # per engine
 
@@ -75,6 +76,7 @@ class Sessions:
         self.limits = limits
         self.client_timeout_s = client_timeout_s
         self.engines: dict[int, Engine] = {}
+        self._per_client: dict[bytes, int] = {}  # engines registered by each connection
         self.reservations: dict[int, Reservation] = {}
         self.leases: dict[int, Lease] = {}
 
@@ -99,10 +101,15 @@ class Sessions:
         if len(self.engines) >= self.limits.max_engines:
             raise RequestError(E.LIMIT, f"{len(self.engines)} engines registered, the server's limit "
                                f"(--max-engines {self.limits.max_engines})")
+        mine = self._per_client.get(ident, 0)
+        if mine >= self.limits.max_engines_per_client:
+            raise RequestError(E.LIMIT, f"{mine} engines registered by this connection, the limit "
+                               f"(--max-engines-per-client {self.limits.max_engines_per_client}); unregister one")
         eid = self._new_id()
         eng = Engine(eid, ident, name or f"engine-{eid:x}", layout, ns, chunk_tokens, object_bytes,
                      time.monotonic())
         self.engines[eid] = eng
+        self._per_client[ident] = mine + 1
         return eng
 
     def add_reservation(self, eng: Engine, request: str, slots: list[Slot]) -> Reservation:
@@ -155,7 +162,10 @@ class Sessions:
             self.close_lease(lease)
         for res in reservations:
             self.close_reservation(res)
-        self.engines.pop(eng.id, None)
+        if self.engines.pop(eng.id, None) is not None:
+            left = self._per_client.pop(eng.ident) - 1
+            if left:
+                self._per_client[eng.ident] = left
         return leases, reservations
 
     def silent(self, now: float) -> list[Engine]:

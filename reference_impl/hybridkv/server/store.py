@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from hybridkv import protocol as P
@@ -19,22 +20,19 @@ def prepare(ctx: Context, ident: bytes, msg: P.PrepareStore, frames: Frames) -> 
     if len(msg.objects) > ctx.config.max_keys * len(eng.layout.groups):
         raise RequestError(E.LIMIT, f"{len(msg.objects)} objects in one prepare; the limit is "
                            f"{ctx.config.max_keys} keys x {len(eng.layout.groups)} groups")
-    seen: set[tuple[int, int]] = set()
-    for c, g in msg.objects:
-        if not 0 <= c < len(keys) or not 0 <= g < len(eng.layout.groups):
-            raise RequestError(E.BAD_REQUEST, f"object (chunk {c}, group {g}) outside {len(keys)} keys "
-                               f"x {len(eng.layout.groups)} groups")
-        if (c, g) in seen:
-            raise RequestError(E.BAD_REQUEST, f"object (chunk {c}, group {g}) listed twice")
-        seen.add((c, g))
     if len(eng.reservations) >= ctx.sessions.limits.max_reservations:
         raise RequestError(E.LIMIT, f"engine {eng.id} holds {len(eng.reservations)} open reservations, the "
                            f"limit (--max-reservations {ctx.sessions.limits.max_reservations})")
-    ctx.objects.probe_l2(keys, len(eng.layout.groups))  # a refused request costs the remote L2 nothing
     op = PrepareOp(ctx, ident, msg, eng, keys)
     if not op.step():
         ctx.park(op)
     return None
+
+
+# The time one prepare works in one loop turn: a prepare of 200,000 objects then delays another client's
+# request by one share (its objects are looked at in pieces of TURN_OBJECTS between clock reads), not by all of it.
+TURN_S = 0.005
+TURN_OBJECTS = 256
 
 
 class PrepareOp:
@@ -42,10 +40,34 @@ class PrepareOp:
 
     def __init__(self, ctx: Context, ident: bytes, msg: P.PrepareStore, eng: Engine, keys: list[bytes]):
         self.ctx, self.ident, self.req_id, self.msg, self.eng, self.keys = ctx, ident, msg.id, msg, eng, keys
-        self.next = 0  # index into msg.objects: each object is looked at once
+        self.checked = 0  # msg.objects[:checked] are inside the request and not repeated
+        self.seen: set[tuple[int, int]] | None = set()
+        self.next = 0  # index into msg.objects: each object is reserved once, after all were checked
         self.slots: list[Slot] = []
+        self.locs: list[P.ObjectLoc] = []
         self.present: list[tuple[int, int]] = []
         self.refused: list[P.Refusal] = []
+
+    def _check(self, todo: list[tuple[int, int]], until: float) -> bool:
+        """Check objects (all before any is reserved: a bad one refuses the whole request); False when the
+        turn is over first. Raises RequestError naming the first bad object."""
+        seen, n_keys, n_groups = self.seen, len(self.keys), len(self.eng.layout.groups)
+        assert seen is not None
+        while self.checked < len(todo):
+            for c, g in todo[self.checked:self.checked + 4 * TURN_OBJECTS]:
+                if not (0 <= c < n_keys and 0 <= g < n_groups):
+                    raise RequestError(E.BAD_REQUEST, f"object (chunk {c}, group {g}) outside {n_keys} keys "
+                                       f"x {n_groups} groups")
+                if (c, g) in seen:
+                    raise RequestError(E.BAD_REQUEST, f"object (chunk {c}, group {g}) listed twice")
+                seen.add((c, g))
+            self.checked += 4 * TURN_OBJECTS
+            if self.checked < len(todo) and time.perf_counter() > until:
+                self.ctx.another_turn = True
+                return False
+        self.seen = None
+        self.ctx.objects.probe_l2(self.keys, n_groups)  # after the checks: a refused request costs the L2 nothing
+        return True
 
     def step(self) -> bool:
         ctx, eng, objects = self.ctx, self.eng, self.ctx.objects
@@ -55,7 +77,13 @@ class PrepareOp:
                      "while this prepare waited")
             return True
         todo = self.msg.objects
+        until = time.perf_counter() + TURN_S
+        if self.seen is not None and not self._check(todo, until):
+            return False
         while self.next < len(todo):
+            if self.next % TURN_OBJECTS == 0 and time.perf_counter() > until:
+                ctx.another_turn = True
+                return False
             c, g = todo[self.next]
             oid, length = (self.keys[c], g), eng.object_bytes[g]
             if objects.present(oid, length):
@@ -68,14 +96,18 @@ class PrepareOp:
                     self.refused.append(P.Refusal(c, g, objects.full_reason()))
                 elif not isinstance(r, NoSlot):
                     self.slots.append(Slot(c, g, r))
+                    self.locs.append(P.ObjectLoc(c, g, r.offset, r.length))  # made here: no long last turn
             self.next += 1
         rid = 0
         if self.slots:
-            rid = ctx.sessions.add_reservation(eng, self.msg.request, self.slots).id
+            try:  # another prepare of this engine, parked meanwhile, may have taken the last reservation
+                rid = ctx.sessions.add_reservation(eng, self.msg.request, self.slots).id
+            except RequestError:
+                objects.discard([s.entry for s in self.slots], quarantine=False)
+                raise
         ctx.counters.objects_skipped_present += len(self.present)
         ctx.counters.objects_refused += len(self.refused)
-        locs = [P.ObjectLoc(s.chunk, s.group, s.entry.offset, s.entry.length) for s in self.slots]
-        ctx.send(self.ident, self.req_id, P.Prepared(reservation=rid, slots=locs, present=self.present,
+        ctx.send(self.ident, self.req_id, P.Prepared(reservation=rid, slots=self.locs, present=self.present,
                                                      refused=self.refused), ())
         return True
 
@@ -104,7 +136,7 @@ def commit(ctx: Context, ident: bytes, msg: P.CommitStore, frames: Frames) -> An
 
     if not ctx.workers.submit(job, done):
         res.committing = False
-        raise RequestError(E.INTERNAL, "the server is shutting down")
+        raise RequestError(E.SHUTTING_DOWN, "the server is shutting down")
     return None
 
 
