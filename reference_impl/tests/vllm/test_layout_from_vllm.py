@@ -1,5 +1,6 @@
 """vLLM's own KV-cache planner on the real model shapes: the layout the connector derives from its KVCacheConfig
-equals hybridkv's presets (block tokens, page bytes, groups)."""
+equals hybridkv's presets (group order, which layers share a group, block tokens, page bytes), so a client built
+from a preset and the connector share one namespace."""
 
 from __future__ import annotations
 
@@ -8,13 +9,9 @@ import pytest
 # "vllm.config", not "vllm": without vLLM, this folder would import as a namespace package named vllm
 pytest.importorskip("vllm.config", reason="vLLM is not installed here; `nox -s vllm` builds an environment with it")
 from hybridkv.engine.vllm import offline
-from hybridkv.engine.vllm.layout_from_vllm import (
-    check_matches_preset,
-    layer_index,
-    layout_from_kv_cache_config,
-    layout_signature,
-)
-from hybridkv.layout import LayoutError
+from hybridkv.engine.vllm.layout_from_vllm import check_matches_preset, layout_from_kv_cache_config
+from hybridkv.keys import namespace
+from hybridkv.layout import LayoutError, layer_index
 from hybridkv.presets import preset_layout
 
 
@@ -29,12 +26,16 @@ def qwen_models(model_dir):
 def test_vllm_planner_layout_equals_preset(qwen_models, name, tp, block):
     vc = offline.vllm_config(qwen_models[name], offline.SHAPES[name], tp=tp)
     kv_cache_config, _ = offline.plan_kv_cache(vc, num_blocks=64)
-    got = layout_from_kv_cache_config(kv_cache_config, name, tp)
     want = preset_layout(name, tp)
+    got = layout_from_kv_cache_config(kv_cache_config, want.model, tp)
     assert {g.block_tokens for g in got.groups} == {block}
-    assert layout_signature(got) == layout_signature(want)
+    assert got.signature() == want.signature()  # group by group: kind, layer indices, page, block, dtype
     assert len(got.groups) == 4 and [g.kind for g in got.groups].count("attention") == 1
     check_matches_preset(got, name)
+    # one identity: under the same model id, vLLM's layout (its own layer names) and the preset's share keys
+    assert got.groups[0].layer_names[0] == "model.layers.0.linear_attn" != want.groups[0].layer_names[0]
+    assert got.fingerprint() == want.fingerprint()
+    assert namespace(got, tp - 1, block) == namespace(want, tp - 1, block)
     # vLLM's grouping: attention layers together, and GDN layer k of every attention period in one group
     interval = offline.SHAPES[name].full_attention_interval
     for g in got.groups:

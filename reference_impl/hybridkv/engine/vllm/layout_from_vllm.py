@@ -35,26 +35,12 @@ def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig, model: str, tp_s
     return ModelLayout(model=model, groups=tuple(groups), tp_size=tp_size)
 
 
-def layer_index(name: str) -> int:
-    """The decoder-layer index in a vLLM layer name ('model.layers.7.self_attn.attn' -> 7)."""
-    for part in name.split("."):
-        if part.isdigit():
-            return int(part)
-    raise LayoutError(f"no layer index in layer name {name!r}")
-
-
-def layout_signature(layout: ModelLayout) -> list[tuple[str, int, int, int]]:
-    """What decides object sizes, independent of group order and layer naming: (kind, layers, page bytes,
-    block tokens) per group, sorted. Which layers share a group is not compared: vLLM puts GDN layer i of
-    every attention period in group i, `hybridkv.presets` puts consecutive GDN layers together."""
-    return sorted((g.kind, g.num_layers, g.page_bytes, g.block_tokens) for g in layout.groups)
-
-
 def check_matches_preset(layout: ModelLayout, preset: str) -> None:
     """LayoutError when vLLM's layout is not the hybridkv preset `preset` at the same TP size."""
     from hybridkv.presets import preset_layout
 
     want = preset_layout(preset, layout.tp_size)
-    if layout_signature(layout) != layout_signature(want):
-        raise LayoutError(f"vLLM's KV-cache layout {layout_signature(layout)} is not hybridkv preset {preset!r} "
-                          f"at tp={layout.tp_size}: {layout_signature(want)}")
+    if layout.signature() != want.signature():
+        raise LayoutError(f"vLLM's KV-cache layout {layout.signature()} is not hybridkv preset {preset!r} "
+                          f"at tp={layout.tp_size}: {want.signature()}")
+
