@@ -22,7 +22,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from hybridkv.engine.vllm.layout_from_vllm import check_matches_preset, layout_from_kv_cache_config
+from hybridkv.engine.vllm.layout_from_vllm import (
+    check_matches_preset,
+    layout_from_kv_cache_config,
+    vllm_model_identity,
+)
 from hybridkv.engine.vllm.plan import HybridKVMetadata
 from hybridkv.engine.vllm.scheduler_side import SchedulerSide
 from hybridkv.engine.vllm.settings import ConnectorSettings
@@ -57,7 +61,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.settings = ConnectorSettings.from_extra(tc.kv_connector_extra_config)
         check_supported(vllm_config)
         parallel = vllm_config.parallel_config
-        self.layout = layout_from_kv_cache_config(kv_cache_config, vllm_config.model_config.model,
+        self.layout = layout_from_kv_cache_config(kv_cache_config, vllm_model_identity(vllm_config),
                                                   parallel.tensor_parallel_size)
         if self.settings.expect_preset:
             check_matches_preset(self.layout, self.settings.expect_preset)

@@ -1,13 +1,19 @@
-"""Our `ModelLayout` derived from vLLM's own `KVCacheConfig`, in vLLM's group order."""
+"""Our `ModelLayout` derived from vLLM's own `KVCacheConfig`, in vLLM's group order, under the model's identity."""
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hybridkv.layout import GroupKind, GroupLayout, LayoutError, ModelLayout
+from hybridkv.model_identity import model_identity
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger(__name__)
 
 
 def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig, model: str, tp_size: int) -> ModelLayout:
@@ -44,3 +50,30 @@ def check_matches_preset(layout: ModelLayout, preset: str) -> None:
         raise LayoutError(f"vLLM's KV-cache layout {layout.signature()} is not hybridkv preset {preset!r} "
                           f"at tp={layout.tp_size}: {want.signature()}")
 
+
+def vllm_model_identity(vllm_config: VllmConfig) -> str:
+    """The served model's identity (`hybridkv.model_identity`): its config.json and weights, with the dtypes
+    vLLM runs it in, not the path or hub name it was given. A model whose files are not on this host (not a
+    folder, not in the Hugging Face cache) is known by that name, as before."""
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    engine = {"dtype": str(mc.dtype).removeprefix("torch."), "quantization": mc.quantization,
+              "cache_dtype": cc.cache_dtype, "mamba_cache_dtype": cc.mamba_cache_dtype,
+              "mamba_ssm_cache_dtype": cc.mamba_ssm_cache_dtype,
+              "hf_overrides": repr(mc.hf_overrides) if mc.hf_overrides else None}
+    folder = model_folder(mc.model, mc.revision)
+    if folder is None:
+        log.warning("hybridkv: no local config.json for model %r; its chunks are keyed by that name", mc.model)
+        return mc.model
+    return model_identity(folder, engine, fallback_path=mc.model)
+
+
+def model_folder(model: str, revision: str | None) -> Path | None:
+    """The local folder holding `model`'s config.json: the path itself, or its Hugging Face cache snapshot."""
+    if (Path(model) / "config.json").is_file():
+        return Path(model)
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    found = try_to_load_from_cache(model, "config.json", revision=revision)
+    return Path(found).parent if isinstance(found, str) else None

@@ -55,8 +55,10 @@ TINY = HybridShape(num_layers=8, num_kv_heads=2, head_dim=16, linear_num_key_hea
 SHAPES = {"qwen3.6-27b": QWEN36_27B, "qwen3-next-80b-a3b": QWEN3_NEXT_80B, "tiny-hybrid": TINY}
 
 
-def write_config(shape: HybridShape, directory: str | Path) -> Path:
-    """A local model directory holding only a config.json written by transformers (nothing downloaded)."""
+def write_config(shape: HybridShape, directory: str | Path, weights_seed: int | None = None, **overrides: Any) -> Path:
+    """A local model directory holding a config.json written by transformers (nothing downloaded; `overrides` set
+    further config fields) and, with `weights_seed`, a small safetensors file of seeded random weights: what the
+    connector's model identity reads (the forward is simulated, so no weight is ever used)."""
     from transformers import Qwen3_5TextConfig
 
     cfg = Qwen3_5TextConfig(
@@ -68,12 +70,18 @@ def write_config(shape: HybridShape, directory: str | Path) -> Path:
         layer_types=["full_attention" if (i + 1) % shape.full_attention_interval == 0 else "linear_attention"
                      for i in range(shape.num_layers)],
         vocab_size=1024, intermediate_size=256,
-        max_position_embeddings=1 << 20,
+        max_position_embeddings=1 << 20, **overrides,
     )
     cfg.architectures = [ARCHITECTURE]
     cfg.mamba_ssm_dtype = shape.ssm_dtype
     path = Path(directory)
     cfg.save_pretrained(path)
+    if weights_seed is not None:
+        from safetensors.numpy import save_file
+
+        rng = np.random.default_rng(weights_seed)
+        save_file({"model.embed_tokens.weight": rng.standard_normal((1024, shape.hidden_size), dtype=np.float32)},
+                  str(path / "model.safetensors"))
     return path
 
 
