@@ -95,11 +95,12 @@ def model_config(model_dir: str | Path, max_model_len: int = 65536):
 
 
 def vllm_config(mc, shape: HybridShape, *, tp: int = 1, max_num_batched_tokens: int = 8192, max_num_seqs: int = 8,
-                kv_transfer: dict[str, Any] | None = None, retention_interval: int | None = 0):
+                kv_transfer: dict[str, Any] | None = None, retention_interval: int | None = 0, max_loras: int = 0):
     """A VllmConfig as `vllm serve` builds it around ModelConfig `mc` (copied), with the hybrid block size aligned
     for FlashAttention. `retention_interval`: vLLM keeps (and offers the connector) a GDN state every that many
-    tokens; 0 keeps only the prompt's last boundary and shared-prefix junctions."""
-    from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig, SchedulerConfig, VllmConfig
+    tokens; 0 keeps only the prompt's last boundary and shared-prefix junctions. `max_loras` > 0: as
+    `--enable-lora --max-loras N` (the scheduler then batches at most N adapters)."""
+    from vllm.config import CacheConfig, KVTransferConfig, LoRAConfig, ParallelConfig, SchedulerConfig, VllmConfig
     from vllm.platforms.interface import Platform
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 
@@ -111,7 +112,8 @@ def vllm_config(mc, shape: HybridShape, *, tp: int = 1, max_num_batched_tokens: 
                          max_model_len=mc.max_model_len, is_encoder_decoder=False, enable_chunked_prefill=True)
     kt = KVTransferConfig(**kv_transfer) if kv_transfer else None
     vc = VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc, kv_transfer_config=kt,
-                    parallel_config=ParallelConfig(tensor_parallel_size=tp))
+                    parallel_config=ParallelConfig(tensor_parallel_size=tp),
+                    lora_config=LoRAConfig(max_loras=max_loras) if max_loras else None)
     # What update_block_size_for_backend does on a GPU once the layers exist: FlashAttention's kernel
     # alignment (16 tokens), the attention block raised until its page holds a GDN state, the state padded.
     Platform._align_hybrid_block_size(vc, FlashAttentionBackend)
@@ -216,14 +218,34 @@ class OfflineEngine:
         assert self.worker is not None
         return self.worker.layout
 
-    def add_request(self, rid: str, token_ids: Iterable[int], max_tokens: int = 1) -> None:
+    def add_request(self, rid: str, token_ids: Iterable[int], max_tokens: int = 1, *,
+                    lora: tuple[str, int] | None = None, images: Iterable[tuple[str, int, int]] = ()) -> None:
+        """Queue a request; `lora` = (adapter name, id) puts a LoRARequest on it, `images` = (mm hash, offset,
+        length) per image places that many placeholder tokens (an image the simulated forward never encodes)."""
         from vllm import SamplingParams
+        from vllm.lora.request import LoRARequest
+        from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
         from vllm.v1.request import Request
 
         tokens = [int(t) for t in token_ids]
         self._tokens[rid] = np.asarray(tokens, dtype=np.int64)
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        self.scheduler.add_request(Request(rid, tokens, sp, None, block_hasher=self._hasher))
+        mm = [MultiModalFeatureSpec(data=None, modality="image", identifier=h, mm_position=PlaceholderRange(at, n),
+                                    mm_hash=h) for h, at, n in sorted(images, key=lambda x: x[1])]
+        if mm and self.scheduler.max_num_encoder_input_tokens == 0:
+            self._allow_images()
+        lora_request = LoRARequest(lora[0], lora[1], f"/adapters/{lora[0]}") if lora else None
+        self.scheduler.add_request(Request(rid, tokens, sp, None, mm_features=mm or None, lora_request=lora_request,
+                                           block_hasher=self._hasher))
+
+    def _allow_images(self) -> None:
+        """Give the scheduler an encoder budget and cache (a text model's are 0: it would never schedule a
+        placeholder), so image requests run; their encoder outputs are never computed, like the rest of the forward."""
+        from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+
+        budget = self.vc.scheduler_config.max_num_batched_tokens
+        self.scheduler.max_num_encoder_input_tokens = budget
+        self.scheduler.encoder_cache_manager = EncoderCacheManager(cache_size=budget)
 
     def abort(self, rid: str) -> None:
         from vllm.v1.request import RequestStatus
