@@ -200,7 +200,7 @@ class OfflineEngine:
         self._hasher = get_request_block_hasher(hash_block, hash_fn)
         self.scheduler = Scheduler(vllm_config=vc, kv_cache_config=sched_cfg,
                                    structured_output_manager=StructuredOutputManager(vc),
-                                   block_size=block, hash_block_size=hash_block)
+                                   block_size=block, hash_block_size=hash_block, log_stats=True)
         self.kv_caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), KVCacheLayout.LBHNC)
         self.worker: Any = None  # the worker-role connector (vLLM types it as KVConnectorBase)
         if vc.kv_transfer_config is not None:
@@ -211,6 +211,7 @@ class OfflineEngine:
         self._page = {i: g.kv_cache_spec.page_size_bytes for i, g in enumerate(groups)}
         self._tokens: dict[str, np.ndarray] = {}
         self.reports: list[StepReport] = []
+        self.scheduler_stats: list[Any] = []  # vLLM's SchedulerStats of the steps with connector stats or lookups
         self.zeroed_blocks = 0
 
     @property
@@ -341,10 +342,15 @@ class OfflineEngine:
             out.finished_sending, out.finished_recving = results.finished_sending, results.finished_recving
             out.failed_recving = results.failed_recving
             out.invalid_block_ids = w.get_block_ids_with_load_errors()
+            out.kv_connector_stats = w.get_kv_connector_stats()
             w.clear_connector_metadata()
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=sampled, kv_connector_output=out)
-        self.scheduler.update_from_output(so, mro)
+        for eco in self.scheduler.update_from_output(so, mro).values():
+            st = eco.scheduler_stats
+            if st is not None and (st.kv_connector_stats or (st.connector_prefix_cache_stats is not None
+                                                               and st.connector_prefix_cache_stats.requests)):
+                self.scheduler_stats.append(st)
         self.reports.append(report)
         return so, report
 
