@@ -8,11 +8,19 @@ import pytest
 
 # "vllm.config", not "vllm": without vLLM, this folder would import as a namespace package named vllm
 pytest.importorskip("vllm.config", reason="vLLM is not installed here; `nox -s vllm` builds an environment with it")
+import torch
 from hybridkv.engine.vllm import offline
 from hybridkv.engine.vllm.layout_from_vllm import check_matches_preset, layout_from_kv_cache_config
 from hybridkv.keys import namespace
 from hybridkv.layout import LayoutError, layer_index
 from hybridkv.presets import preset_layout
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
 
 
 @pytest.fixture(scope="module")
@@ -55,3 +63,20 @@ def test_a_different_model_is_refused(qwen_models):
     got = layout_from_kv_cache_config(kv_cache_config, "next", 1)
     with pytest.raises(LayoutError, match="qwen3.6-27b"):
         check_matches_preset(got, "qwen3.6-27b")
+
+
+@pytest.mark.parametrize("spec,says", [
+    (lambda: SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.bfloat16, sliding_window=512),
+     r"group 1 \(model.layers.1.self_attn.attn, model.layers.3.self_attn.attn\) is sliding-window attention "
+     r"\(SlidingWindowSpec, window 512 tokens\)"),
+    (lambda: FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.bfloat16, sliding_window=512),
+     r"is sliding-window attention \(FullAttentionSpec, window 512"),  # as --disable-hybrid-kv-cache-manager makes it
+    (lambda: ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.bfloat16,
+                                       attention_chunk_size=8192), r"is chunked local attention .*chunks of 8192"),
+])
+def test_groups_it_cannot_cache_are_refused_naming_them(spec, says):
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
+    groups = [KVCacheGroupSpec(["model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"], full),
+              KVCacheGroupSpec(["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"], spec())]
+    with pytest.raises(LayoutError, match=says + r".*not supported yet"):
+        layout_from_kv_cache_config(KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups), "m", 1)

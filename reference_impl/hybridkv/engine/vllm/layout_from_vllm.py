@@ -34,11 +34,27 @@ def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig, model: str, tp_s
         elif type(spec) is FullAttentionSpec and spec.sliding_window is None and spec.attention_chunk_size is None:
             kind, dtype = "attention", str(spec.dtype).removeprefix("torch.")
         else:
-            raise LayoutError(f"KV-cache group {i} has a {type(spec).__name__}; hybridkv caches full attention "
-                              "and Mamba/GDN groups only")
+            layers = ", ".join(g.layer_names[:2]) + (", ..." if len(g.layer_names) > 2 else "")
+            raise LayoutError(f"KV-cache group {i} ({layers}) is {group_kind_name(spec)}: hybridkv caches "
+                              "full-attention and Mamba/GDN groups only; sliding-window, chunked-local and MLA groups (Gemma 3, "
+                              "gpt-oss, Llama 4, DeepSeek) are not supported yet (hybridkv/engine/vllm/README.md)")
         groups.append(GroupLayout(kind=kind, layer_names=tuple(g.layer_names), page_bytes=spec.page_size_bytes,
                                   block_tokens=spec.block_size, dtype=dtype))
     return ModelLayout(model=model, groups=tuple(groups), tp_size=tp_size)
+
+
+def group_kind_name(spec) -> str:
+    """What a refused KV-cache group is, in words a user can match to their model."""
+    window = getattr(spec, "sliding_window", None)
+    chunk = getattr(spec, "attention_chunk_size", None)
+    name = type(spec).__name__
+    if "SlidingWindow" in name or window is not None:
+        return f"sliding-window attention ({name}, window {window} tokens)"
+    if "ChunkedLocal" in name or chunk is not None:
+        return f"chunked local attention ({name}, chunks of {chunk} tokens)"
+    if "MLA" in name:
+        return f"multi-head latent attention ({name})"
+    return f"a {name}"
 
 
 def check_matches_preset(layout: ModelLayout, preset: str) -> None:
