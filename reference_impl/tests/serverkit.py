@@ -18,6 +18,11 @@ def spawn_server(sock_dir: str, *args: str, name: str = "s", l1_gib: float = 0.0
     return start_server(f"ipc://{sock_dir}/{name}.sock", *args, "--admin", l1_gib=l1_gib, client_timeout=client_timeout)
 
 
+# the tiny hybrid's groups in vLLM's order: its three GDN groups come first (layer 0 is GDN), attention last
+ATTN = preset_layout("tiny-hybrid").attention_groups[0]
+STATES = tuple(preset_layout("tiny-hybrid").recurrent_groups)
+
+
 class Engine:
     """The engine side of the shm format, by hand: register, map the arena, write and read slots."""
 
