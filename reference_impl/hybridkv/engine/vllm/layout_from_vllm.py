@@ -36,8 +36,9 @@ def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig, model: str, tp_s
         else:
             layers = ", ".join(g.layer_names[:2]) + (", ..." if len(g.layer_names) > 2 else "")
             raise LayoutError(f"KV-cache group {i} ({layers}) is {group_kind_name(spec)}: hybridkv caches "
-                              "full-attention and Mamba/GDN groups only; sliding-window, chunked-local and MLA groups (Gemma 3, "
-                              "gpt-oss, Llama 4, DeepSeek) are not supported yet (hybridkv/engine/vllm/README.md)")
+                              "full-attention and Mamba/GDN groups only; sliding-window, chunked-local and MLA "
+                              "groups (Gemma 3, gpt-oss, Llama 4, DeepSeek) are not supported yet "
+                              "(hybridkv/engine/vllm/README.md)")
         groups.append(GroupLayout(kind=kind, layer_names=tuple(g.layer_names), page_bytes=spec.page_size_bytes,
                                   block_tokens=spec.block_size, dtype=dtype))
     return ModelLayout(model=model, groups=tuple(groups), tp_size=tp_size)
