@@ -80,8 +80,9 @@ class VllmEngine:
         before = (w.load_s, w.store_s, w.loaded_bytes, w.stored_bytes, w.load_failures, w.store_failures)
         lookup_before = self._sched.stats.lookup_s
         eng.add_request(request_id, tokens.tolist())
-        so, first = eng.step()
-        hit = so.scheduled_new_reqs[0].num_computed_tokens if so.scheduled_new_reqs else 0
+        # loads are asynchronous: a request with a hit waits in vLLM's queue until its load is done
+        so, first = eng.step_until_scheduled(self.timeout_s)
+        hit = so.scheduled_new_reqs[0].num_computed_tokens
         total = eng.run()
         # committed and every session of the request ended, as the simulated engine's are: the runner's Clear
         # of the next repeat must find no pin of this request, else a Clear that overtakes the scheduler's

@@ -76,7 +76,7 @@ def test_list_command(capsys, monkeypatch):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
     assert "seed_56k" in out and "Qwen3.6-27B TP1, one 55,664-token document" in out
-    assert re.search(r"qwen3\.6-27b +1 +4 \(ARRR\) +784 +3,211,264 +205,520,896\n", out)
+    assert re.search(r"qwen3\.6-27b +1 +4 \(RRRA\) +784 +3,211,264 +205,520,896\n", out)
     # names longer than the usual column keep the columns aligned; one case is "1 case"
     rows = [line for line in out.splitlines() if re.match(r"  \w+ +qwen", line)]
     assert len({len(re.match(r"  \w+ +", line).group(0)) for line in rows}) == 1, rows  # one column start

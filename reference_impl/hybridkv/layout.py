@@ -39,6 +39,15 @@ class LayoutError(ValueError):
     """A layout, chunk size or block list that cannot describe a paged KV cache."""
 
 
+def layer_index(name: str) -> int | str:
+    """The decoder-layer index in a layer name ('model.layers.7.self_attn.attn' -> 7); the name itself when it
+    holds none."""
+    for part in name.split("."):
+        if part.isdigit():
+            return int(part)
+    return name
+
+
 class GroupLayout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One KV-cache group: its kind, its layers, the bytes of one page per layer and tokens per block."""
 
@@ -92,8 +101,17 @@ class ModelLayout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             raise LayoutError("a layout needs at least one attention group")
 
     def fingerprint(self) -> bytes:
-        """A stable 16-byte digest of everything that decides where a byte of a page lives."""
-        return hashlib.blake2b(msgspec.msgpack.encode(self), digest_size=16).digest()
+        """A stable 16-byte digest of everything that decides where a byte of a page lives: the model, TP size,
+        and per group its kind, page and block sizes, dtype and decoder-layer indices. Layer names enter only
+        through their index: vLLM's model classes name a layer differently ('model.layers.3.self_attn.attn',
+        'language_model.model.layers.3...'), presets 'model.layers.3', and all of them mean layer 3."""
+        return hashlib.blake2b(msgspec.msgpack.encode(("layout-v2", self.model, self.tp_size, self.signature())),
+                               digest_size=16).digest()
+
+    def signature(self) -> list[tuple[str, list[int | str], int, int, str]]:
+        """Per group, in order: (kind, decoder-layer indices, page bytes, block tokens, dtype); no names."""
+        return [(g.kind, [layer_index(n) for n in g.layer_names], g.page_bytes, g.block_tokens, g.dtype)
+                for g in self.groups]
 
     def check_chunk_tokens(self, chunk_tokens: int) -> None:
         """Reject a chunk size that does not cover a whole number of blocks in every group."""

@@ -3,8 +3,11 @@
 vLLM makes every page of a hybrid model the same size. The attention block size is raised to
     block = align * cdiv(mamba_page, align * attn_page_per_token)
 (align = 16 for FlashAttention on Hopper), the recurrent page is padded up to block * attn_page_per_token,
-and layers are split into groups of equal size (the smallest layer count of a type, or the largest when
-they are within 25% of each other), as `vllm.v1.core.kv_cache_utils` does.
+and layers are split into groups as vLLM 0.33's planner (`vllm.v1.core.kv_cache_planning`) splits them: one
+bucket per layer kind in the order the model first shows it, a group size of the smallest bucket (the largest
+when every bucket is under 1.5x the smallest), and group i of a bucket holding its layers i, i+n, i+2n, ... (n
+groups): GDN layer i of every attention period. A preset's layout is then vLLM's, up to layer naming, so a
+client built from a preset shares the vLLM connector's namespace (`tests/vllm/test_layout_from_vllm.py`).
 """
 
 from __future__ import annotations
@@ -70,7 +73,21 @@ class HybridModelConfig:
 def vllm_group_size(layer_counts: list[int]) -> int:
     """Layers per KV-cache group under vLLM's uniform-page-size grouping."""
     lo, hi = min(layer_counts), max(layer_counts)
-    return hi if hi < lo * 1.25 else lo
+    return hi if hi < lo * 1.5 else lo
+
+
+def vllm_groups(layer_kinds: list[str]) -> list[tuple[str, list[int]]]:
+    """(kind, layer indices) of each KV-cache group, in vLLM's order: buckets by first appearance, each split
+    into ceil(len / size) groups, group i taking the bucket's layers i::groups (vLLM pads the last ones)."""
+    buckets: dict[str, list[int]] = {}
+    for i, kind in enumerate(layer_kinds):
+        buckets.setdefault(kind, []).append(i)
+    size = vllm_group_size([len(v) for v in buckets.values()])
+    out: list[tuple[str, list[int]]] = []
+    for kind, idxs in buckets.items():
+        n = ceil(len(idxs) / size)
+        out.extend((kind, idxs[i::n]) for i in range(n))
+    return out
 
 
 def hybrid_layout(cfg: HybridModelConfig, tp: int = 1, align: int = 16) -> ModelLayout:
@@ -85,20 +102,14 @@ def hybrid_layout(cfg: HybridModelConfig, tp: int = 1, align: int = 16) -> Model
     block = align * ceil(mamba_page / (align * attn_tok))
     page = block * attn_tok
     assert page >= mamba_page
-    kinds = cfg.layer_kinds()
-    by_kind = {k: [i for i, x in enumerate(kinds) if x == k] for k in ("attention", "recurrent")}
-    size = vllm_group_size([len(v) for v in by_kind.values() if v])
-    groups: list[GroupLayout] = []
-    for kind, idxs in by_kind.items():
-        for start in range(0, len(idxs), size):
-            groups.append(GroupLayout(
-                kind=kind,  # type: ignore[arg-type]
-                layer_names=tuple(f"model.layers.{i}" for i in idxs[start:start + size]),
-                page_bytes=page,
-                block_tokens=block,
-                dtype=cfg.kv_dtype if kind == "attention" else "uint8",
-            ))
-    return ModelLayout(model=cfg.name, groups=tuple(groups), tp_size=tp)
+    groups = tuple(GroupLayout(
+        kind=kind,  # type: ignore[arg-type]
+        layer_names=tuple(f"model.layers.{i}" for i in idxs),
+        page_bytes=page,
+        block_tokens=block,
+        dtype=cfg.kv_dtype if kind == "attention" else "uint8",
+    ) for kind, idxs in vllm_groups(cfg.layer_kinds()))
+    return ModelLayout(model=cfg.name, groups=groups, tp_size=tp)
 
 
 # Qwen3.5-27B and Qwen3.6-27B share these shapes (ANCHORS.md).

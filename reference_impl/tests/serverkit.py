@@ -41,6 +41,11 @@ def small_tmpfs(parent: Path, size: str) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+# the tiny hybrid's groups in vLLM's order: its three GDN groups come first (layer 0 is GDN), attention last
+ATTN = preset_layout("tiny-hybrid").attention_groups[0]
+STATES = tuple(preset_layout("tiny-hybrid").recurrent_groups)
+
+
 class Engine:
     """The engine side of the shm format, by hand: register, map the arena, write and read slots."""
 

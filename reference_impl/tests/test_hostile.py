@@ -336,9 +336,9 @@ def test_tenants_on_separate_servers_share_no_arena_and_no_objects(server_factor
         keys = a.keys(3, seed=10)
         a.store(keys)
         assert b.lookup(keys).hit_chunks == 0  # the same tokens and layout: nothing of a's is visible
-        payload = Engine.payload(keys[0], 0, a.sizes[0])
         hit = a.lookup(keys)
         o = hit.objects[0]
+        payload = Engine.payload(keys[o.chunk], o.group, o.length)
         assert np.array_equal(a.arena[o.offset:o.offset + o.length], payload)
         assert not np.array_equal(b.arena[o.offset:o.offset + o.length], payload)
 

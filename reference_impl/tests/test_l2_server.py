@@ -24,7 +24,7 @@ from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.presets import preset_layout
 from hybridkv.server.l2_fs import DATA_OFFSET, ObjectHeader
-from serverkit import Engine
+from serverkit import ATTN, STATES, Engine
 
 TESTS = Path(__file__).parent
 MIB = 1 << 20
@@ -130,8 +130,8 @@ def test_objects_split_across_l1_and_l2_make_a_full_hit(server_factory, l2_dir, 
     with CacheClient(srv.endpoint, timeout_s=20) as client:
         eng = Engine(client)
         keys = eng.keys(5, seed=2)
-        attn = [(c, 0) for c in range(5)]
-        states = [(4, g) for g in (1, 2, 3)]
+        attn = [(c, ATTN) for c in range(5)]
+        states = [(4, g) for g in STATES]
         first, second = (states, attn) if in_l2 == "states" else (attn, states)
         eng.store(keys, first, request="first")
         fill(eng, 16, seed=3)  # pushes `first` out of L1 into L2
@@ -151,7 +151,7 @@ def test_corrupt_l2_file_shrinks_the_hit_and_is_removed(server_factory, l2_dir, 
         eng.store(keys)  # every group at every chunk: states at each boundary
         fill(eng, 16, seed=5)
         # A state at the last chunk: the hit falls back to chunk 3's states. Attention of chunk 2: to 2.
-        (c, g), want = ((4, 2), 4) if victim == "state" else ((2, 0), 2)
+        (c, g), want = ((4, STATES[1]), 4) if victim == "state" else ((2, ATTN), 2)
         path = obj_path(l2_dir, keys[c], g)
         raw = bytearray(path.read_bytes())
         raw[DATA_OFFSET + (len(raw) - DATA_OFFSET) // 2] ^= 0x40  # one payload bit

@@ -11,6 +11,7 @@ from hybridkv.presets import (
     preset_layout,
     preset_names,
     vllm_group_size,
+    vllm_groups,
 )
 
 
@@ -20,15 +21,18 @@ def test_qwen36_27b_tp1_matches_the_anchors():
     conv, ssm = cfg.recurrent_state_bytes(1)
     assert (conv, ssm, conv + ssm) == (61_440, 3_145_728, 3_207_168)
     lay = preset_layout("qwen3.6-27b")
-    assert [g.kind for g in lay.groups] == ["attention", "recurrent", "recurrent", "recurrent"]
+    # vLLM's order (layer 0 is GDN, so GDN buckets come first) and grouping: GDN layer k of every period in group k
+    assert [g.kind for g in lay.groups] == ["recurrent", "recurrent", "recurrent", "attention"]
+    assert [g.layer_names[:3] for g in lay.groups] == [
+        (f"model.layers.{k}", f"model.layers.{k + 4}", f"model.layers.{k + 8}") for k in range(4)]
     assert all(g.num_layers == 16 for g in lay.groups)
     assert {g.block_tokens for g in lay.groups} == {784}
     assert {g.page_bytes for g in lay.groups} == {3_211_264}
     assert lay.default_chunk_tokens() == 784
     assert lay.chunk_bytes(784) == 64 * 3_211_264 == 205_520_896  # ~205.5 MB per chunk
     # 56k prompt: attention of 71 chunks + the states at the last one (ANCHORS: 3.65 + 0.154 GB)
-    attn = 71 * lay.object_bytes(0, 784)
-    states = sum(lay.object_bytes(g, 784) for g in (1, 2, 3))
+    attn = 71 * lay.object_bytes(3, 784)
+    states = sum(lay.object_bytes(g, 784) for g in (0, 1, 2))
     assert round(attn / 1e9, 2) == 3.65 and round(states / 1e9, 3) == 0.154
     assert round(71 * lay.chunk_bytes(784) / 1e9, 1) == 14.6
 
@@ -61,8 +65,20 @@ def test_qwen3_next_blocks(tp, block):
 
 def test_group_size_rule():
     assert vllm_group_size([16, 48]) == 16   # ratio 3: the smaller count
-    assert vllm_group_size([10, 12]) == 12   # within 25%: the larger
+    assert vllm_group_size([10, 12]) == 12   # under 1.5x: the larger
+    assert vllm_group_size([10, 14]) == 14   # vLLM 0.33's bound is 1.5x (0.8's was 1.25x)
+    assert vllm_group_size([10, 15]) == 10
     assert vllm_group_size([12]) == 12
+
+
+def test_groups_are_vllms_interleaved_split_with_padding():
+    # 10 GDN + 4 attention layers: size 4, so 3 GDN groups of layers i::3 (vLLM pads the short ones)
+    kinds = ["recurrent"] * 10 + ["attention"] * 4
+    assert vllm_groups(kinds) == [("recurrent", [0, 3, 6, 9]), ("recurrent", [1, 4, 7]), ("recurrent", [2, 5, 8]),
+                                  ("attention", [10, 11, 12, 13])]
+    # a model that starts with attention lists its attention group first
+    assert vllm_groups(["attention", "recurrent", "recurrent"]) == [("attention", [0]), ("recurrent", [1]),
+                                                                    ("recurrent", [2])]
 
 
 def test_presets_fail_clearly():

@@ -7,7 +7,7 @@ import pytest
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerError
 from hybridkv.presets import preset_layout
-from serverkit import Engine
+from serverkit import ATTN, STATES, Engine
 
 
 def test_store_lookup_retrieve_shm_round_trip(client):
@@ -79,12 +79,13 @@ def test_store_is_delta_aware(client):
 def test_hit_needs_the_recurrent_state_at_the_last_chunk(client):
     eng = Engine(client)
     keys = eng.keys(6)
-    attn = [(c, 0) for c in range(6)]
+    attn = [(c, ATTN) for c in range(6)]
     # states of all three recurrent groups only at chunk 2; one group's state at chunk 4
-    eng.store(keys, attn + [(2, g) for g in (1, 2, 3)] + [(4, 1)])
+    eng.store(keys, attn + [(2, g) for g in STATES] + [(4, STATES[0])])
     res = eng.lookup(keys)
     assert res.hit_chunks == 3, "a prefix whose state is missing must not be reported as a hit"
-    assert sorted((o.chunk, o.group) for o in res.objects) == [(0, 0), (1, 0), (2, 0), (2, 1), (2, 2), (2, 3)]
+    assert sorted((o.chunk, o.group) for o in res.objects) == sorted(
+        [(0, ATTN), (1, ATTN), (2, ATTN)] + [(2, g) for g in STATES])
     eng.check(keys, res)
     # 'all' needs every group at every chunk: nothing before chunk 0 has states
     assert eng.lookup(keys, policy="all", request="q").hit_chunks == 0
@@ -93,7 +94,7 @@ def test_hit_needs_the_recurrent_state_at_the_last_chunk(client):
 def test_hit_stops_at_a_missing_attention_chunk(client):
     eng = Engine(client)
     keys = eng.keys(5)
-    eng.store(keys, [(c, 0) for c in (0, 1, 3, 4)] + [(c, g) for c in range(5) for g in (1, 2, 3)])
+    eng.store(keys, [(c, ATTN) for c in (0, 1, 3, 4)] + [(c, g) for c in range(5) for g in STATES])
     assert eng.lookup(keys).hit_chunks == 2
 
 

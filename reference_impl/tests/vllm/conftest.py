@@ -67,15 +67,16 @@ def kv_transfer(endpoint: str, **extra) -> dict:
 
 @pytest.fixture
 def make_engine(tiny_model) -> Iterator:
-    """An OfflineEngine on the tiny hybrid, one chunk per step (a GDN state exists only at the end of a step);
-    vLLM keeps (and offers) a state every `retention` tokens (one
-    chunk by default; 0 is vLLM's default: the prompt's last boundary only)."""
+    """An OfflineEngine on the tiny hybrid (or `model`, a ModelConfig of its shape), one chunk per step (a GDN state
+    exists only at the end of a step); vLLM keeps (and offers) a state every `retention` tokens (one chunk by
+    default; 0 is vLLM's default: the prompt's last boundary only); `max_loras` as under --max-loras."""
     engines: list[offline.OfflineEngine] = []
 
     def make(endpoint: str, *, step_tokens: int = 80, num_blocks: int = 128, retention: int | None = 80,
-             **extra) -> offline.OfflineEngine:
-        vc = offline.vllm_config(tiny_model, offline.TINY, max_num_batched_tokens=step_tokens,
-                                 kv_transfer=kv_transfer(endpoint, **extra), retention_interval=retention)
+             model=None, max_loras: int = 0, **extra) -> offline.OfflineEngine:
+        vc = offline.vllm_config(model or tiny_model, offline.TINY, max_num_batched_tokens=step_tokens,
+                                 kv_transfer=kv_transfer(endpoint, **extra), retention_interval=retention,
+                                 max_loras=max_loras)
         e = offline.OfflineEngine(vc, num_blocks=num_blocks)
         engines.append(e)
         return e

@@ -12,7 +12,7 @@ pytest.importorskip("vllm.config", reason="vLLM is not installed here; `nox -s v
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from serverkit import Engine
-from vllmkit import C, run, sched_stats, settle, tokens, worker_stats
+from vllmkit import C, hits_by_source, run, sched_stats, settle, tokens, worker_stats
 
 L1_GIB = 1 / 1024  # 1 MiB: a few dozen objects of the tiny model and of the filler
 
@@ -65,9 +65,13 @@ def test_a_prefix_in_l2_waits_in_vllm_s_queue_not_in_the_lookup(serve, make_engi
         # the steps B waited: the deferred lookups, then its asynchronous load
         assert sched_stats(eng).lookups_deferred >= 1 and steps_unscheduled > sched_stats(eng).lookups_deferred
         assert after["lookup_l2_waits"] == before["lookup_l2_waits"], "the lookup did not wait on L2"
+        # vLLM's hits-by-source metric names the disk (A's own run looked up nothing: it had no prefix)
+        assert hits_by_source(eng) == {"disk": 5 * C} and sched_stats(eng).hit_tokens_l2 == 5 * C
     else:
         assert sched_stats(eng).lookups_deferred == 0
         assert after["lookup_l2_waits"] > before["lookup_l2_waits"]
+        # the lookup read L2 itself: the connector cannot tell which tier, and says so
+        assert hits_by_source(eng) == {"external_unspecified": 5 * C} and sched_stats(eng).hit_tokens_unknown == 5 * C
 
 
 def test_a_server_without_l2_costs_no_prefetch_round_trip(serve, make_engine):
@@ -82,3 +86,4 @@ def test_a_server_without_l2_costs_no_prefetch_round_trip(serve, make_engine):
     assert so.scheduled_new_reqs[0].num_computed_tokens == 4 * C and rep.corrupt_pages == 0
     eng.run()
     assert counters(srv.endpoint)["prefetch_requests"] == 0 and sched_stats(eng).lookups_deferred == 0
+    assert hits_by_source(eng) == {"host": 4 * C}  # nothing can be on disk: every hit is from memory

@@ -29,3 +29,13 @@ def settle(engine) -> None:
     """Wait for A's commits, then forget vLLM's local prefix cache so B's hit can only come from hybridkv."""
     engine.worker.worker_side.wait_idle(10)
     assert engine.scheduler.reset_prefix_cache()
+
+
+def hits_by_source(engine) -> dict[str, int]:
+    """vLLM's connector prefix-cache metric: external hit tokens by the tier the connector named, summed."""
+    out: dict[str, int] = {}
+    for s in engine.scheduler_stats:
+        cps = s.connector_prefix_cache_stats
+        for source, n in (cps.hits_by_source if cps is not None else {}).items():
+            out[source.value] = out.get(source.value, 0) + n
+    return out

@@ -20,12 +20,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from hybridkv.engine.vllm.layout_from_vllm import check_matches_preset, layout_from_kv_cache_config
+from hybridkv.engine.vllm.layout_from_vllm import (
+    check_matches_preset,
+    layout_from_kv_cache_config,
+    vllm_model_identity,
+)
 from hybridkv.engine.vllm.plan import HybridKVMetadata
 from hybridkv.engine.vllm.scheduler_side import SchedulerSide
 from hybridkv.engine.vllm.settings import ConnectorSettings
+from hybridkv.engine.vllm.stats import (
+    SCHEDULER_FIELDS,
+    WORKER_FIELDS,
+    HybridKVPromMetrics,
+    HybridKVStats,
+    IntervalCounter,
+)
 from hybridkv.engine.vllm.worker_side import WorkerSide
 from hybridkv.layout import LayoutError
 
@@ -45,8 +57,6 @@ log = logging.getLogger(__name__)
 class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     """Offloads every KV-cache group of a hybrid model (attention blocks and GDN boundary states) to hybridkv."""
 
-    _cache_hit_source = CacheHitSource.HOST
-
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped store is a later miss, never a lost request
@@ -57,7 +67,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.settings = ConnectorSettings.from_extra(tc.kv_connector_extra_config)
         check_supported(vllm_config)
         parallel = vllm_config.parallel_config
-        self.layout = layout_from_kv_cache_config(kv_cache_config, vllm_config.model_config.model,
+        self.layout = layout_from_kv_cache_config(kv_cache_config, vllm_model_identity(vllm_config),
                                                   parallel.tensor_parallel_size)
         if self.settings.expect_preset:
             check_matches_preset(self.layout, self.settings.expect_preset)
@@ -69,6 +79,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         self._requests: dict[str, Request] = {}
+        self._interval = IntervalCounter(SCHEDULER_FIELDS if role == KVConnectorRole.SCHEDULER else WORKER_FIELDS)
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = SchedulerSide(self.settings, self.layout, self.chunk_tokens)
         else:
@@ -149,6 +160,31 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.scheduler_side is not None:
             self.scheduler_side.request_finished(request)
         return False, None  # stores copied their pages inside the step: the blocks are free now
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """vLLM's hits-by-source metric: memory (L1) is HOST, a prefix read back from the server's disk DISK."""
+        if num_external_tokens == 0 or self.scheduler_side is None:
+            return {}
+        tier = self.scheduler_side.hit_tier(request.request_id)
+        source = {"l1": CacheHitSource.HOST, "l2": CacheHitSource.DISK}.get(tier or "",
+                                                                             CacheHitSource.EXTERNAL_UNSPECIFIED)
+        return {source: num_external_tokens}
+
+    # ---- statistics (both sides; vLLM sums the workers' and the scheduler's) ----------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This side's counters since the last call (`hybridkv.engine.vllm.stats.COUNTERS`)."""
+        side = self.scheduler_side or self.worker_side
+        return self._interval.interval(side.stats) if side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return HybridKVStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        return HybridKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.scheduler_side is not None:

@@ -1,13 +1,19 @@
-"""Our `ModelLayout` derived from vLLM's own `KVCacheConfig`, in vLLM's group order."""
+"""Our `ModelLayout` derived from vLLM's own `KVCacheConfig`, in vLLM's group order, under the model's identity."""
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hybridkv.layout import GroupKind, GroupLayout, LayoutError, ModelLayout
+from hybridkv.model_identity import model_identity
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger(__name__)
 
 
 def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig, model: str, tp_size: int) -> ModelLayout:
@@ -28,26 +34,28 @@ def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig, model: str, tp_s
         elif type(spec) is FullAttentionSpec and spec.sliding_window is None and spec.attention_chunk_size is None:
             kind, dtype = "attention", str(spec.dtype).removeprefix("torch.")
         else:
-            raise LayoutError(f"KV-cache group {i} has a {type(spec).__name__}; hybridkv caches full attention "
-                              "and Mamba/GDN groups only")
+            layers = ", ".join(g.layer_names[:2]) + (", ..." if len(g.layer_names) > 2 else "")
+            raise LayoutError(f"KV-cache group {i} ({layers}) is {group_kind_name(spec)}: hybridkv caches "
+                              "full-attention and Mamba/GDN groups only; sliding-window, chunked-local and MLA "
+                              "groups (Gemma 3, gpt-oss, Llama 4, DeepSeek) are not supported yet "
+                              "(hybridkv/engine/vllm/README.md)")
         groups.append(GroupLayout(kind=kind, layer_names=tuple(g.layer_names), page_bytes=spec.page_size_bytes,
                                   block_tokens=spec.block_size, dtype=dtype))
     return ModelLayout(model=model, groups=tuple(groups), tp_size=tp_size)
 
 
-def layer_index(name: str) -> int:
-    """The decoder-layer index in a vLLM layer name ('model.layers.7.self_attn.attn' -> 7)."""
-    for part in name.split("."):
-        if part.isdigit():
-            return int(part)
-    raise LayoutError(f"no layer index in layer name {name!r}")
-
-
-def layout_signature(layout: ModelLayout) -> list[tuple[str, int, int, int]]:
-    """What decides object sizes, independent of group order and layer naming: (kind, layers, page bytes,
-    block tokens) per group, sorted. Which layers share a group is not compared: vLLM puts GDN layer i of
-    every attention period in group i, `hybridkv.presets` puts consecutive GDN layers together."""
-    return sorted((g.kind, g.num_layers, g.page_bytes, g.block_tokens) for g in layout.groups)
+def group_kind_name(spec) -> str:
+    """What a refused KV-cache group is, in words a user can match to their model."""
+    window = getattr(spec, "sliding_window", None)
+    chunk = getattr(spec, "attention_chunk_size", None)
+    name = type(spec).__name__
+    if "SlidingWindow" in name or window is not None:
+        return f"sliding-window attention ({name}, window {window} tokens)"
+    if "ChunkedLocal" in name or chunk is not None:
+        return f"chunked local attention ({name}, chunks of {chunk} tokens)"
+    if "MLA" in name:
+        return f"multi-head latent attention ({name})"
+    return f"a {name}"
 
 
 def check_matches_preset(layout: ModelLayout, preset: str) -> None:
@@ -55,6 +63,34 @@ def check_matches_preset(layout: ModelLayout, preset: str) -> None:
     from hybridkv.presets import preset_layout
 
     want = preset_layout(preset, layout.tp_size)
-    if layout_signature(layout) != layout_signature(want):
-        raise LayoutError(f"vLLM's KV-cache layout {layout_signature(layout)} is not hybridkv preset {preset!r} "
-                          f"at tp={layout.tp_size}: {layout_signature(want)}")
+    if layout.signature() != want.signature():
+        raise LayoutError(f"vLLM's KV-cache layout {layout.signature()} is not hybridkv preset {preset!r} "
+                          f"at tp={layout.tp_size}: {want.signature()}")
+
+
+def vllm_model_identity(vllm_config: VllmConfig) -> str:
+    """The served model's identity (`hybridkv.model_identity`): its config.json and weights, with the dtypes
+    vLLM runs it in, not the path or hub name it was given. A model whose files are not on this host (not a
+    folder, not in the Hugging Face cache) is known by that name, as before."""
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    engine = {"dtype": str(mc.dtype).removeprefix("torch."), "quantization": mc.quantization,
+              "cache_dtype": cc.cache_dtype, "mamba_cache_dtype": cc.mamba_cache_dtype,
+              "mamba_ssm_cache_dtype": cc.mamba_ssm_cache_dtype,
+              "hf_overrides": repr(mc.hf_overrides) if mc.hf_overrides else None}
+    folder = model_folder(mc.model, mc.revision)
+    if folder is None:
+        log.warning("hybridkv: no local config.json for model %r; its chunks are keyed by that name", mc.model)
+        return mc.model
+    return model_identity(folder, engine, fallback_path=mc.model)
+
+
+def model_folder(model: str, revision: str | None) -> Path | None:
+    """The local folder holding `model`'s config.json: the path itself, or its Hugging Face cache snapshot."""
+    if (Path(model) / "config.json").is_file():
+        return Path(model)
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    found = try_to_load_from_cache(model, "config.json", revision=revision)
+    return Path(found).parent if isinstance(found, str) else None

@@ -55,8 +55,10 @@ TINY = HybridShape(num_layers=8, num_kv_heads=2, head_dim=16, linear_num_key_hea
 SHAPES = {"qwen3.6-27b": QWEN36_27B, "qwen3-next-80b-a3b": QWEN3_NEXT_80B, "tiny-hybrid": TINY}
 
 
-def write_config(shape: HybridShape, directory: str | Path) -> Path:
-    """A local model directory holding only a config.json written by transformers (nothing downloaded)."""
+def write_config(shape: HybridShape, directory: str | Path, weights_seed: int | None = None, **overrides: Any) -> Path:
+    """A local model directory holding a config.json written by transformers (nothing downloaded; `overrides` set
+    further config fields) and, with `weights_seed`, a small safetensors file of seeded random weights: what the
+    connector's model identity reads (the forward is simulated, so no weight is ever used)."""
     from transformers import Qwen3_5TextConfig
 
     cfg = Qwen3_5TextConfig(
@@ -68,12 +70,18 @@ def write_config(shape: HybridShape, directory: str | Path) -> Path:
         layer_types=["full_attention" if (i + 1) % shape.full_attention_interval == 0 else "linear_attention"
                      for i in range(shape.num_layers)],
         vocab_size=1024, intermediate_size=256,
-        max_position_embeddings=1 << 20,
+        max_position_embeddings=1 << 20, **overrides,
     )
     cfg.architectures = [ARCHITECTURE]
     cfg.mamba_ssm_dtype = shape.ssm_dtype
     path = Path(directory)
     cfg.save_pretrained(path)
+    if weights_seed is not None:
+        from safetensors.numpy import save_file
+
+        rng = np.random.default_rng(weights_seed)
+        save_file({"model.embed_tokens.weight": rng.standard_normal((1024, shape.hidden_size), dtype=np.float32)},
+                  str(path / "model.safetensors"))
     return path
 
 
@@ -87,11 +95,12 @@ def model_config(model_dir: str | Path, max_model_len: int = 65536):
 
 
 def vllm_config(mc, shape: HybridShape, *, tp: int = 1, max_num_batched_tokens: int = 8192, max_num_seqs: int = 8,
-                kv_transfer: dict[str, Any] | None = None, retention_interval: int | None = 0):
+                kv_transfer: dict[str, Any] | None = None, retention_interval: int | None = 0, max_loras: int = 0):
     """A VllmConfig as `vllm serve` builds it around ModelConfig `mc` (copied), with the hybrid block size aligned
     for FlashAttention. `retention_interval`: vLLM keeps (and offers the connector) a GDN state every that many
-    tokens; 0 keeps only the prompt's last boundary and shared-prefix junctions."""
-    from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig, SchedulerConfig, VllmConfig
+    tokens; 0 keeps only the prompt's last boundary and shared-prefix junctions. `max_loras` > 0: as
+    `--enable-lora --max-loras N` (the scheduler then batches at most N adapters)."""
+    from vllm.config import CacheConfig, KVTransferConfig, LoRAConfig, ParallelConfig, SchedulerConfig, VllmConfig
     from vllm.platforms.interface import Platform
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 
@@ -103,7 +112,8 @@ def vllm_config(mc, shape: HybridShape, *, tp: int = 1, max_num_batched_tokens: 
                          max_model_len=mc.max_model_len, is_encoder_decoder=False, enable_chunked_prefill=True)
     kt = KVTransferConfig(**kv_transfer) if kv_transfer else None
     vc = VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc, kv_transfer_config=kt,
-                    parallel_config=ParallelConfig(tensor_parallel_size=tp))
+                    parallel_config=ParallelConfig(tensor_parallel_size=tp),
+                    lora_config=LoRAConfig(max_loras=max_loras) if max_loras else None)
     # What update_block_size_for_backend does on a GPU once the layers exist: FlashAttention's kernel
     # alignment (16 tokens), the attention block raised until its page holds a GDN state, the state padded.
     Platform._align_hybrid_block_size(vc, FlashAttentionBackend)
@@ -190,7 +200,7 @@ class OfflineEngine:
         self._hasher = get_request_block_hasher(hash_block, hash_fn)
         self.scheduler = Scheduler(vllm_config=vc, kv_cache_config=sched_cfg,
                                    structured_output_manager=StructuredOutputManager(vc),
-                                   block_size=block, hash_block_size=hash_block)
+                                   block_size=block, hash_block_size=hash_block, log_stats=True)
         self.kv_caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), KVCacheLayout.LBHNC)
         self.worker: Any = None  # the worker-role connector (vLLM types it as KVConnectorBase)
         if vc.kv_transfer_config is not None:
@@ -201,6 +211,7 @@ class OfflineEngine:
         self._page = {i: g.kv_cache_spec.page_size_bytes for i, g in enumerate(groups)}
         self._tokens: dict[str, np.ndarray] = {}
         self.reports: list[StepReport] = []
+        self.scheduler_stats: list[Any] = []  # vLLM's SchedulerStats of the steps with connector stats or lookups
         self.zeroed_blocks = 0
 
     @property
@@ -208,14 +219,34 @@ class OfflineEngine:
         assert self.worker is not None
         return self.worker.layout
 
-    def add_request(self, rid: str, token_ids: Iterable[int], max_tokens: int = 1) -> None:
+    def add_request(self, rid: str, token_ids: Iterable[int], max_tokens: int = 1, *,
+                    lora: tuple[str, int] | None = None, images: Iterable[tuple[str, int, int]] = ()) -> None:
+        """Queue a request; `lora` = (adapter name, id) puts a LoRARequest on it, `images` = (mm hash, offset,
+        length) per image places that many placeholder tokens (an image the simulated forward never encodes)."""
         from vllm import SamplingParams
+        from vllm.lora.request import LoRARequest
+        from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
         from vllm.v1.request import Request
 
         tokens = [int(t) for t in token_ids]
         self._tokens[rid] = np.asarray(tokens, dtype=np.int64)
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        self.scheduler.add_request(Request(rid, tokens, sp, None, block_hasher=self._hasher))
+        mm = [MultiModalFeatureSpec(data=None, modality="image", identifier=h, mm_position=PlaceholderRange(at, n),
+                                    mm_hash=h) for h, at, n in sorted(images, key=lambda x: x[1])]
+        if mm and self.scheduler.max_num_encoder_input_tokens == 0:
+            self._allow_images()
+        lora_request = LoRARequest(lora[0], lora[1], f"/adapters/{lora[0]}") if lora else None
+        self.scheduler.add_request(Request(rid, tokens, sp, None, mm_features=mm or None, lora_request=lora_request,
+                                           block_hasher=self._hasher))
+
+    def _allow_images(self) -> None:
+        """Give the scheduler an encoder budget and cache (a text model's are 0: it would never schedule a
+        placeholder), so image requests run; their encoder outputs are never computed, like the rest of the forward."""
+        from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+
+        budget = self.vc.scheduler_config.max_num_batched_tokens
+        self.scheduler.max_num_encoder_input_tokens = budget
+        self.scheduler.encoder_cache_manager = EncoderCacheManager(cache_size=budget)
 
     def abort(self, rid: str) -> None:
         from vllm.v1.request import RequestStatus
@@ -311,10 +342,15 @@ class OfflineEngine:
             out.finished_sending, out.finished_recving = results.finished_sending, results.finished_recving
             out.failed_recving = results.failed_recving
             out.invalid_block_ids = w.get_block_ids_with_load_errors()
+            out.kv_connector_stats = w.get_kv_connector_stats()
             w.clear_connector_metadata()
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=sampled, kv_connector_output=out)
-        self.scheduler.update_from_output(so, mro)
+        for eco in self.scheduler.update_from_output(so, mro).values():
+            st = eco.scheduler_stats
+            if st is not None and (st.kv_connector_stats or (st.connector_prefix_cache_stats is not None
+                                                               and st.connector_prefix_cache_stats.requests)):
+                self.scheduler_stats.append(st)
         self.reports.append(report)
         return so, report
 

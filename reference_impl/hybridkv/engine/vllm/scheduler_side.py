@@ -12,7 +12,7 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+HitTier = Literal["l1", "l2", "unknown"]
+
 
 @dataclass(slots=True)
 class _Pending:
@@ -40,6 +42,7 @@ class _Pending:
     skip_tokens: int
     lease: int  # the server's pins of the hit: one set per request, however often vLLM asks
     extras: list[bytes] | None
+    tier: HitTier
 
 
 @dataclass(slots=True)
@@ -51,6 +54,9 @@ class SchedulerStats:
     lookup_failures: int = 0
     lookup_s: float = 0.0
     hit_tokens: int = 0
+    hit_tokens_l1: int = 0  # the hit's objects were all in the server's memory
+    hit_tokens_l2: int = 0  # part of the prefix was read back from the server's disk first
+    hit_tokens_unknown: int = 0  # the lookup read L2 itself, if at all (a server with L2, l2_wait_s 0)
     loads_planned: int = 0
     stores_planned: int = 0
 
@@ -61,6 +67,7 @@ class _Request:
 
     stored_chunks: int = 0
     looked_up: bool = False
+    tier: HitTier | None = None  # of the load planned for it (vLLM asks after update_state_after_alloc)
     l2_since: float = 0.0  # when its first "not yet" was answered (its prefix's L2 reads started); 0: never
 
 
@@ -167,6 +174,7 @@ class SchedulerSide:
         policy = check_policy(self.settings.retrieve_policy)
         skip = num_computed_tokens // self.chunk_tokens
         extras = chunk_extras(request, limit // self.chunk_tokens, self.chunk_tokens)
+        p: P.Prefetching | None = None
         try:
             keys = chunk_keys(self._namespace, tokens, self.chunk_tokens, extras)
             if (p := self._prefetch(track, keys, policy, skip)) is not None:
@@ -185,7 +193,10 @@ class SchedulerSide:
         finally:
             self.stats.lookup_s += time.perf_counter() - t0
         hit = r.hit_chunks * self.chunk_tokens
-        pending = _Pending(tokens[:hit], num_computed_tokens, r.lease, extras)
+        # a prefix that waited for L2 reads came partly from disk; one a Prefetch found in L1, or any on a server
+        # without L2, came from memory; a lookup on a server with L2 and no Prefetch may have read either
+        tier: HitTier = "l2" if track.l2_since else "l1" if (p is not None or not self._l2) else "unknown"
+        pending = _Pending(tokens[:hit], num_computed_tokens, r.lease, extras, tier)
         if hit <= num_computed_tokens:
             self._release(pending)
             return 0, False
@@ -235,6 +246,9 @@ class SchedulerSide:
         self._loads.append(LoadJob(request.request_id, pending.token_ids, pending.skip_tokens,
                                    tuple(list(b) for b in blocks.get_block_ids()), pending.extras))
         self.stats.hit_tokens += num_external_tokens
+        setattr(self.stats, f"hit_tokens_{pending.tier}", getattr(self.stats, f"hit_tokens_{pending.tier}")
+                + num_external_tokens)
+        self._requests.setdefault(request.request_id, _Request()).tier = pending.tier
         self.stats.loads_planned += 1
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> HybridKVMetadata:
@@ -283,6 +297,11 @@ class SchedulerSide:
             track.stored_chunks = max(track.stored_chunks, n)
             self.stats.stores_planned += 1
         return jobs
+
+    def hit_tier(self, request_id: str) -> HitTier | None:
+        """Where the load planned for a live request reads from; None when none was planned."""
+        track = self._requests.get(request_id)
+        return track.tier if track is not None else None
 
     def request_finished(self, request: Request) -> None:
         """The request is done: drop the scheduler's pins for it on the server."""
