@@ -298,10 +298,11 @@ def _write_outputs(out: Path, sc: TTFTScenario, rows: list[dict[str, Any]], step
         ax.bar(x + (i - 1) * 0.27, [r[key] for r in rows], 0.27, label=label)
     ax.set_xticks(x, [f"{r['prompt_tokens']:,}" for r in rows])
     ax.set_yscale("log")
+    ax.set_ylim(top=max(r["ttft_cold_measured_s"] for r in rows) * 20)  # room for the legend above the bars
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("TTFT (s, vLLM's request metric, log)")
     ax.set_title(f"{sc.name}: a real vLLM engine, TTFT p50 of {sc.repeats}")
-    ax.legend()
+    ax.legend(loc="upper left", ncols=2, fontsize="small")
     fig.tight_layout()
     fig.savefig(out / "ttft.png", dpi=110)
     plt.close(fig)
