@@ -60,7 +60,7 @@ def _run(session: nox.Session, *args: str, **kwargs) -> None:
     on its own PATH, not on the session's."""
     exe = SHARED / "bin" / args[0]
     if session.venv_backend == "none" and exe.exists():
-        args = (str(exe.resolve()), *args[1:])
+        args = (str(exe.absolute()), *args[1:])  # not resolve(): a venv's python links to the base interpreter
     session.run(*args, external=True, **kwargs)
 
 

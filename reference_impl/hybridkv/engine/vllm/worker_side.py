@@ -188,7 +188,12 @@ class WorkerSide:
             except Exception as e:
                 load.error = e
             self.stats.load_s += time.perf_counter() - t0
-            load.deadline = time.monotonic() + self.settings.lookup_timeout_s
+            # a direct wire's copies read the mapped arena, never the server: they end on their own however
+            # busy the engine is, and giving them up would only cost a recompute. A payload wire's copies wait
+            # for the server's frames first: those are given up if they have not started in time.
+            t = self.transfer
+            direct = t is not None and t.wire.direct
+            load.deadline = float("inf") if direct else time.monotonic() + self.settings.lookup_timeout_s
 
     def _ready_event(self) -> torch.cuda.Event | None:
         """An event after the engine's queued work (CUDA), or None (CPU: that work is done already)."""
