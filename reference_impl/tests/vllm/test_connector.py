@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("vllm.config", reason="vLLM is not installed here; `nox -s vllm` builds an environment with it")
 from hybridkv.engine.vllm import offline
 from hybridkv.layout import LayoutError
-from vllmkit import C, run, sched_stats, settle, tokens, worker_stats
+from vllmkit import C, counters, run, sched_stats, settle, tokens, worker_stats
 
 
 def test_prefix_hit_loads_a_s_exact_bytes(serve, make_engine):
@@ -175,15 +175,6 @@ def test_bad_extra_config_names_the_key(serve, make_engine):
         make_engine("ipc:///tmp/x.sock", retrieve_policy="all")
 
 
-def _server_counters(endpoint: str) -> dict:
-    from hybridkv import protocol as P
-    from hybridkv.engine.client import CacheClient
-
-    with CacheClient(endpoint, timeout_s=10) as c:
-        stats, _ = c.call(P.Stats())
-    return stats.counters
-
-
 def test_one_pin_set_per_request_however_often_vllm_asks(serve, make_engine):
     """vLLM asks again every step for a request it could not admit (no free blocks): one lookup, one lease."""
     srv = serve("--admin")
@@ -193,16 +184,16 @@ def test_one_pin_set_per_request_however_often_vllm_asks(serve, make_engine):
     settle(eng)
     eng.add_request("big", tokens(48 * C, 61), max_tokens=40)  # holds most blocks while it decodes 40 steps
     eng.step()
-    before = _server_counters(srv.endpoint)
+    before = counters(srv.endpoint)
     eng.add_request("B", a[:5 * C] + tokens(40, 62))
     waited = 0
     while "B" not in {r.req_id for r in eng.step()[0].scheduled_new_reqs} and eng.scheduler.has_requests():
         waited += 1
-    after = _server_counters(srv.endpoint)
+    after = counters(srv.endpoint)
     assert waited >= 3, "B was admitted at once: the test did not make vLLM ask again"
     # the scheduler's one lookup, and the worker's (its load pins under the worker's own engine)
     assert after["lookups"] - before["lookups"] == 2, "a lookup (and a pin set) per step vLLM asked"
     assert eng.run().corrupt_pages == 0
     eng.worker.worker_side.wait_idle(10)
     eng.scheduler.connector.scheduler_side.wait_idle(10)
-    assert _server_counters(srv.endpoint)["leases"] == 0
+    assert counters(srv.endpoint)["leases"] == 0

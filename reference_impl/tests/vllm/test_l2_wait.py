@@ -12,14 +12,9 @@ pytest.importorskip("vllm.config", reason="vLLM is not installed here; `nox -s v
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from serverkit import Engine
-from vllmkit import C, hits_by_source, run, sched_stats, settle, tokens, worker_stats
+from vllmkit import C, counters, hits_by_source, run, sched_stats, settle, tokens, worker_stats
 
 L1_GIB = 1 / 1024  # 1 MiB: a few dozen objects of the tiny model and of the filler
-
-
-def counters(endpoint: str) -> dict:
-    with CacheClient(endpoint, timeout_s=10) as c:
-        return c.call(P.Stats())[0].counters
 
 
 def push_out_to_l2(endpoint: str) -> None:

@@ -39,3 +39,12 @@ def hits_by_source(engine) -> dict[str, int]:
         for source, n in (cps.hits_by_source if cps is not None else {}).items():
             out[source.value] = out.get(source.value, 0) + n
     return out
+
+
+def counters(endpoint: str) -> dict:
+    """The server's Stats counters (a server started with --admin)."""
+    from hybridkv import protocol as P
+    from hybridkv.engine.client import CacheClient
+
+    with CacheClient(endpoint, timeout_s=10) as c:
+        return c.call(P.Stats())[0].counters
