@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 from hybridkv.engine.vllm import offline
+from hybridkv.engine.vllm.settings import kv_transfer_config
 from hybridkv.presets import HybridModelConfig
 
 from hybridkv_bench.engine_sim import HitMismatch, RequestResult
@@ -49,10 +50,9 @@ class VllmEngine:
                                                        max_model_len=max_tokens + 16)
         shape = shape_of(cfg)
         # the store policy is the oracle's: vLLM keeps a state at every chunk here, the connector stores each
-        extra = {"endpoint": endpoint, "salt": salt, "timeout_s": timeout_s, "lookup_timeout_s": timeout_s,
+        extra = {"salt": salt, "timeout_s": timeout_s, "lookup_timeout_s": timeout_s,
                  "chunk_tokens": chunk_tokens, **{k: v for k, v in axes.items() if k != "store_policy"}}
-        transfer = dict(kv_connector="HybridKVConnector", kv_connector_module_path="hybridkv.engine.vllm.connector",
-                        kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
+        transfer = kv_transfer_config(endpoint, **extra)
         vc = offline.vllm_config(_MODEL_CONFIGS[key], shape, max_num_batched_tokens=chunk_tokens,
                                  kv_transfer=transfer, retention_interval=chunk_tokens)
         blocks = 4 * (max_tokens // chunk_tokens + 2)

@@ -145,9 +145,9 @@ def engine_args(model: Path, sc: TTFTScenario, endpoint: str | None) -> dict[str
         max_num_batched_tokens=sc.step_tokens, enforce_eager=True, max_num_seqs=4, seed=0,
         kv_cache_memory_bytes=int(sc.kv_cache_gib * (1 << 30)), disable_log_stats=False)
     if endpoint is not None:
-        args["kv_transfer_config"] = dict(
-            kv_connector="HybridKVConnector", kv_connector_module_path="hybridkv.engine.vllm.connector",
-            kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config={"endpoint": endpoint})
+        from hybridkv.engine.vllm.settings import kv_transfer_config
+
+        args["kv_transfer_config"] = kv_transfer_config(endpoint)
     return args
 
 

@@ -16,6 +16,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from hybridkv.engine.vllm import offline  # noqa: E402
+from hybridkv.engine.vllm.settings import kv_transfer_config  # noqa: E402
 from hybridkv.server.launch import ServerProcess, start_server  # noqa: E402
 
 
@@ -59,12 +60,6 @@ def serve(sock_dir) -> Iterator:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def kv_transfer(endpoint: str, **extra) -> dict:
-    return dict(kv_connector="HybridKVConnector", kv_connector_module_path="hybridkv.engine.vllm.connector",
-                kv_role="kv_both", kv_load_failure_policy="recompute",
-                kv_connector_extra_config={"endpoint": endpoint, **extra})
-
-
 @pytest.fixture
 def make_engine(tiny_model) -> Iterator:
     """An OfflineEngine on the tiny hybrid (or `model`, a ModelConfig of its shape), one chunk per step (a GDN state
@@ -75,7 +70,7 @@ def make_engine(tiny_model) -> Iterator:
     def make(endpoint: str, *, step_tokens: int = 80, num_blocks: int = 128, retention: int | None = 80,
              model=None, max_loras: int = 0, **extra) -> offline.OfflineEngine:
         vc = offline.vllm_config(model or tiny_model, offline.TINY, max_num_batched_tokens=step_tokens,
-                                 kv_transfer=kv_transfer(endpoint, **extra), retention_interval=retention,
+                                 kv_transfer=kv_transfer_config(endpoint, **extra), retention_interval=retention,
                                  max_loras=max_loras)
         e = offline.OfflineEngine(vc, num_blocks=num_blocks)
         engines.append(e)

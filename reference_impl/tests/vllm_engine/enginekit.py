@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from hybridkv.engine.vllm.settings import kv_transfer_config
 from hybridkv_bench.vllm_real import ModelShape, server_settled, write_model
 from hybridkv_bench.vllm_real import prompt as _prompt
 
@@ -21,13 +22,6 @@ VOCAB = ModelShape().vocab
 def prompt(n: int, seed: int) -> list[int]:
     """n token ids of the tiny hybrid's vocabulary (neither its unknown nor its end token)."""
     return _prompt(n, seed, VOCAB)
-
-
-def connector_config(endpoint: str, **extra: Any) -> dict[str, Any]:
-    """vLLM's --kv-transfer-config for HybridKVConnector at `endpoint`."""
-    return dict(kv_connector="HybridKVConnector", kv_connector_module_path="hybridkv.engine.vllm.connector",
-                kv_role="kv_both", kv_load_failure_policy="recompute",
-                kv_connector_extra_config={"endpoint": endpoint, **extra})
 
 
 BLOCK = 128  # the tiny hybrid's unified block on vLLM's CPU backend (attention raised to hold a GDN state)
@@ -42,7 +36,7 @@ def engine_args(model: Path, endpoint: str | None, **extra: Any) -> dict[str, An
         max_num_batched_tokens=STEP_TOKENS, prefix_cache_retention_interval=BLOCK, enforce_eager=True,
         max_num_seqs=16, seed=0, kv_cache_memory_bytes=192 << 20, disable_log_stats=False)
     if endpoint is not None:
-        args["kv_transfer_config"] = connector_config(endpoint, **extra)
+        args["kv_transfer_config"] = kv_transfer_config(endpoint, **extra)
     return args
 
 

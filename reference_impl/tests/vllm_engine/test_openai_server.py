@@ -13,7 +13,8 @@ import time
 import urllib.request
 
 import pytest
-from enginekit import BLOCK, connector_config, engine_args, prompt, server_settled
+from enginekit import BLOCK, engine_args, prompt, server_settled
+from hybridkv.engine.vllm.settings import kv_transfer_config
 
 
 def _free_port() -> int:
@@ -41,7 +42,7 @@ def api(model_dir, serve):
            "--max-num-batched-tokens", str(args["max_num_batched_tokens"]),
            "--prefix-cache-retention-interval", str(BLOCK), "--enforce-eager",
            "--kv-cache-memory-bytes", str(args["kv_cache_memory_bytes"]), "--enable-prompt-tokens-details",
-           "--kv-transfer-config", json.dumps(connector_config(srv.endpoint))]
+           "--kv-transfer-config", json.dumps(kv_transfer_config(srv.endpoint))]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}  # /reset_prefix_cache is a development endpoint
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"

@@ -76,3 +76,11 @@ class ConnectorSettings:
                 raise ValueError(f"kv_connector_extra_config {key} must be {want.__name__}, got {value!r}")
             kwargs[key] = value
         return cls(**kwargs)
+
+
+def kv_transfer_config(endpoint: str, **extra: Any) -> dict[str, Any]:
+    """vLLM's `--kv-transfer-config` (or `LLM(kv_transfer_config=...)`) for HybridKVConnector at `endpoint`, with
+    the settings it needs (`kv_role` both, `kv_load_failure_policy` recompute) and extra-config keys `extra`."""
+    return dict(kv_connector="HybridKVConnector", kv_connector_module_path="hybridkv.engine.vllm.connector",
+                kv_role="kv_both", kv_load_failure_policy="recompute",
+                kv_connector_extra_config={"endpoint": endpoint, **extra})
