@@ -12,16 +12,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+from hybridkv.wire_formats import FORMATS, TRAITS
 
 AXIS_ORDER = {
-    "wire_format": ["shm", "raw", "pickle", "torch_save", "cuda_ipc"],
+    "wire_format": list(FORMATS),
     "copy_engine": ["kernel", "dma"],
     "streams": ["single", "per_group"],
     "retrieve_policy": ["boundary", "all"],
     "store_policy": ["boundary", "all"],
 }
-WIRE_LABELS = {"shm": "hybridkv shm", "raw": "raw frames", "pickle": "pickle (seed)",
-               "torch_save": "torch.save (seed)", "cuda_ipc": "CUDA-IPC server"}
+WIRE_LABELS = {f: t.label for f, t in TRAITS.items()}
 LOG_SPAN = 10.0  # max/min above which an axis is drawn logarithmic
 MIB = 1 << 20
 

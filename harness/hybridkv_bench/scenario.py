@@ -22,6 +22,7 @@ import msgspec
 from hybridkv.layout import ModelLayout
 from hybridkv.policy import Policy
 from hybridkv.presets import HybridModelConfig, hybrid_layout, model_config
+from hybridkv.wire_formats import TRAITS, WireFormat
 from hybridkv_kernels.engines import CopyEngine
 
 from .hf_spec import TransformersSpec
@@ -42,7 +43,6 @@ from .scenario_workloads import (
 
 GIB = 1 << 30
 
-WireFormat = Literal["shm", "raw", "pickle", "torch_save", "cuda_ipc"]
 Streams = Literal["single", "per_group"]
 Device = Literal["auto", "cpu", "cuda"]
 EngineKind = Literal["sim", "transformers", "vllm"]  # sim: pages derived from keys; transformers: hf_spec.py
@@ -53,12 +53,10 @@ EnginesAs = Literal["auto", "threads", "processes"]
 # Matrix axes in case-name order: `shm-kernel-single-boundary-all`.
 AXES = ("wire_format", "copy_engine", "streams", "retrieve_policy", "store_policy")
 
-# What a wire format needs inside the cache server. The legacy formats rebuild tensors there, so the
-# server imports torch (whose CUDA build maps libcudart & co. even with no GPU visible); cuda_ipc is
-# upstream LMCache's mode where the server itself copies through a CUDA context and so holds VRAM.
-# The gate reads these two sets; nothing else may decide which invariant applies to which format.
-SERVER_IMPORTS_TORCH: frozenset[str] = frozenset({"pickle", "torch_save", "cuda_ipc"})
-SERVER_HOLDS_CUDA_CONTEXT: frozenset[str] = frozenset({"cuda_ipc"})
+# What a wire format needs inside the cache server (hybridkv.wire_formats' traits): the gate reads these two
+# sets; nothing else may decide which invariant applies to which format.
+SERVER_IMPORTS_TORCH: frozenset[str] = frozenset(f for f, t in TRAITS.items() if t.server_imports_torch)
+SERVER_HOLDS_CUDA_CONTEXT: frozenset[str] = frozenset(f for f, t in TRAITS.items() if t.server_holds_cuda)
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 

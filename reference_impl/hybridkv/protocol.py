@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from hybridkv.layout import MAX_NAME_CHARS, ModelLayout
+from hybridkv.wire_formats import WireFormat
 
 # A request id, an engine name or a tenant salt: kept by the server for as long as a lease, a reservation or
 # an engine lives, so bounded (vLLM's request ids are under 100 characters).
@@ -21,9 +22,6 @@ Text = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
 
 PROTOCOL_VERSION = 1
 
-# cuda_ipc is the CUDA-IPC baseline: the server maps the engine's GPU pages and copies itself (it then
-# holds a CUDA context and VRAM); a server accepts it only when started with --cuda-ipc.
-WireFormat = Literal["shm", "raw", "pickle", "torch_save", "cuda_ipc"]
 RetrievePolicy = Literal["boundary", "all"]
 
 
