@@ -17,7 +17,7 @@ BAR = 24
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from hybridkv.server.config import default_endpoint
+    from hybridkv.endpoints import default_endpoint
 
     p.add_argument("--endpoint", default=default_endpoint(), help="the server's endpoint (default: %(default)s)")
     p.add_argument("--watch", type=float, default=None, metavar="S",

@@ -17,7 +17,7 @@ MAX_GIB = float(1 << 32)  # 4 EiB: any larger size (inf among them) is a typo, n
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from hybridkv.server.config import default_endpoint
+    from hybridkv.endpoints import default_endpoint
 
     p.add_argument("--endpoint", default=default_endpoint(),
                    help="where to listen: ipc://PATH (default, in a 0700 directory) or tcp://127.0.0.1:PORT "
@@ -133,7 +133,7 @@ def add_l2_and_seed_arguments(p: argparse.ArgumentParser) -> None:
 def apply_l2_and_seed(args: argparse.Namespace) -> RedisL2Spec | None:
     """Fold --port and --l2-adapter into args (endpoint, l2_dir, l2_gib, l2_fsync); the Redis spec if any."""
     from hybridkv.cli import UserError
-    from hybridkv.server.config import default_endpoint
+    from hybridkv.endpoints import default_endpoint
     from hybridkv.server.l2 import FsL2Spec, L2ConfigError, parse_l2_adapter
 
     for flag, instead in SEED_REPLACED.items():

@@ -8,7 +8,7 @@ import os
 import socket
 import stat
 
-from hybridkv.server.config import default_ipc_dir, ensure_private_dir
+from hybridkv.endpoints import default_ipc_dir, ensure_private_dir
 
 log = logging.getLogger("hybridkv.server")
 

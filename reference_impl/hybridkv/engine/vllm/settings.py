@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from hybridkv.endpoints import default_endpoint
 from hybridkv.engine.transfer import COPY_ENGINES, STREAM_MODES, WIRE_FORMATS
 from hybridkv.policy import POLICIES
-from hybridkv.server.config import default_endpoint
 
 
 @dataclass(frozen=True, slots=True)
