@@ -147,6 +147,21 @@ def fuzz(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
+def dashboard(session: nox.Session) -> None:
+    """docs/grafana-dashboard.json against a real Prometheus (Debian's `prometheus`) scraping a real server
+    under traffic: every panel's query must parse and the ones the traffic feeds must return data. Draws the
+    picture into results/runs/ (`-- --out docs/img/dashboard.png --seconds 180` redraws the committed one)."""
+    import shutil
+
+    if not shutil.which("prometheus"):
+        session.skip("no prometheus binary (Debian: apt-get install prometheus); .ci/run installs it")
+    _install(session)
+    out = f"results/runs/dashboard-{time.strftime('%Y%m%d-%H%M%S')}.png"
+    _run(session, "python", "harness/campaign/dashboard_picture.py", "--check",
+         *(session.posargs or ["--seconds", "75", "--out", out]))
+
+
+@nox.session(venv_backend="none")
 def gpu_tests(session: nox.Session) -> None:
     """The suite on a CUDA machine, with the machine's own torch and triton (not default)."""
     session.run("python", "-m", "pytest", "-q", *session.posargs)
