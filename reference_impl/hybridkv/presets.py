@@ -50,9 +50,13 @@ class HybridModelConfig:
             if getattr(self, f) not in DTYPE_BYTES:
                 raise LayoutError(f"{self.name}: unknown {f} {getattr(self, f)!r}")
 
-    def layer_kinds(self) -> list[str]:
+    def layer_kinds(self) -> list[str | None]:
         return ["attention" if (i + 1) % self.full_attention_interval == 0 else "recurrent"
                 for i in range(self.num_layers)]
+
+    def check_tp(self, tp: int) -> None:
+        if self.linear_num_value_heads % tp or self.linear_num_key_heads % tp:
+            raise LayoutError(f"{self.name}: linear-attention heads do not split over tp={tp}")
 
     def attn_page_per_token(self, tp: int) -> int:
         """K and V bytes of one token in one attention layer on one rank (kv heads replicated to >= 1)."""
@@ -70,18 +74,78 @@ class HybridModelConfig:
         return conv, ssm
 
 
+@dataclass(frozen=True, slots=True)
+class Mamba2HybridConfig:
+    """The fields of a Nemotron-H style config (Mamba-2 state layers among attention, MLP and MoE layers) that
+    decide the KV-cache layout. `pattern` is the config's `hybrid_override_pattern`: one character per decoder
+    layer, `M` Mamba-2, `*` attention, `-` MLP and `E` MoE (the last two keep no cache)."""
+
+    name: str
+    pattern: str
+    num_kv_heads: int
+    head_dim: int
+    mamba_num_heads: int
+    mamba_head_dim: int
+    ssm_state_size: int
+    n_groups: int
+    conv_kernel: int
+    num_attention_heads: int = 0
+    hidden_size: int = 0
+    kv_dtype: str = "bfloat16"
+    conv_dtype: str = "bfloat16"
+    ssm_dtype: str = "float32"  # the config's mamba_ssm_cache_dtype
+    active_params: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.pattern or set(self.pattern) - set("M*-E") or "M" not in self.pattern or "*" not in self.pattern:
+            raise LayoutError(f"{self.name}: pattern must hold M (Mamba-2) and * (attention) layers among - and E, "
+                              f"got {self.pattern!r}")
+        for f in ("num_kv_heads", "head_dim", "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups",
+                  "conv_kernel"):
+            if getattr(self, f) <= 0:
+                raise LayoutError(f"{self.name}: {f} must be positive, got {getattr(self, f)}")
+        for f in ("kv_dtype", "conv_dtype", "ssm_dtype"):
+            if getattr(self, f) not in DTYPE_BYTES:
+                raise LayoutError(f"{self.name}: unknown {f} {getattr(self, f)!r}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.pattern)
+
+    def layer_kinds(self) -> list[str | None]:
+        return [{"M": "recurrent", "*": "attention"}.get(c) for c in self.pattern]
+
+    def check_tp(self, tp: int) -> None:
+        if self.mamba_num_heads % tp or self.n_groups % tp:
+            raise LayoutError(f"{self.name}: Mamba-2 heads ({self.mamba_num_heads}) or groups ({self.n_groups}) do "
+                              f"not split over tp={tp}")
+
+    def attn_page_per_token(self, tp: int) -> int:
+        return 2 * max(1, self.num_kv_heads // tp) * self.head_dim * DTYPE_BYTES[self.kv_dtype]
+
+    def recurrent_state_bytes(self, tp: int) -> tuple[int, int]:
+        """(conv state, SSM state) bytes of one Mamba-2 layer on one rank, as vLLM shapes them: conv
+        (kernel - 1, (heads x head_dim + 2 x groups x state) / tp), SSM (heads / tp, head_dim, state)."""
+        conv_dim = (self.mamba_num_heads * self.mamba_head_dim + 2 * self.n_groups * self.ssm_state_size) // tp
+        conv = (self.conv_kernel - 1) * conv_dim * DTYPE_BYTES[self.conv_dtype]
+        ssm = self.mamba_num_heads // tp * self.mamba_head_dim * self.ssm_state_size * DTYPE_BYTES[self.ssm_dtype]
+        return conv, ssm
+
+
 def vllm_group_size(layer_counts: list[int]) -> int:
     """Layers per KV-cache group under vLLM's uniform-page-size grouping."""
     lo, hi = min(layer_counts), max(layer_counts)
     return hi if hi < lo * 1.5 else lo
 
 
-def vllm_groups(layer_kinds: list[str]) -> list[tuple[str, list[int]]]:
+def vllm_groups(layer_kinds: list[str | None]) -> list[tuple[str, list[int]]]:
     """(kind, layer indices) of each KV-cache group, in vLLM's order: buckets by first appearance, each split
-    into ceil(len / size) groups, group i taking the bucket's layers i::groups (vLLM pads the last ones)."""
+    into ceil(len / size) groups, group i taking the bucket's layers i::groups (vLLM pads the last ones).
+    Layers of kind None (MLP, MoE) keep no cache and join no group."""
     buckets: dict[str, list[int]] = {}
     for i, kind in enumerate(layer_kinds):
-        buckets.setdefault(kind, []).append(i)
+        if kind is not None:
+            buckets.setdefault(kind, []).append(i)
     size = vllm_group_size([len(v) for v in buckets.values()])
     out: list[tuple[str, list[int]]] = []
     for kind, idxs in buckets.items():
@@ -90,12 +154,11 @@ def vllm_groups(layer_kinds: list[str]) -> list[tuple[str, list[int]]]:
     return out
 
 
-def hybrid_layout(cfg: HybridModelConfig, tp: int = 1, align: int = 16) -> ModelLayout:
+def hybrid_layout(cfg: HybridModelConfig | Mamba2HybridConfig, tp: int = 1, align: int = 16) -> ModelLayout:
     """The layout of one tensor-parallel rank of `cfg`, with vLLM's alignment and grouping rules."""
     if tp < 1 or (tp & (tp - 1)):
         raise LayoutError(f"tensor-parallel size must be a power of two, got {tp}")
-    if cfg.linear_num_value_heads % tp or cfg.linear_num_key_heads % tp:
-        raise LayoutError(f"{cfg.name}: linear-attention heads do not split over tp={tp}")
+    cfg.check_tp(tp)
     attn_tok = cfg.attn_page_per_token(tp)
     conv, ssm = cfg.recurrent_state_bytes(tp)
     mamba_page = conv + ssm
@@ -144,8 +207,28 @@ MODEL_CONFIGS: dict[str, HybridModelConfig] = {
 }
 
 
+# Mamba-2 hybrids: their layouts (a client or the connector's preset check); the harness's scenarios model
+# the Qwen-style configs above only.
+# Nemotron-H-8B (nvidia/Nemotron-H-8B-Base-8K): 52 layers in the pattern below (24 Mamba-2, 4 attention,
+# 24 MLP), hidden 4096, 32 query / 8 KV heads of 128, 128 Mamba heads of 64 with state 128 (NVIDIA's
+# Megatron-Bridge model page, "Nemotron H 8B Specifications"); 8 groups, conv kernel 4 and an fp32 SSM cache
+# are transformers' NemotronHConfig defaults, which describe this model.
+NEMOTRON_H_8B = Mamba2HybridConfig(
+    name="nvidia/Nemotron-H-8B-Base-8K", pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+    num_kv_heads=8, head_dim=128, num_attention_heads=32, hidden_size=4096, mamba_num_heads=128, mamba_head_dim=64,
+    ssm_state_size=128, n_groups=8, conv_kernel=4, active_params=8e9,
+)
+MAMBA2_CONFIGS: dict[str, Mamba2HybridConfig] = {"nemotron-h-8b": NEMOTRON_H_8B}
+
+
 def preset_names() -> list[str]:
+    """The Qwen-style (Gated DeltaNet) presets, which scenarios can model."""
     return sorted(MODEL_CONFIGS)
+
+
+def layout_preset_names() -> list[str]:
+    """Every preset with a layout: the Gated DeltaNet ones and the Mamba-2 ones."""
+    return sorted([*MODEL_CONFIGS, *MAMBA2_CONFIGS])
 
 
 def model_config(name: str) -> HybridModelConfig:
@@ -156,5 +239,9 @@ def model_config(name: str) -> HybridModelConfig:
 
 
 def preset_layout(name: str, tp: int = 1) -> ModelLayout:
-    """The layout of preset `name` on one rank at tensor-parallel size `tp`."""
+    """The layout of preset `name` (Gated DeltaNet or Mamba-2) on one rank at tensor-parallel size `tp`."""
+    if name in MAMBA2_CONFIGS:
+        return hybrid_layout(MAMBA2_CONFIGS[name], tp)
+    if name not in MODEL_CONFIGS:
+        raise LayoutError(f"unknown model preset {name!r}; known: {', '.join(layout_preset_names())}")
     return hybrid_layout(model_config(name), tp)
