@@ -81,7 +81,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._requests: dict[str, Request] = {}
         self._interval = IntervalCounter(SCHEDULER_FIELDS if role == KVConnectorRole.SCHEDULER else WORKER_FIELDS)
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_side = SchedulerSide(self.settings, self.layout, self.chunk_tokens)
+            self.scheduler_side = SchedulerSide(self.settings, self.layout, self.chunk_tokens,
+                                                max(1, parallel.tensor_parallel_size))
         else:
             self.worker_side = WorkerSide(self.settings, self.layout, self.chunk_tokens, parallel.rank % max(
                 1, parallel.tensor_parallel_size))

@@ -40,7 +40,7 @@ class _Pending:
 
     token_ids: list[int]
     skip_tokens: int
-    lease: int  # the server's pins of the hit: one set per request, however often vLLM asks
+    leases: list[tuple[int, int]]  # (engine, lease) per rank: one pin set per request, however often vLLM asks
     extras: list[bytes] | None
     tier: HitTier
 
@@ -72,39 +72,45 @@ class _Request:
 
 
 class SchedulerSide:
-    """Lookups and transfer plans for one vLLM scheduler; rank 0's namespace decides hits."""
+    """Lookups and transfer plans for one vLLM scheduler. Each tensor-parallel rank stores its own shard under
+    its own namespace, so the scheduler registers once per rank and a hit is what every rank holds (the
+    shortest of the ranks' prefixes), pinned on every rank until the request ends."""
 
-    def __init__(self, settings: ConnectorSettings, layout: ModelLayout, chunk_tokens: int):
+    def __init__(self, settings: ConnectorSettings, layout: ModelLayout, chunk_tokens: int, tp_size: int = 1):
+        if tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {tp_size}")
         self.settings = settings
         self.layout = layout
         self.chunk_tokens = chunk_tokens
+        self.tp_size = tp_size
         self.stats = SchedulerStats()
         self._client: CacheClient | None = None
-        self._engine = 0
-        self._namespace = b""
+        self._ranks: list[tuple[int, bytes]] = []  # (engine, namespace) of each rank, rank 0 first
         self._l2 = False  # the server has an L2: only then can a prefix have to come back from disk
         self._next_try = 0.0
         self._pending: dict[str, _Pending] = {}
         self._requests: dict[str, _Request] = {}
         self._loads: list[LoadJob] = []
         self._ending: list[Future] = []  # EndSession replies not in yet (vLLM never waits for them)
-        self._registering: tuple[CacheClient, Future] | None = None  # a reconnect in flight
+        self._registering: tuple[CacheClient, list[Future]] | None = None  # a reconnect in flight
         self._start_registering()
         self._connect(at_start=True)
 
     # ---- the server connection ------------------------------------------------------------------
 
     def _start_registering(self) -> None:
-        """Send Register on a new connection without waiting: a hung server never holds up the scheduler."""
+        """Send a Register per rank on a new connection without waiting: a hung server never holds up the
+        scheduler."""
         client = CacheClient(self.settings.endpoint, timeout_s=self.settings.lookup_timeout_s)
         try:
-            fut = client.submit(P.Register(layout=self.layout, chunk_tokens=self.chunk_tokens, tp_rank=0,
-                                           salt=self.settings.salt, name="vllm-scheduler"))
+            futs = [client.submit(P.Register(layout=self.layout, chunk_tokens=self.chunk_tokens, tp_rank=rank,
+                                             salt=self.settings.salt, name=f"vllm-scheduler-rank{rank}"))
+                    for rank in range(self.tp_size)]
         except Exception as e:
             client.close()
             self._unreachable(e)
             return
-        self._registering = client, fut
+        self._registering = client, futs
 
     def _connect(self, at_start: bool = False) -> bool:
         """True when registered. Otherwise False (a miss for now): a Register is sent if none is in flight and
@@ -118,15 +124,16 @@ class SchedulerSide:
             self._start_registering()
             if self._registering is None:
                 return False
-        client, fut = self._registering
-        if not (at_start or fut.done()):
+        client, futs = self._registering
+        if not (at_start or all(f.done() for f in futs)):
             return False
         self._registering = None
         try:
-            reg, _ = fut.result(timeout=self.settings.lookup_timeout_s + 5)
+            regs = [f.result(timeout=self.settings.lookup_timeout_s + 5)[0] for f in futs]
             expect = [self.layout.object_bytes(g, self.chunk_tokens) for g in range(len(self.layout.groups))]
-            if reg.object_bytes != expect:
-                raise LayoutError(f"cache server sizes objects {reg.object_bytes}, vLLM's layout {expect}")
+            for reg in regs:
+                if reg.object_bytes != expect:
+                    raise LayoutError(f"cache server sizes objects {reg.object_bytes}, vLLM's layout {expect}")
         except (ServerError, LayoutError) as e:
             client.close()
             if at_start and (isinstance(e, LayoutError) or e.code == P.ErrorCode.LAYOUT):
@@ -135,8 +142,10 @@ class SchedulerSide:
         except Exception as e:  # timeout, bad endpoint: the server is down
             client.close()
             return self._unreachable(e)
-        client.keepalive(reg.engine, reg.heartbeat_s)
-        self._client, self._engine, self._namespace, self._l2 = client, reg.engine, reg.namespace, reg.l2
+        for reg in regs:
+            client.keepalive(reg.engine, reg.heartbeat_s)
+        self._client, self._l2 = client, regs[0].l2
+        self._ranks = [(reg.engine, reg.namespace) for reg in regs]
         return True
 
     def _unreachable(self, e: BaseException) -> bool:
@@ -175,8 +184,10 @@ class SchedulerSide:
         skip = num_computed_tokens // self.chunk_tokens
         extras = chunk_extras(request, limit // self.chunk_tokens, self.chunk_tokens)
         p: P.Prefetching | None = None
+        client = self._client
+        results: list[P.LookupResult] = []
         try:
-            keys = chunk_keys(self._namespace, tokens, self.chunk_tokens, extras)
+            keys = [(engine, chunk_keys(ns, tokens, self.chunk_tokens, extras)) for engine, ns in self._ranks]
             if (p := self._prefetch(track, keys, policy, skip)) is not None:
                 if p.hit_chunks * self.chunk_tokens <= num_computed_tokens:
                     return 0, False  # nothing beyond vLLM's own hit, in L1 or L2: no lookup needed
@@ -184,19 +195,25 @@ class SchedulerSide:
                     track.l2_since = track.l2_since or time.monotonic()
                     self.stats.lookups_deferred += 1
                     return None, False
-            r, _ = self._client.call(P.Lookup(engine=self._engine, request=rid, keys=keys, policy=policy,
-                                              skip_chunks=skip), timeout=self.settings.lookup_timeout_s)
+            # every rank's lookup in flight at once: one round trip whatever the TP size
+            futs = [client.submit(P.Lookup(engine=engine, request=rid, keys=k, policy=policy, skip_chunks=skip))
+                    for engine, k in keys]
+            until = time.monotonic() + self.settings.lookup_timeout_s
+            for f in futs:
+                results.append(f.result(timeout=max(0.0, until - time.monotonic()))[0])
         except Exception as e:  # slow or gone: a miss
             self.stats.lookup_failures += 1
             self._drop_connection(e)
             return 0, False
         finally:
             self.stats.lookup_s += time.perf_counter() - t0
-        hit = r.hit_chunks * self.chunk_tokens
+        # a shard one rank lacks would fail that rank's load: the hit is what every rank holds
+        hit = min(r.hit_chunks for r in results) * self.chunk_tokens
         # a prefix that waited for L2 reads came partly from disk; one a Prefetch found in L1, or any on a server
         # without L2, came from memory; a lookup on a server with L2 and no Prefetch may have read either
         tier: HitTier = "l2" if track.l2_since else "l1" if (p is not None or not self._l2) else "unknown"
-        pending = _Pending(tokens[:hit], num_computed_tokens, r.lease, extras, tier)
+        leases = [(engine, r.lease) for (engine, _), r in zip(self._ranks, results, strict=True)]
+        pending = _Pending(tokens[:hit], num_computed_tokens, leases, extras, tier)
         if hit <= num_computed_tokens:
             self._release(pending)
             return 0, False
@@ -204,15 +221,19 @@ class SchedulerSide:
         return hit - num_computed_tokens, False
 
     def _release(self, pending: _Pending) -> None:
-        """Drop a hit's pins without waiting (vLLM did not take it, or asks again from another point)."""
-        if self._client is None or not pending.lease:
+        """Drop a hit's pins on every rank without waiting (vLLM did not take it, or asks again from another
+        point)."""
+        if self._client is None:
             return
         try:
-            self._client.submit(P.Release(engine=self._engine, lease=pending.lease))
+            for engine, lease in pending.leases:
+                if lease:
+                    self._client.submit(P.Release(engine=engine, lease=lease))
         except Exception as e:
             self._drop_connection(e)
 
-    def _prefetch(self, track: _Request, keys: list[bytes], policy: Policy, skip: int) -> P.Prefetching | None:
+    def _prefetch(self, track: _Request, keys: list[tuple[int, list[bytes]]], policy: Policy,
+                  skip: int) -> P.Prefetching | None:
         """A Prefetch of the request's prefix (answered at once, pinning nothing; it starts the reads of what
         is only in L2), so that a prefix on disk waits in vLLM's queue instead of holding up the scheduler in a
         lookup. None where that cannot help: the server has no L2, the request waited `l2_wait_s` already
@@ -222,14 +243,21 @@ class SchedulerSide:
                 track.l2_since and time.monotonic() - track.l2_since >= self.settings.l2_wait_s):
             return None
         assert self._client is not None
+        futs = [self._client.submit(P.Prefetch(engine=engine, keys=k, policy=policy, skip_chunks=skip))
+                for engine, k in keys]
+        until = time.monotonic() + self.settings.lookup_timeout_s
+        answers: list[P.Prefetching] = []
         try:
-            p, _ = self._client.call(P.Prefetch(engine=self._engine, keys=keys, policy=policy, skip_chunks=skip),
-                                     timeout=self.settings.lookup_timeout_s)
+            for f in futs:
+                answers.append(f.result(timeout=max(0.0, until - time.monotonic()))[0])
         except ServerError as e:
             if e.code != P.ErrorCode.LIMIT:
                 raise
             return None
-        return p
+        # every rank's prefix: the shortest hit, and reads to wait for if any rank still has some
+        return P.Prefetching(hit_chunks=min(a.hit_chunks for a in answers), in_l1=min(a.in_l1 for a in answers),
+                             loading=sum(a.loading for a in answers), started=sum(a.started for a in answers),
+                             waiting=sum(a.waiting for a in answers), refused=sum(a.refused for a in answers))
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """vLLM allocated the request's blocks: plan the load of the hit it accepted."""
@@ -312,7 +340,8 @@ class SchedulerSide:
             return
         self._ending = [f for f in self._ending if not f.done()]
         try:
-            self._ending.append(self._client.submit(P.EndSession(engine=self._engine, request=rid)))
+            self._ending.extend(self._client.submit(P.EndSession(engine=engine, request=rid))
+                                for engine, _ in self._ranks)
         except Exception as e:
             self._drop_connection(e)
 
@@ -335,8 +364,9 @@ class SchedulerSide:
     def close(self) -> None:
         if self._client is not None:
             try:
-                self._client.forget(self._engine)
-                self._client.call(P.Unregister(engine=self._engine), timeout=2)
+                for engine, _ in self._ranks:
+                    self._client.forget(engine)
+                    self._client.call(P.Unregister(engine=engine), timeout=2)
             except Exception:
                 pass  # the server reclaims silent engines anyway
             self._client.close()
