@@ -173,6 +173,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- statistics (both sides; vLLM sums the workers' and the scheduler's) ----------------------------
 
+    def reset_cache(self) -> bool | None:
+        """Drop what this deployment stored in hybridkv (vLLM's `reset_prefix_cache(reset_connector=True)`)."""
+        return self.scheduler_side.reset_cache() if self.scheduler_side is not None else None
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """This side's counters since the last call (`hybridkv.engine.vllm.stats.COUNTERS`)."""
         side = self.scheduler_side or self.worker_side

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HitTier = Literal["l1", "l2", "unknown"]
+RESET_TIMEOUT_S = 5.0  # how long vLLM's reset of the external cache waits for the server's answer
 
 
 @dataclass(slots=True)
@@ -360,6 +361,27 @@ class SchedulerSide:
             e = f.exception()
             if e is not None and not isinstance(e, ServerError):  # an answer, even an error, means it was handled
                 raise ConnectionError(f"the end of a finished request's session was not confirmed: {e}") from e
+
+    def reset_cache(self) -> bool:
+        """vLLM's `reset_prefix_cache(reset_connector=True)` (`POST /reset_prefix_cache?reset_external=true`):
+        drop every object this deployment's ranks stored, from the server's memory and disk. Objects pinned by
+        running requests stay, as vLLM's own reset leaves running requests' blocks. False when the server is
+        unreachable or did not confirm within RESET_TIMEOUT_S (vLLM's engine waits for this call; the server may
+        still finish the drop)."""
+        if not self._connect(at_start=True):
+            return False
+        client = self._client
+        assert client is not None
+        try:
+            futs = [client.submit(P.Clear(engine=engine)) for engine, _ in self._ranks]
+            until = time.monotonic() + RESET_TIMEOUT_S
+            dropped = sum(f.result(timeout=max(0.0, until - time.monotonic()))[0].count for f in futs)
+        except Exception as e:
+            log.warning("hybridkv: the cache server did not confirm the reset (%s)", e)
+            self._drop_connection(e)
+            return False
+        log.info("hybridkv: reset: the cache server dropped %d objects of this deployment", dropped)
+        return True
 
     def close(self) -> None:
         if self._client is not None:
