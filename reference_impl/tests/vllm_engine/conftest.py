@@ -81,3 +81,17 @@ def serve(sock_dir) -> Iterator:
         s.close()
     for d in dirs:
         shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def server(serve, request):
+    """A module's own cache server, named after the module."""
+    return serve(name=request.module.__name__.removeprefix("test_engine_").removeprefix("test_"))
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir, server):
+    """A module's engine with the connector against its server, closed at the end (again is a no-op)."""
+    engine = enginekit.make_llm(model_dir, server.endpoint)
+    yield engine
+    enginekit.close_llm(engine)

@@ -4,20 +4,7 @@ is no hit and recomputes the same tokens, and later stores are hits again."""
 
 from __future__ import annotations
 
-import pytest
-from enginekit import BLOCK, close_llm, external_hits, forget_local, generate, make_llm, prompt
-
-
-@pytest.fixture(scope="module")
-def server(serve):
-    return serve(name="reset")
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir, server):
-    engine = make_llm(model_dir, server.endpoint)
-    yield engine
-    close_llm(engine)
+from enginekit import BLOCK, external_hits, forget_local, generate, prompt
 
 
 def test_reset_connector_drops_the_deployment_s_objects(llm, server):

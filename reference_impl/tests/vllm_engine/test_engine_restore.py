@@ -29,18 +29,6 @@ LENGTHS = [129, 200, 255, 256, 257, 300, 383, 450, 511, 513, 600, 640, 777, 900,
 
 
 @pytest.fixture(scope="module")
-def server(serve):
-    return serve(name="restore")
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir, server):
-    engine = make_llm(model_dir, server.endpoint)
-    yield engine
-    close_llm(engine)
-
-
-@pytest.fixture(scope="module")
 def stored(llm):
     """Cold runs of prompts of many lengths (none a multiple of the block but two), in two batches: their
     tokens, stored in hybridkv by the connector."""

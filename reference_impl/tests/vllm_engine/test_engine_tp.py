@@ -45,11 +45,6 @@ def tp_model(model_dir):
 
 
 @pytest.fixture(scope="module")
-def server(serve):
-    return serve(name="tp")
-
-
-@pytest.fixture(scope="module")
 def llm(tp_model, server):
     from vllm import LLM
 
