@@ -37,6 +37,7 @@ from hybridkv.engine.vllm.settings import ConnectorSettings
 from hybridkv.layout import LayoutError, ModelLayout
 from hybridkv.policy import Policy
 from hybridkv.protocol import ErrorCode, WireFormat
+from hybridkv.wire_formats import traits
 
 if TYPE_CHECKING:
     import torch
@@ -192,7 +193,7 @@ class WorkerSide:
             # busy the engine is, and giving them up would only cost a recompute. A payload wire's copies wait
             # for the server's frames first: those are given up if they have not started in time.
             t = self.transfer
-            direct = t is not None and t.wire.direct
+            direct = t is not None and traits(t.config.wire_format).direct
             load.deadline = float("inf") if direct else time.monotonic() + self.settings.lookup_timeout_s
 
     def _ready_event(self) -> torch.cuda.Event | None:
