@@ -15,10 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from hybridkv_bench import vllm_offline as offline
 from hybridkv.engine.vllm.settings import kv_transfer_config
 from hybridkv.presets import HybridModelConfig
 
+from hybridkv_bench import vllm_offline as offline
 from hybridkv_bench.engine_sim import HitMismatch, RequestResult
 
 _MODEL_CONFIGS: dict[tuple[HybridModelConfig, int], object] = {}  # vLLM inspects an architecture for ~30 s
