@@ -29,6 +29,7 @@ from hybridkv.engine.client import CacheClient
 from hybridkv.engine.copies import Issued, PageCopies, PlannedPages
 from hybridkv.engine.handles import Hit, PreparedStore, TransferHandle
 from hybridkv.engine.wire import CopyFn, DirectWire, ObjectJob, PayloadWire
+from hybridkv.wire_formats import traits
 
 Kind = Literal["store", "load"]
 # A transfer's handle and the worker's step for it: the whole transfer, or the end of one whose copies its
@@ -294,7 +295,10 @@ class PayloadRoute(Route):
 
 def open_route(wire: DirectWire | PayloadWire, client: CacheClient, engine_id: int, copies: PageCopies,
                timeout_s: float) -> Route:
-    """The route of `wire`'s kind (`hybridkv.wire_formats.TRAITS`' `direct`: `wire`'s class says it)."""
-    if isinstance(wire, DirectWire):
+    """The route its format's traits name (`hybridkv.wire_formats.TRAITS`: direct or not; `engine.wire` checks
+    that each format's strategy is of that kind)."""
+    if traits(wire.format).direct:
+        assert isinstance(wire, DirectWire)
         return DirectRoute(wire, client, engine_id, copies, timeout_s)
+    assert isinstance(wire, PayloadWire)
     return PayloadRoute(wire, client, engine_id, copies, timeout_s)
