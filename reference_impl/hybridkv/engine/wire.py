@@ -135,7 +135,7 @@ class WireContext:
 class WireStrategy(ABC):
     """One wire format's engine half; a format is either a `DirectWire` or a `PayloadWire`."""
 
-    format: ClassVar[P.WireFormat]
+    format: ClassVar[WireFormat]
 
     def __init__(self, ctx: WireContext):
         self.ctx = ctx
