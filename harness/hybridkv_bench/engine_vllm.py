@@ -1,6 +1,6 @@
 """The `vllm` engine kind: vLLM 0.33's own scheduler and KV-cache allocator drive the hybridkv connector
 (`hybridkv.engine.vllm`), so every hit, block id and state block is the one vLLM produces. The forward is
-simulated (`hybridkv.engine.vllm.offline`): pages are derived from the token prefix and every page a load
+simulated (`hybridkv_bench.vllm_offline`): pages are derived from the token prefix and every page a load
 wrote is checked before the forward runs. vLLM's own prefix cache is emptied before each request, so every
 hit a request gets is hybridkv's. One scheduler step prefills one chunk and vLLM keeps a GDN state at every
 chunk, as the simulated engine's `all` store policy does.
@@ -15,10 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from hybridkv.engine.vllm import offline
 from hybridkv.engine.vllm.settings import kv_transfer_config
 from hybridkv.presets import HybridModelConfig
 
+from hybridkv_bench import vllm_offline as offline
 from hybridkv_bench.engine_sim import HitMismatch, RequestResult
 
 _MODEL_CONFIGS: dict[tuple[HybridModelConfig, int], object] = {}  # vLLM inspects an architecture for ~30 s

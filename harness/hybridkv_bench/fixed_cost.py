@@ -39,6 +39,7 @@ import torch
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.engine.transfer import KVTransfer, TransferHandle
+from hybridkv.engine.wire import DirectWire
 from hybridkv.layout import ModelLayout
 from hybridkv.policy import chunk_objects
 from hybridkv.presets import preset_layout
@@ -117,6 +118,7 @@ def profile(endpoint: str, layout: ModelLayout, chunks: int, rounds: int, device
         prep = prepare_abort()
         out["object_blocks"] = _p50_us(lambda: kv._object_blocks(prep.slots, src), rounds)
         jobs = kv._object_blocks(prep.slots, src)
+        assert isinstance(kv.wire, DirectWire)  # the default format, shm
         triples = kv.wire.slots(jobs)
         transfers = [(kv.groups[o.group], ids, host) for o, ids, host in triples]
         out["build_plan"] = _p50_us(lambda: build_plan("gather", transfers), rounds)
@@ -197,6 +199,7 @@ def profile_issue(endpoint: str, layout: ModelLayout, chunks: int, rounds: int, 
         prep = kv.prepare_store("i", tokens, block_ids=src)
         reply = prep.wait(30)
         jobs = kv._object_blocks(reply.slots, src)
+        assert isinstance(kv.wire, DirectWire)  # the default format, shm
         triples = kv.wire.slots(jobs)
         assert prep.pages is not None
 

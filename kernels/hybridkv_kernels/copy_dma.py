@@ -42,10 +42,10 @@ def copy_runs(plan: PageCopyPlan) -> tuple[np.ndarray, np.ndarray]:
 
 
 _local = threading.local()
-# Runs per batched driver call. A call's copies can start only once it returns, and the driver spends about
-# 0.77 us per copy in it (H200, results/h200/2026-12-01-eve/): a TP8 rank's 100k-token store (4,000+ page copies)
-# in one call per stream kept the copy engines idle for about 3 ms. Slices of this many runs, the two streams'
-# taking turns, start the copy engines after the first slice while the rest is queued.
+# Runs per batched driver call. A call's copies can start only once it returns, and the driver's time in it grows
+# with its copies: one call per stream for a long store leaves the copy engines idle for milliseconds
+# (kernels/README.md, "Batched DMA"). Slices of this many runs, the two streams' taking turns, start the copy
+# engines after the first slice while the rest is queued.
 SLICE_RUNS = 512
 
 
@@ -65,8 +65,8 @@ def _side_stream(stream: torch.cuda.Stream) -> torch.cuda.Stream:
 def copy_pages_dma(plan: PageCopyPlan, batched: bool | None = None, stream: torch.cuda.Stream | None = None) -> None:
     """Run `plan` in order with `stream` (None: the current stream): on CUDA, when the driver batches memcpys
     (`batched=None`: whenever available), its runs of pages in batched driver calls of up to `SLICE_RUNS`, half on
-    the stream and half on a side stream joined back to it, the two taking turns (two copy engines at work:
-    0.95-0.98 of the ceiling on the H200 where one batch held 0.92-0.97); else one async `copy_` per run."""
+    the stream and half on a side stream joined back to it, the two taking turns (two copy engines at work,
+    closer to the ceiling than one batch: kernels/README.md, "Batched DMA"); else one async `copy_` per run."""
     if stream is not None and plan.device.type != "cuda":
         raise ValueError(f"a CUDA stream was given for a plan on {plan.device}")
     starts, lengths = copy_runs(plan)

@@ -1,9 +1,9 @@
 """The CUDA driver's batched memcpy (cuMemcpyBatchAsync, CUDA 12.8+), through ctypes.
 
 One driver call enqueues every page copy of a plan on a stream: the copy engines then run them back to
-back, without the gap a separate cudaMemcpyAsync per page leaves between copies. On the H200 it holds
-0.93-0.97 of the PCIe ceiling on pages of 0.4 to 3.2 MB, where one copy per page falls to 0.65-0.92 and
-the Triton kernel to 0.82-0.95 (kernels/README.md, `bench/bench_copy_variants.py`).
+back, without the gap a separate cudaMemcpyAsync per page leaves between copies, so it comes closer to the
+PCIe ceiling than one copy per page or the Triton kernel (kernels/README.md, "Batched DMA";
+`bench/bench_copy_variants.py`).
 
 `available()` says whether this process can use it: a CUDA driver that exports the entry point (the
 CUDA 13 `_v2` signature, or 12.8's with `failIdx`), and `HYBRIDKV_DMA_BATCH` not set to `0` (the switch

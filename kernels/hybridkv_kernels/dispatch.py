@@ -5,7 +5,7 @@ memcpys (`cuda_batch`), at every page size, because the copy engines cost the mo
 kernel takes SMs from it (`engines.py` has the figures); without batching `dma` for pages of at least
 `DMA_MIN_PAGE_BYTES` and `kernel` below, where one copy per page is launch-bound (kernels/README.md); `kernel` is
 the one-launch Triton gather/scatter on CUDA and the torch reference elsewhere (Triton compiles for
-no CPU; its interpreter is a test tool, about 50x slower than torch there); `dma`, `triton` and
+no CPU; its interpreter is a test tool, far slower than torch there); `dma`, `triton` and
 `torch` pin one implementation (benchmarks, tests, comparisons).
 """
 

@@ -9,20 +9,19 @@ the protocol version `v` and a request id `id` that the reply echoes.
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Literal
+from typing import Annotated
 
 import msgspec
 
 from hybridkv.layout import MAX_NAME_CHARS, ModelLayout
-from hybridkv.wire_formats import WireFormat
+from hybridkv.policy import Policy
+from hybridkv.wire_formats import DEFAULT_FORMAT, DEFAULT_PAYLOAD_FORMAT, WireFormat
 
 # A request id, an engine name or a tenant salt: kept by the server for as long as a lease, a reservation or
 # an engine lives, so bounded (vLLM's request ids are under 100 characters).
 Text = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
 
 PROTOCOL_VERSION = 1
-
-RetrievePolicy = Literal["boundary", "all"]
 
 
 class Message(msgspec.Struct, tag_field="op", kw_only=True, forbid_unknown_fields=True):
@@ -56,7 +55,7 @@ class Lookup(Message, tag="lookup"):
     engine: int
     request: Text
     keys: list[bytes]
-    policy: RetrievePolicy = "boundary"
+    policy: Policy = "boundary"
     # chunks the engine already holds: their attention objects are neither pinned nor returned
     skip_chunks: int = 0
     pin: bool = True
@@ -67,7 +66,7 @@ class Prefetch(Message, tag="prefetch"):
     answered at once, before any read ends (a later Lookup of the prefix then finds it in L1)."""
     engine: int
     keys: list[bytes]
-    policy: RetrievePolicy = "boundary"
+    policy: Policy = "boundary"
     # chunks the engine already holds: their attention objects are not read (as Lookup.skip_chunks)
     skip_chunks: int = 0
 
@@ -85,7 +84,7 @@ class CommitStore(Message, tag="commit_store"):
     for cuda_ipc, `blocks` names each slot's engine blocks and the server copies them itself."""
     engine: int
     reservation: int
-    format: WireFormat = "shm"
+    format: WireFormat = DEFAULT_FORMAT
     blocks: list[list[int]] = []
 
 
@@ -100,7 +99,7 @@ class Retrieve(Message, tag="retrieve"):
     for cuda_ipc, copy them into the engine blocks named by `blocks` and answer when done."""
     engine: int
     lease: int
-    format: WireFormat = "raw"
+    format: WireFormat = DEFAULT_PAYLOAD_FORMAT
     blocks: list[list[int]] = []
 
 

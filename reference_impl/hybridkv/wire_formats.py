@@ -33,6 +33,8 @@ TRAITS: dict[WireFormat, FormatTraits] = {
                              label="CUDA-IPC server"),
 }
 FORMATS: tuple[WireFormat, ...] = get_args(WireFormat)
+DEFAULT_FORMAT: WireFormat = "shm"          # an engine's format unless told otherwise: the direct one
+DEFAULT_PAYLOAD_FORMAT: WireFormat = "raw"  # a Retrieve's format unless told otherwise: frames, no serializing
 assert set(FORMATS) == set(TRAITS), "every wire format has its traits"
 
 

@@ -2,8 +2,8 @@
 
 A ZMQ socket is not thread-safe, so every use of it is under one lock. A thread in `call()` sends its
 request itself and then *leads*: it holds the socket, polls it and hands every reply to the request it
-answers, its own included, until its own reply has come. No other thread is woken on that path
-(issue 15: two thread hand-offs per request cost more than the server's work). Another thread that needs
+answers, its own included, until its own reply has come. No other thread is woken on that path (two
+thread hand-offs per request cost more than the server's work). Another thread that needs
 the socket meanwhile asks the leader to step down (a byte on a wake-up socket) and takes over; the old
 leader then waits as a follower until its reply is handed to it or the socket is free again. A call() that
 finds the socket free sends and polls once without entering its request in the table of pending requests;
@@ -22,89 +22,18 @@ from __future__ import annotations
 import itertools
 import math
 import select
-import socket
 import threading
 import time
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from typing import Any
 
-import msgspec
 import zmq
 from zmq.backend import zmq_poll
 
 from hybridkv import protocol as P
+from hybridkv.engine.pending import Pending, ServerError, ServerTimeout, Wake, recv_reply
 
 IDLE_S = 0.1  # the longest anyone polls before looking at heartbeats, timeouts and close()
-
-
-class ServerError(RuntimeError):
-    """The server answered with an Error reply."""
-
-    def __init__(self, code: str, message: str, op: str = ""):
-        super().__init__(f"{op}: {code}: {message}" if op else f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
-class ServerTimeout(TimeoutError):
-    """No reply within the timeout: the server is gone, stalled, or the endpoint is wrong."""
-
-
-class _Pending:
-    """A request sent and not yet answered. A submit()'s outcome goes to its Future; a call()'s is kept
-    here for the waiting caller (no Future, no lock of its own: the caller usually receives it itself)."""
-    __slots__ = ("deadline", "op", "future", "done", "reply", "error")
-
-    def __init__(self, deadline: float, op: str, future: Future | None):
-        self.deadline, self.op, self.future = deadline, op, future
-        self.done = False
-        self.reply: tuple[P.Message, list] | None = None
-        self.error: BaseException | None = None
-
-    def finish(self, reply: tuple[P.Message, list] | None, error: BaseException | None) -> None:
-        if self.future is not None:
-            try:
-                if error is not None:
-                    self.future.set_exception(error)
-                else:
-                    self.future.set_result(reply)
-            except InvalidStateError:
-                pass  # the submitter cancelled it
-        self.reply, self.error, self.done = reply, error, True
-
-    def outcome(self) -> tuple[P.Message, list]:
-        if self.error is not None:
-            raise self.error
-        assert self.reply is not None
-        return self.reply
-
-
-class _Wake:
-    """A wake-up socket pair: poke() from any thread, the waiting side polls `fd` and drain()s it.
-    Socket objects, not raw descriptors: a poke after close() raises instead of writing to a reused fd."""
-
-    def __init__(self) -> None:
-        self.r, self.w = socket.socketpair()
-        self.r.setblocking(False)
-        self.w.setblocking(False)
-        self.fd = self.r.fileno()
-
-    def poke(self) -> None:
-        try:
-            self.w.send(b"w")
-        except OSError:
-            pass  # full (a wake-up is pending anyway) or closed
-
-    def drain(self) -> None:
-        try:
-            while self.r.recv(4096):
-                pass
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        self.r.close()
-        self.w.close()
 
 
 class CacheClient:
@@ -120,12 +49,12 @@ class CacheClient:
         self._sock.connect(endpoint)
         self._sock_lock = threading.Lock()  # every use of self._sock, and self._owner
         self._owner = 0                     # thread id holding _sock_lock
-        self._lead_wake = _Wake()           # asks the thread polling the socket to step down
-        self._io_wake = _Wake()             # wakes the I/O thread
+        self._lead_wake = Wake()           # asks the thread polling the socket to step down
+        self._io_wake = Wake()             # wakes the I/O thread
         self._poll_items = [(self._sock, zmq.POLLIN), (self._lead_wake.fd, zmq.POLLIN)]  # for zmq_poll
         self._lock = threading.Lock()       # the tables and counts below
         self._turn = threading.Condition(self._lock)  # followers wait here for their reply or the socket
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, Pending] = {}
         self._keepalive: dict[int, float] = {}  # engine id -> interval
         self._unwaited = 0   # pending requests of submit(): someone must receive for them
         self._want = 0       # threads waiting for the socket: a leader steps down for them
@@ -207,10 +136,10 @@ class CacheClient:
 
     # ---- the socket: taking it, sending, leading -------------------------------------------------
 
-    def _register(self, msg: P.Message, future: Future | None) -> _Pending:
+    def _register(self, msg: P.Message, future: Future | None) -> Pending:
         """Give `msg` its id and a pending entry; `future` None: a call() waits on the entry itself."""
         msg.id = next(self._ids)
-        entry = _Pending(time.monotonic() + self.timeout_s, type(msg).__name__, future)
+        entry = Pending(time.monotonic() + self.timeout_s, type(msg).__name__, future)
         with self._lock:
             if self._closed:
                 raise RuntimeError("client is closed")
@@ -241,7 +170,7 @@ class CacheClient:
         elif self._unwaited:
             self._io_wake.poke()
 
-    def _send(self, msg: P.Message, frames: list | tuple, entry: _Pending) -> None:
+    def _send(self, msg: P.Message, frames: list | tuple, entry: Pending) -> None:
         """Send under the socket lock; a request that cannot be sent fails its own entry."""
         try:
             if self._closed:
@@ -265,7 +194,7 @@ class CacheClient:
         else:
             self._sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
 
-    def _lead(self, entry: _Pending | None, until: float) -> None:
+    def _lead(self, entry: Pending | None, until: float) -> None:
         """Receive for everyone until `entry` is answered (None: until no submit() reply is owed), someone
         else wants the socket, the client closes, or `until`. The caller holds the socket."""
         while not self._closed:
@@ -285,7 +214,7 @@ class CacheClient:
         got: tuple[P.Reply | None, list] = (None, [])
         for what, _ in zmq_poll(self._poll_items, math.ceil(min(wait, IDLE_S) * 1000)):
             if what is self._sock:
-                got = self._recv_reply()
+                got = recv_reply(self._sock)
             else:
                 self._lead_wake.drain()
         return got
@@ -309,13 +238,13 @@ class CacheClient:
                 self._sock.send(P.encode(msg), zmq.NOBLOCK)
             except zmq.Again:  # the server reads nothing: _send waits for room in the send queue
                 reply = None
-                entry = self._enlist(req_id, _Pending(deadline, type(msg).__name__, None))
+                entry = self._enlist(req_id, Pending(deadline, type(msg).__name__, None))
                 self._send(msg, (), entry)
             else:
                 reply, frames = (None, []) if self._want or lead_until <= now else self._poll_once(lead_until - now)
                 if reply is None or reply.id != req_id:
                     # entered before another's reply is handed on: its callback may close()
-                    entry = self._enlist(req_id, _Pending(deadline, type(msg).__name__, None))
+                    entry = self._enlist(req_id, Pending(deadline, type(msg).__name__, None))
                     if reply is not None:
                         self._hand(reply, frames)
                         reply = None
@@ -329,7 +258,7 @@ class CacheClient:
             raise ServerError(reply.code, reply.message, type(msg).__name__)
         return reply, [f.buffer for f in frames] if frames else []
 
-    def _wait(self, entry: _Pending, lead_until: float, until: float, wait_s: float) -> Any:
+    def _wait(self, entry: Pending, lead_until: float, until: float, wait_s: float) -> Any:
         """call()'s wait, holding the socket on entry: lead, or follow while another thread leads.
         A leader polls until its request's deadline (`lead_until`) at most, then fails it itself."""
         leading = True
@@ -362,20 +291,9 @@ class CacheClient:
 
     def _receive(self) -> None:
         """Receive one queued reply and hand it to its request."""
-        reply, frames = self._recv_reply()
+        reply, frames = recv_reply(self._sock)
         if reply is not None:
             self._hand(reply, frames)
-
-    def _recv_reply(self) -> tuple[P.Reply | None, list]:
-        """One queued reply: (the reply, None when it does not decode, and its payload frames). No frame is
-        copied, and the reply frame says itself whether payload frames follow (sock.get(RCVMORE) costs
-        about a microsecond: pyzmq builds an enum on every call)."""
-        head = self._sock.recv(zmq.NOBLOCK, copy=False)
-        frames = self._sock.recv_multipart(copy=False) if head.more else []
-        try:
-            return P.decode_reply(head.buffer), frames
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return None, frames  # not ours to answer; the request it belonged to times out
 
     def _hand(self, reply: P.Reply, frames: list) -> None:
         """Finish the request `reply` answers, if it is still pending."""
@@ -390,14 +308,14 @@ class CacheClient:
             with self._turn:
                 self._turn.notify_all()
 
-    def _enlist(self, req_id: int, entry: _Pending) -> _Pending:
+    def _enlist(self, req_id: int, entry: Pending) -> Pending:
         """Enter a call()'s entry that _call_alone() sent without one; the caller holds the socket, so close()
         cannot have failed the table's entries yet (it fails them holding the socket)."""
         with self._lock:
             self._pending[req_id] = entry
         return entry
 
-    def _pop(self, req_id: int) -> _Pending | None:
+    def _pop(self, req_id: int) -> Pending | None:
         with self._lock:
             entry = self._pending.pop(req_id, None)
             if entry is not None and entry.future is not None:

@@ -5,24 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from hybridkv_kernels import CopyEngine
+from hybridkv_kernels import COPY_ENGINES, CopyEngine
 
-from hybridkv import protocol as P
-from hybridkv.engine.wire import WIRE_FORMATS
 from hybridkv.policy import Policy, check_policy
+from hybridkv.wire_formats import DEFAULT_FORMAT, FORMATS, WireFormat
 
 Streams = Literal["single", "per_group"]
 STREAM_MODES: tuple[Streams, ...] = get_args(Streams)
-COPY_ENGINES: tuple[CopyEngine, ...] = get_args(CopyEngine)
 
 
 @dataclass(frozen=True, slots=True)
 class TransferConfig:
     """How an engine moves bytes; validated at construction."""
 
-    wire_format: P.WireFormat = "shm"
+    wire_format: WireFormat = DEFAULT_FORMAT
     # auto: DMA at every page size where the driver batches memcpys (the copy engines leave the SMs to the
-    # model; the kernel took a third of an H200's matmul rate), else DMA from 1 MiB pages and the kernel below;
+    # model, where a copy kernel competes with its matmuls), else DMA from 1 MiB pages and the kernel below;
     # kernel / dma / triton / torch pin a choice (see hybridkv_kernels.dispatch)
     copy_engine: CopyEngine = "auto"
     streams: Streams = "single"        # single: every group on one stream; per_group: a stream per group (the seed's)
@@ -36,7 +34,7 @@ class TransferConfig:
     name: str = ""
 
     def __post_init__(self) -> None:
-        for fld, allowed in (("wire_format", WIRE_FORMATS), ("copy_engine", COPY_ENGINES),
+        for fld, allowed in (("wire_format", FORMATS), ("copy_engine", COPY_ENGINES),
                              ("streams", STREAM_MODES)):
             if getattr(self, fld) not in allowed:
                 raise ValueError(f"{fld} must be one of {allowed}, got {getattr(self, fld)!r}")

@@ -32,7 +32,7 @@ class PageCopies:
     def __init__(self, groups: Sequence[PagedLayers], impl: str, n_streams: int):
         self.groups = groups
         self.impl = impl
-        device = groups[0].device
+        self.device = device = groups[0].device
         self.streams: dict[str, list[torch.cuda.Stream | None]] = {
             k: [torch.cuda.Stream(device) for _ in range(n_streams)] if device.type == "cuda" else [None]
             for k in ("store", "load")}

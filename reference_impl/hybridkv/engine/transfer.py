@@ -9,13 +9,9 @@ for a recurrent group it holds the state after those tokens (vLLM's prefix-cachi
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from concurrent import futures
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from typing import Literal
 
 import numpy as np
 import torch
@@ -24,9 +20,10 @@ from hybridkv_kernels import choose_impl
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.engine.config import COPY_ENGINES, STREAM_MODES, Streams, TransferConfig
-from hybridkv.engine.copies import Issued, PageCopies
+from hybridkv.engine.copies import PageCopies
 from hybridkv.engine.handles import Hit, PreparedStore, TransferHandle
 from hybridkv.engine.paged import paged_groups, same_blocks
+from hybridkv.engine.routes import open_route
 from hybridkv.engine.wire import WIRE_FORMATS, WIRES, ObjectJob, WireContext
 from hybridkv.keys import chunk_keys
 from hybridkv.layout import LayoutError, ModelLayout
@@ -34,11 +31,6 @@ from hybridkv.policy import chunk_objects, object_blocks
 
 __all__ = ["COPY_ENGINES", "STREAM_MODES", "WIRE_FORMATS", "Hit", "KVTransfer", "PreparedStore", "Streams",
            "TransferConfig", "TransferHandle"]
-
-Kind = Literal["store", "load"]
-# A transfer's handle and the worker's step for it: the whole transfer, or the end of one whose copies its
-# caller queued already (a direct wire on CUDA): wait for them, then commit / release.
-_Item = tuple[TransferHandle, Callable[..., None], tuple]
 
 
 class KVTransfer:
@@ -69,20 +61,8 @@ class KVTransfer:
             client=self.client, engine_id=self.engine_id, device=self.device, groups=self.groups,
             dtypes=[g.dtype for g in layout.groups], arena_path=reg.arena_path, arena_bytes=reg.arena_bytes))
         self.copies = PageCopies(self.groups, self.impl, len(self.groups) if config.streams == "per_group" else 1)
-        self._finished: dict[Kind, set[str]] = {"store": set(), "load": set()}
-        self._finished_lock = threading.Lock()
-        self._commits: set[Future] = set()  # stores' commits in flight (close waits for them)
-        self._store_q: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
-        self._load_q: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
-        # On CUDA a direct wire's copies are queued by the caller of store() / retrieve() (they are
-        # asynchronous there): no hand-off to a worker before the first byte moves, the worker only waits
-        # for them. Elsewhere copies run synchronously, so they stay on the workers.
-        self._issue_in_caller = self.wire.direct and self.device.type == "cuda"
-        # Stores and loads on their own threads: a store parked behind L2 never delays a retrieve.
-        self._workers = [threading.Thread(target=self._store_worker, name="hkv-store", daemon=True),
-                         threading.Thread(target=self._load_worker, name="hkv-load", daemon=True)]
-        for w in self._workers:
-            w.start()
+        # the format's route, chosen once: a direct wire's copies reach the arena, a payload wire sends frames
+        self.route = open_route(self.wire, self.client, self.engine_id, self.copies, config.timeout_s)
 
     # ---- public API -------------------------------------------------------------------------------
 
@@ -138,25 +118,7 @@ class KVTransfer:
         if ready is None and self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
-        scatter = self.copies.copier(h, "scatter", ready)
-
-        def copy(items: list) -> None:
-            h.proceed()  # the last moment a cancel can stop the load: nothing written yet
-            scatter(items)
-
-        if not self.wire.direct:
-            self._load_q.put((h, self._do_load, (hit, lambda: self.wire.load(h, hit, jobs, copy))))
-        elif not self._issue_in_caller:
-            self._load_q.put((h, self._do_load, (hit, lambda: copy(self.wire.slots(jobs)))))
-        else:
-            try:
-                h.proceed()
-                issued = self.copies.issue(h, "scatter", self.wire.slots(jobs), ready)
-            except BaseException as e:
-                self._fail(h, e)
-                self._release(hit.lease, wait=False)
-                return h
-            self._load_q.put((h, self._do_load, (hit, lambda: self.copies.wait(h, issued))))
+        self.route.load(h, hit, jobs, ready)
         return h
 
     def prepare_store(self, request_id: str, token_ids: Sequence[int] | np.ndarray, start_chunk: int = 0,
@@ -182,7 +144,7 @@ class KVTransfer:
             try:
                 prep.pages = self.copies.plan_pages("gather", jobs)
             except BaseException:
-                reply.add_done_callback(self._abort_prepared)
+                reply.add_done_callback(self.route.abort_prepared)
                 raise
             prep.block_ids, prep.jobs = block_ids, jobs
         return prep
@@ -215,7 +177,7 @@ class KVTransfer:
                 else:
                     jobs = self._all_blocks(objects, block_ids)
             except BaseException:
-                prepared.reply.add_done_callback(self._abort_prepared)
+                prepared.reply.add_done_callback(self.route.abort_prepared)
                 raise
         h.t_prepare = prepared.t_submit
         ready = None
@@ -226,13 +188,7 @@ class KVTransfer:
             h.done.set_result(h)
             h.committed.set_result(h)
             return h
-        reply = prepared.reply
-        if self._issue_in_caller and reply.done() and reply.exception() is None:
-            answer = reply.result()[0]
-            if (issued := self._issue_store(h, answer, jobs, pages, ready)) is not None:
-                self._store_q.put((h, self._finish_store, (answer, issued)))
-        else:
-            self._store_q.put((h, self._do_store, (prepared, jobs, pages, ready)))
+        self.route.store(h, prepared, jobs, pages, ready)
         return h
 
     def _check_prepared(self, prep: PreparedStore, request_id: str, token_ids: Sequence[int] | np.ndarray,
@@ -257,20 +213,11 @@ class KVTransfer:
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """Request ids whose stores / retrieves completed since the last call (vLLM's get_finished)."""
-        with self._finished_lock:
-            out = (self._finished["store"], self._finished["load"])
-            self._finished = {"store": set(), "load": set()}
-        return out
+        return self.route.get_finished()
 
     def close(self) -> None:
         """Finish queued transfers, unregister, and release the arena mapping and the connection."""
-        self._store_q.put(None)
-        self._load_q.put(None)
-        for w in self._workers:
-            w.join(timeout=self.config.timeout_s)
-        with self._finished_lock:
-            commits = list(self._commits)
-        futures.wait(commits, timeout=self.config.timeout_s + 5)  # commits resolve on the client's thread
+        self.route.drain()
         try:
             self.client.forget(self.engine_id)
             self.client.call(P.Unregister(engine=self.engine_id), timeout=5)
@@ -286,34 +233,7 @@ class KVTransfer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ---- workers ------------------------------------------------------------------------------------
-
-    def _store_worker(self) -> None:
-        self._work(self._store_q)
-
-    def _load_worker(self) -> None:
-        self._work(self._load_q)
-
-    def _work(self, q: queue.SimpleQueue[_Item | None]) -> None:
-        """Run each queued step; a failure is delivered through its handle and the worker keeps going."""
-        while (item := q.get()) is not None:
-            h, fn, args = item
-            try:
-                fn(h, *args)
-            except BaseException as e:
-                self._fail(h, e)
-
-    @staticmethod
-    def _fail(h: TransferHandle, e: BaseException) -> None:
-        for f in (h.done, h.committed):
-            if not f.done():
-                f.set_exception(e)
-
-    def _resolve_done(self, h: TransferHandle) -> None:
-        """The engine's pages are free: report the request to get_finished, then wake waiters."""
-        with self._finished_lock:
-            self._finished[h.kind].add(h.request_id)
-        h.done.set_result(h)
+    # ---- block ids ----------------------------------------------------------------------------------
 
     def _all_blocks(self, objects: list[tuple[int, int]], block_ids: Sequence[Sequence[int]]) -> list[ObjectJob]:
         """Every (chunk, group) object's blocks, validated in the caller's thread before anything is reserved."""
@@ -325,130 +245,3 @@ class KVTransfer:
             raise ValueError(f"block ids for {len(block_ids)} groups given; the layout has {len(self.groups)}")
         return [(o, np.asarray(object_blocks(self.layout, self.chunk_tokens, o.group, o.chunk, block_ids[o.group]),
                                dtype=np.int64)) for o in objects]
-
-    def _do_store(self, h: TransferHandle, prep: PreparedStore, jobs: list[ObjectJob], pages: dict | None,
-                  ready: torch.cuda.Event | None) -> None:
-        reply = prep.wait(self.config.timeout_s + 5)
-        if self.wire.direct:
-            if (issued := self._issue_store(h, reply, jobs, pages, ready)) is not None:
-                self._finish_store(h, reply, issued)
-            return
-        if self._nothing_to_store(h, reply):
-            return
-        try:
-            copy = self.copies.copier(h, "gather", ready, pages)
-            commit = self.wire.store(h, reply.reservation, self._slot_jobs(reply, jobs), copy, ready,
-                                     lambda: self._pages_read(h, reply))
-        except BaseException:
-            self._abort(reply.reservation)
-            raise
-        self._track_commit(h, reply.reservation, commit)
-
-    def _issue_store(self, h: TransferHandle, reply: P.Prepared, jobs: list[ObjectJob], pages: dict | None,
-                     ready: torch.cuda.Event | None) -> Issued | None:
-        """Queue a direct wire's store copies (on the caller's thread, or the worker's). None when the handle
-        is settled already: the server held or refused every object, or queueing failed (the reservation
-        is aborted, the error is in the handle)."""
-        if self._nothing_to_store(h, reply):
-            return None
-        try:
-            return self.copies.issue(h, "gather", self.wire.slots(self._slot_jobs(reply, jobs)), ready, pages)
-        except BaseException as e:
-            self._abort(reply.reservation, wait=False)
-            self._fail(h, e)
-            return None
-
-    def _finish_store(self, h: TransferHandle, reply: P.Prepared, issued: Issued) -> None:
-        """A direct wire's store after its copies were queued: wait for them, then commit."""
-        try:
-            self.copies.wait(h, issued)
-            self._pages_read(h, reply)
-            commit = self.wire.commit(h, reply.reservation)
-        except BaseException:
-            self._abort(reply.reservation)
-            raise
-        self._track_commit(h, reply.reservation, commit)
-
-    def _nothing_to_store(self, h: TransferHandle, reply: P.Prepared) -> bool:
-        """True (and the handle resolved) when the server held or refused every object: no slot to fill."""
-        h.skipped, h.refused = len(reply.present), len(reply.refused)
-        if reply.slots:
-            return False
-        h.t_copy_start = h.t_done = h.t_committed = time.perf_counter()
-        self._resolve_done(h)
-        h.committed.set_result(h)
-        return True
-
-    @staticmethod
-    def _slot_jobs(reply: P.Prepared, jobs: list[ObjectJob]) -> list[ObjectJob]:
-        """The reserved slots, each with the engine blocks of its object."""
-        by_object = {(o.chunk, o.group): ids for o, ids in jobs}
-        return [(s, by_object[s.chunk, s.group]) for s in reply.slots]
-
-    def _pages_read(self, h: TransferHandle, reply: P.Prepared) -> None:
-        """The store's pages are read; it commits unless cancel() came first (then the caller may have
-        reused the blocks while they were read: CancelledError, and the reservation is aborted)."""
-        h.proceed()
-        h.nbytes, h.objects = sum(s.length for s in reply.slots), len(reply.slots)
-        self._resolve_done(h)
-
-    def _track_commit(self, h: TransferHandle, reservation: int, commit: Future) -> None:
-        """`committed` follows the commit's reply, on whichever thread receives it (the I/O thread for a
-        payload-carrying commit: this worker goes on with the next store meanwhile)."""
-        with self._finished_lock:
-            self._commits.add(commit)
-        commit.add_done_callback(lambda f: self._committed(h, reservation, f))
-
-    def _committed(self, h: TransferHandle, reservation: int, commit: Future) -> None:
-        with self._finished_lock:
-            self._commits.discard(commit)
-        exc = commit.exception()
-        if exc is None:
-            h.t_committed = time.perf_counter()
-            h.committed.set_result(h)
-            return
-        self._abort(reservation, wait=False)  # on the I/O thread: never wait for a reply here
-        for f in (h.done, h.committed):
-            if not f.done():
-                f.set_exception(exc)
-
-    def _abort_prepared(self, reply: Future) -> None:
-        """A prepared store that will never run: free its slots once the server's answer is in."""
-        if reply.exception() is None:
-            self._abort(reply.result()[0].reservation, wait=False)
-
-    def _abort(self, reservation: int, wait: bool = True) -> None:
-        """Nothing half-written may stay reserved on the server."""
-        if not reservation:
-            return
-        try:
-            fut = self.client.submit(P.AbortStore(engine=self.engine_id, reservation=reservation))
-            if wait:
-                fut.result(timeout=5)
-        except Exception:
-            pass  # end_session or the server's reclaim of a silent engine frees it anyway
-
-    def _do_load(self, h: TransferHandle, hit: Hit, move: Callable[[], None]) -> None:
-        """Run `move` (the wire's fetch and copies, or the wait for copies the caller queued), then resolve
-        and release the lease."""
-        try:
-            if not h.t_copy_start:
-                h.t_copy_start = time.perf_counter()  # for raw and legacy formats: fetch, decode and copy
-            move()
-            h.t_done = h.t_committed = time.perf_counter()
-            h.nbytes, h.objects = hit.nbytes, len(hit.objects)
-        except BaseException:
-            self._release(hit.lease)
-            raise
-        self._resolve_done(h)
-        h.committed.set_result(h)
-        # The pages are written and every copy has finished reading the slots: the engine need not wait
-        # for the release round trip (one fixed cost fewer per retrieve).
-        self._release(hit.lease)
-
-    def _release(self, lease: int, wait: bool = True) -> None:
-        try:
-            msg = P.Release(engine=self.engine_id, lease=lease)
-            self.client.call(msg) if wait else self.client.submit(msg)
-        except Exception:
-            pass  # end_session or the server's reclaim drops the pins anyway

@@ -1,13 +1,11 @@
 """How bytes reach the server, one strategy object per wire format, registered in `WIRES` by name.
 
-Every strategy answers the same two questions for the transfer library: where a store's gathered
-objects go and how they are committed, and where a retrieve's objects come from. A *direct* wire (`shm`)
+A wire is one of two kinds, as `hybridkv.wire_formats.TRAITS` says of its format. A `DirectWire` (`shm`)
 answers with `slots` (the server's arena, which the engine's copies reach) and a payload-free `commit`;
-the transfer library queues and waits for the copies itself. The others (payload wires) run whole
-stores and loads (`store`, `load`). `shm` gathers straight into the server's arena (only metadata crosses
-the socket); `raw` stages in pinned memory
-and sends zero-copy frames; `pickle` / `torch_save` serialize as the seed did; `cuda_ipc` lets the
-server copy the engine's pages itself (LMCache's mode; the only user of the protocol's `blocks`).
+the transfer library queues and waits for the copies itself. A `PayloadWire` runs whole stores and loads
+(`store`, `load`): `raw` stages in pinned memory and sends zero-copy frames; `pickle` / `torch_save`
+serialize as the seed did; `cuda_ipc` lets the server copy the engine's pages itself (LMCache's mode; the
+only user of the protocol's `blocks`). `hybridkv.engine.routes` drives each kind.
 """
 
 from __future__ import annotations
@@ -30,6 +28,7 @@ from hybridkv.arena import map_arena
 from hybridkv.baselines.codec import PayloadError, decode_tensor, encode_tensor
 from hybridkv.engine.client import CacheClient
 from hybridkv.engine.handles import Hit, TransferHandle
+from hybridkv.wire_formats import FORMATS, TRAITS, WireFormat
 
 ObjectJob = tuple[P.ObjectLoc, np.ndarray]  # an object and the engine blocks (of its group) that hold it
 # Runs the page copies of (object, blocks, host bytes) triples and waits for them.
@@ -134,38 +133,42 @@ class WireContext:
 
 
 class WireStrategy(ABC):
-    """One wire format's engine half: store (gather, then commit) and load (fetch, then scatter)."""
+    """One wire format's engine half; a format is either a `DirectWire` or a `PayloadWire`."""
 
-    format: ClassVar[P.WireFormat]
-    # True: objects are host memory the engine's copies reach directly (`slots`), and a commit carries no
-    # payload, so the transfer library may queue a transfer's copies on its caller's thread
-    direct: ClassVar[bool] = False
+    format: ClassVar[WireFormat]
 
     def __init__(self, ctx: WireContext):
         self.ctx = ctx
 
-    def slots(self, jobs: list[ObjectJob]) -> list[tuple[P.ObjectLoc, np.ndarray, torch.Tensor]]:
-        """A direct wire's (object, blocks, host bytes) triples for its objects' locations."""
-        raise NotImplementedError(f"wire format {self.format} moves objects through the socket")
-
-    def commit(self, h: TransferHandle, reservation: int) -> Future:
-        """A direct wire's commit of a reservation whose objects were copied; resolved when answered."""
-        raise NotImplementedError(f"wire format {self.format} commits with its payload (store)")
-
-    def store(self, h: TransferHandle, reservation: int, jobs: list[ObjectJob], copy: CopyFn,
-              ready: torch.cuda.Event | None, pages_read: Callable[[], None]) -> Future:
-        """A payload wire's store: move a reservation's objects and send their commit; call `pages_read` once
-        the engine's pages were read. Returns the commit's reply future (the caller resolves the store's
-        `committed` from it). A direct wire has none: the transfer library copies into `slots` and `commit`s."""
-        raise NotImplementedError(f"wire format {self.format} is direct: its stores are slots + commit")
-
-    def load(self, h: TransferHandle, hit: Hit, jobs: list[ObjectJob], copy: CopyFn) -> None:
-        """A payload wire's load: write a lease's objects into the engine's blocks. A direct wire has none:
-        the transfer library copies from `slots`."""
-        raise NotImplementedError(f"wire format {self.format} is direct: its loads copy from slots")
-
     def close(self) -> None:  # noqa: B027 - a hook: only strategies that hold something override it
         """Give back what the strategy holds (the arena mapping)."""
+
+
+class DirectWire(WireStrategy):
+    """A wire whose objects are host memory the engine's copies reach directly, and whose commit carries no
+    payload: the transfer library queues and waits for the copies itself (so its caller may queue them)."""
+
+    @abstractmethod
+    def slots(self, jobs: list[ObjectJob]) -> list[tuple[P.ObjectLoc, np.ndarray, torch.Tensor]]:
+        """The (object, blocks, host bytes) triples for the objects' locations."""
+
+    @abstractmethod
+    def commit(self, h: TransferHandle, reservation: int) -> Future:
+        """The commit of a reservation whose objects were copied; resolved when answered."""
+
+
+class PayloadWire(WireStrategy):
+    """A wire that moves objects through the socket: it runs whole stores and loads."""
+
+    @abstractmethod
+    def store(self, h: TransferHandle, reservation: int, jobs: list[ObjectJob], copy: CopyFn,
+              ready: torch.cuda.Event | None, pages_read: Callable[[], None]) -> Future:
+        """Move a reservation's objects and send their commit; call `pages_read` once the engine's pages were
+        read. Returns the commit's reply future (the caller resolves the store's `committed` from it)."""
+
+    @abstractmethod
+    def load(self, h: TransferHandle, hit: Hit, jobs: list[ObjectJob], copy: CopyFn) -> None:
+        """Write a lease's objects into the engine's blocks."""
 
     def _commit(self, h: TransferHandle, reservation: int, frames: Sequence = (),
                 blocks: list[list[int]] | None = None) -> Future:
@@ -175,11 +178,10 @@ class WireStrategy(ABC):
         return self.ctx.client.submit(msg, list(frames))
 
 
-class ShmWire(WireStrategy):
+class ShmWire(DirectWire):
     """The GPU writes and reads the server's arena slots directly; only metadata crosses the socket."""
 
     format = "shm"
-    direct = True
 
     def __init__(self, ctx: WireContext):
         super().__init__(ctx)
@@ -190,7 +192,7 @@ class ShmWire(WireStrategy):
 
     def commit(self, h: TransferHandle, reservation: int) -> Future:
         # Sent and answered on this thread (the client's call(): it receives its own reply): the server's
-        # work is a state change, and a reply handed over by the I/O thread cost 3x the round trip (H200).
+        # work is a state change, and a reply handed over by the I/O thread costs more than the round trip.
         h.t_commit_sent = time.perf_counter()
         out: Future = Future()
         try:
@@ -204,7 +206,7 @@ class ShmWire(WireStrategy):
         self.arena.release()
 
 
-class StagedWire(WireStrategy):
+class StagedWire(PayloadWire):
     """Gathered into a staging buffer, sent as payload frames; received frames are scattered from."""
 
     def __init__(self, ctx: WireContext):
@@ -305,7 +307,7 @@ class TorchSaveWire(SerializedWire):
     format = "torch_save"
 
 
-class CudaIpcWire(WireStrategy):
+class CudaIpcWire(PayloadWire):
     """The server maps the engine's pages through CUDA IPC and copies them itself (LMCache's design)."""
 
     format = "cuda_ipc"
@@ -334,7 +336,9 @@ class CudaIpcWire(WireStrategy):
                                         blocks=[ids.tolist() for _, ids in jobs]))
 
 
-WIRES: dict[P.WireFormat, type[WireStrategy]] = {
+WIRES: dict[WireFormat, type[DirectWire] | type[PayloadWire]] = {
     w.format: w for w in (ShmWire, RawWire, PickleWire, TorchSaveWire, CudaIpcWire)
 }
-WIRE_FORMATS: tuple[P.WireFormat, ...] = tuple(WIRES)
+WIRE_FORMATS: tuple[WireFormat, ...] = FORMATS
+assert set(WIRES) == set(FORMATS), "every wire format has its strategy"
+assert all(issubclass(w, DirectWire) == TRAITS[f].direct for f, w in WIRES.items()), "a direct format's wire is direct"

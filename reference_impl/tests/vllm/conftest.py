@@ -15,9 +15,9 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from hybridkv.engine.vllm import offline  # noqa: E402
 from hybridkv.engine.vllm.settings import kv_transfer_config  # noqa: E402
 from hybridkv.server.launch import ServerProcess, start_server  # noqa: E402
+from hybridkv_bench import vllm_offline as offline  # noqa: E402
 
 
 @pytest.fixture(scope="session")

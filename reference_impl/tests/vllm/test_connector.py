@@ -11,8 +11,9 @@ import pytest
 
 # "vllm.config", not "vllm": without vLLM, this folder would import as a namespace package named vllm
 pytest.importorskip("vllm.config", reason="vLLM is not installed here; `nox -s vllm` builds an environment with it")
-from hybridkv.engine.vllm import offline
+from hybridkv.engine.vllm.settings import ConnectorSettings
 from hybridkv.layout import LayoutError
+from hybridkv_bench import vllm_offline as offline
 from vllmkit import C, counters, run, sched_stats, settle, tokens, worker_stats
 
 
@@ -173,6 +174,26 @@ def test_bad_extra_config_names_the_key(serve, make_engine):
         make_engine("ipc:///tmp/x.sock", store_policy="sometimes")
     with pytest.raises(ValueError, match="retrieve_policy 'all' is not supported"):
         make_engine("ipc:///tmp/x.sock", retrieve_policy="all")
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    ({"wire_format": "shmm"}, r"wire_format must be one of \('shm', .*\), got 'shmm'"),
+    ({"wire_format": "cuda_ipc"}, "wire_format cuda_ipc is a baseline"),
+    ({"copy_engine": "dmaa"}, r"copy_engine must be one of \('auto', .*\), got 'dmaa'"),
+    ({"streams": "two"}, r"streams must be one of \('single', 'per_group'\), got 'two'"),
+    ({"timeout_s": True}, "timeout_s must be float, got True"),
+    ({"chunk_tokens": "16"}, "chunk_tokens must be int, got '16'"),
+    ({"lookup_timeout_s": 0}, "lookup_timeout_s must be > 0"),
+    ({"endpoint": "http://x"}, "endpoint must be ipc:// or tcp://"),
+])
+def test_extra_config_errors_name_the_key_and_value(extra, says):
+    with pytest.raises(ValueError, match="kv_connector_extra_config " + says):
+        ConnectorSettings.from_extra(extra)
+
+
+def test_extra_config_takes_ints_for_floats():
+    s = ConnectorSettings.from_extra({"timeout_s": 5, "wire_format": "raw", "copy_engine": "dma"})
+    assert (s.timeout_s, s.wire_format, s.copy_engine) == (5.0, "raw", "dma") and isinstance(s.timeout_s, float)
 
 
 def test_one_pin_set_per_request_however_often_vllm_asks(serve, make_engine):

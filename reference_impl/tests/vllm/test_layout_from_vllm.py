@@ -9,11 +9,11 @@ import pytest
 # "vllm.config", not "vllm": without vLLM, this folder would import as a namespace package named vllm
 pytest.importorskip("vllm.config", reason="vLLM is not installed here; `nox -s vllm` builds an environment with it")
 import torch
-from hybridkv.engine.vllm import offline
 from hybridkv.engine.vllm.layout_from_vllm import check_matches_preset, layout_from_kv_cache_config
 from hybridkv.keys import namespace
 from hybridkv.layout import LayoutError, layer_index
 from hybridkv.presets import preset_layout
+from hybridkv_bench import vllm_offline as offline
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,

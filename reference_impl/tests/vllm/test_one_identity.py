@@ -9,7 +9,7 @@ import pytest
 
 # "vllm.config", not "vllm": without vLLM, this folder would import as a namespace package named vllm
 pytest.importorskip("vllm.config", reason="vLLM is not installed here; `nox -s vllm` builds an environment with it")
-from hybridkv.engine.vllm import offline
+from hybridkv_bench import vllm_offline as offline
 from vllmkit import C, run, sched_stats, tokens, worker_stats
 
 

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, get_args, get_type_hints
+
+import msgspec
+from hybridkv_kernels import CopyEngine
 
 from hybridkv.endpoints import default_endpoint
-from hybridkv.engine.transfer import COPY_ENGINES, STREAM_MODES, WIRE_FORMATS
-from hybridkv.policy import POLICIES
+from hybridkv.engine.config import Streams
+from hybridkv.policy import Policy
+from hybridkv.wire_formats import DEFAULT_FORMAT, WireFormat, traits
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,11 +20,11 @@ class ConnectorSettings:
 
     endpoint: str = field(default_factory=default_endpoint)  # where `hybridkv serve` listens by default
     salt: str = ""                  # tenant / namespace salt: engines with different salts never share chunks
-    wire_format: str = "shm"        # the engine's GPU writes straight into the server's arena
-    copy_engine: str = "auto"
-    streams: str = "single"
-    store_policy: str = "boundary"  # attention of every chunk, the recurrent state wherever vLLM offers one
-    retrieve_policy: str = "boundary"  # attention of every hit chunk, the recurrent state at the hit's end
+    wire_format: WireFormat = DEFAULT_FORMAT  # the engine's GPU writes straight into the server's arena
+    copy_engine: CopyEngine = "auto"
+    streams: Streams = "single"
+    store_policy: Policy = "boundary"  # attention of every chunk, the recurrent state wherever vLLM offers one
+    retrieve_policy: Policy = "boundary"  # attention of every hit chunk, the recurrent state at the hit's end
     chunk_tokens: int = 0           # 0: vLLM's block size (the unified hybrid block)
     lookup_timeout_s: float = 1.0   # a lookup (scheduler or worker) slower than this counts as a miss
     step_timeout_s: float = 1.0     # the longest a step waits for a store's copies; later ones are cancelled
@@ -33,21 +37,15 @@ class ConnectorSettings:
     expect_preset: str = ""         # a hybridkv preset name: refuse to start when vLLM's layout differs
 
     def __post_init__(self) -> None:
-        for name, allowed in (("wire_format", WIRE_FORMATS), ("copy_engine", COPY_ENGINES),
-                              ("streams", STREAM_MODES), ("store_policy", POLICIES),
-                              ("retrieve_policy", POLICIES)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"kv_connector_extra_config {name} must be one of {allowed}, "
-                                 f"got {getattr(self, name)!r}")
         for name in ("store_policy", "retrieve_policy"):
             if getattr(self, name) != "boundary":
                 # vLLM's block table holds one GDN state block per request, at the hit's end (align mode), and
                 # keeps states only where a scheduler step ended: there is nowhere to load, or to take, others
                 raise ValueError(f"kv_connector_extra_config {name} {getattr(self, name)!r} is not supported under "
                                  "vLLM: only 'boundary' (attention of every chunk, the GDN state at the hit's end)")
-        if self.wire_format == "cuda_ipc":
-            raise ValueError("kv_connector_extra_config wire_format cuda_ipc is a baseline the connector does not "
-                             "offer: the server would hold a CUDA context")
+        if traits(self.wire_format).server_holds_cuda:
+            raise ValueError(f"kv_connector_extra_config wire_format {self.wire_format} is a baseline the connector "
+                             "does not offer: the server would hold a CUDA context")
         if not self.endpoint.startswith(("ipc://", "tcp://")):
             raise ValueError(f"kv_connector_extra_config endpoint must be ipc:// or tcp://, got {self.endpoint!r}")
         for name in ("lookup_timeout_s", "step_timeout_s", "timeout_s", "retry_s"):
@@ -61,21 +59,23 @@ class ConnectorSettings:
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
-        """Settings from vLLM's extra-config dict; an unknown key or a wrong type is an error naming it."""
+        """Settings from vLLM's extra-config dict; an unknown key, a wrong type or a value outside a setting's
+        choices is an error naming the key and the value."""
         extra = dict(extra or {})
-        known = {f.name: f for f in fields(cls)}
+        known = sorted(f.name for f in fields(cls))
         unknown = sorted(set(extra) - set(known))
         if unknown:
-            raise ValueError(f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
-        kwargs: dict[str, Any] = {}
-        for key, value in extra.items():
-            want = type(getattr(cls(), key))
-            if want is float and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)
-            if not isinstance(value, want) or isinstance(value, bool):
-                raise ValueError(f"kv_connector_extra_config {key} must be {want.__name__}, got {value!r}")
-            kwargs[key] = value
-        return cls(**kwargs)
+            raise ValueError(f"unknown kv_connector_extra_config keys {unknown}; known: {known}")
+        try:
+            return msgspec.convert(extra, cls)
+        except msgspec.ValidationError as e:
+            msg = str(e)
+            key = msg.rpartition(" - at `$.")[2].rstrip("`") if " - at `$." in msg else ""
+            if key not in extra:
+                raise ValueError(msg) from None  # one of __post_init__'s checks: it names the key itself
+            want = get_type_hints(cls)[key]
+            choices = f"one of {get_args(want)}" if get_args(want) else want.__name__
+            raise ValueError(f"kv_connector_extra_config {key} must be {choices}, got {extra[key]!r}") from None
 
 
 def kv_transfer_config(endpoint: str, **extra: Any) -> dict[str, Any]:

@@ -25,18 +25,16 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
-
-from hybridkv_kernels import CopyEngine
+from typing import TYPE_CHECKING
 
 from hybridkv import protocol as P
 from hybridkv.engine.client import ServerError
-from hybridkv.engine.transfer import KVTransfer, PreparedStore, Streams, TransferConfig, TransferHandle
+from hybridkv.engine.transfer import KVTransfer, PreparedStore, TransferConfig, TransferHandle
 from hybridkv.engine.vllm.plan import HybridKVMetadata, LoadJob
 from hybridkv.engine.vllm.settings import ConnectorSettings
 from hybridkv.layout import LayoutError, ModelLayout
-from hybridkv.policy import Policy
-from hybridkv.protocol import ErrorCode, WireFormat
+from hybridkv.protocol import ErrorCode
+from hybridkv.wire_formats import traits
 
 if TYPE_CHECKING:
     import torch
@@ -120,10 +118,8 @@ class WorkerSide:
         if self._pages is None or time.monotonic() < self._next_try:
             return None
         s = self.settings
-        # the settings' values were checked against these Literals when the extra config was read
-        cfg = TransferConfig(wire_format=cast(WireFormat, s.wire_format), copy_engine=cast(CopyEngine, s.copy_engine),
-                             streams=cast(Streams, s.streams), retrieve_policy=cast(Policy, s.retrieve_policy),
-                             store_policy="boundary",
+        cfg = TransferConfig(wire_format=s.wire_format, copy_engine=s.copy_engine, streams=s.streams,
+                             retrieve_policy=s.retrieve_policy, store_policy="boundary",
                              chunk_tokens=self.chunk_tokens, tp_rank=self.tp_rank, salt=s.salt,
                              timeout_s=s.timeout_s if at_start else s.lookup_timeout_s,
                              name=f"vllm-rank{self.tp_rank}")
@@ -192,7 +188,7 @@ class WorkerSide:
             # busy the engine is, and giving them up would only cost a recompute. A payload wire's copies wait
             # for the server's frames first: those are given up if they have not started in time.
             t = self.transfer
-            direct = t is not None and t.wire.direct
+            direct = t is not None and traits(t.config.wire_format).direct
             load.deadline = float("inf") if direct else time.monotonic() + self.settings.lookup_timeout_s
 
     def _ready_event(self) -> torch.cuda.Event | None:

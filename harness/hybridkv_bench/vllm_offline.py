@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from hybridkv.layout import ModelLayout
 
 # GDN layers of Qwen3.5/3.6 and Qwen3-Next share one state-shape rule; vLLM's Qwen3.5 module also imports a
@@ -69,9 +68,7 @@ def write_config(shape: HybridShape, directory: str | Path, weights_seed: int | 
         linear_value_head_dim=shape.linear_value_head_dim, linear_conv_kernel_dim=shape.linear_conv_kernel_dim,
         layer_types=["full_attention" if (i + 1) % shape.full_attention_interval == 0 else "linear_attention"
                      for i in range(shape.num_layers)],
-        vocab_size=1024, intermediate_size=256,
-        max_position_embeddings=1 << 20, **overrides,
-    )
+        vocab_size=1024, intermediate_size=256, max_position_embeddings=1 << 20, **overrides)
     cfg.architectures = [ARCHITECTURE]
     cfg.mamba_ssm_dtype = shape.ssm_dtype
     path = Path(directory)
@@ -181,11 +178,7 @@ class OfflineEngine:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.utils.hashing import get_hash_fn_by_name
-        from vllm.v1.core.kv_cache_utils import (
-            get_request_block_hasher,
-            init_none_hash,
-            resolve_kv_cache_block_sizes,
-        )
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_layout import KVCacheLayout
         from vllm.v1.structured_output import StructuredOutputManager
@@ -254,8 +247,7 @@ class OfflineEngine:
         self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
 
     def _page_view(self, layer: str, group: int, block_id: int) -> torch.Tensor:
-        t = self.kv_caches[layer]
-        return t[block_id].view(-1).view(torch.uint8)
+        return self.kv_caches[layer][block_id].view(-1).view(torch.uint8)
 
     def _write_pages(self, rid: str, blocks: tuple[list[int], ...], start: int, end: int) -> None:
         """The simulated forward over tokens [start, end): attention pages of the blocks it completes or

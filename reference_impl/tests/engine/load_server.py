@@ -1,6 +1,6 @@
 """Load a real cache server with 16 client processes, three of them misbehaving, and report what it held.
 
-    python reference_impl/tests/load_server.py --seconds 20
+    python reference_impl/tests/engine/load_server.py --seconds 20
 
 13 engines store, look up and release in a loop (shm format; lookup latency measured per call); one
 client sends retrieves and never reads a reply; one registers, reserves slots and vanishes mid-store

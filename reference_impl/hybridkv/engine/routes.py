@@ -1,0 +1,304 @@
+"""The two routes a transfer's bytes take, one per kind of wire, chosen once when `KVTransfer` is built.
+
+A `DirectRoute` drives a `DirectWire` (the server's arena slots): it queues the page copies to or from
+the slots, waits for them, then commits a store or releases a load's lease. On CUDA its copies are queued
+by the caller of store() / retrieve() (they are asynchronous there): no hand-off to a worker before the
+first byte moves, the worker only waits for them. Elsewhere copies run synchronously, so they stay on the
+workers. A `PayloadRoute` hands a whole store or load to its `PayloadWire`, on a worker.
+
+Both share what `Route` holds: the workers (stores and loads on their own threads: a store parked behind L2
+never delays a retrieve), the requests finished since `get_finished`, the commits in flight, and what a
+failure or a cancel() does (a cancelled load never writes, a cancelled store never commits).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import Future
+from typing import Literal
+
+import torch
+
+from hybridkv import protocol as P
+from hybridkv.engine.client import CacheClient
+from hybridkv.engine.copies import Issued, PageCopies, PlannedPages
+from hybridkv.engine.handles import Hit, PreparedStore, TransferHandle
+from hybridkv.engine.wire import CopyFn, DirectWire, ObjectJob, PayloadWire
+from hybridkv.wire_formats import traits
+
+Kind = Literal["store", "load"]
+# A transfer's handle and the worker's step for it: the whole transfer, or the end of one whose copies its
+# caller queued already (a direct wire on CUDA): wait for them, then commit / release.
+_Item = tuple[TransferHandle, Callable[..., None], tuple]
+
+
+class Route(ABC):
+    """How one engine's stores and loads run, from the caller's thread to their handles' resolution."""
+
+    def __init__(self, client: CacheClient, engine_id: int, copies: PageCopies, timeout_s: float):
+        self.client = client
+        self.engine_id = engine_id
+        self.copies = copies
+        self.timeout_s = timeout_s
+        self._finished: dict[Kind, set[str]] = {"store": set(), "load": set()}
+        self._finished_lock = threading.Lock()
+        self._commits: set[Future] = set()  # stores' commits in flight (drain waits for them)
+        self._store_q: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        self._load_q: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        self._workers = [threading.Thread(target=self._work, args=(self._store_q,), name="hkv-store", daemon=True),
+                         threading.Thread(target=self._work, args=(self._load_q,), name="hkv-load", daemon=True)]
+        for w in self._workers:
+            w.start()
+
+    @abstractmethod
+    def store(self, h: TransferHandle, prepared: PreparedStore, jobs: list[ObjectJob], pages: PlannedPages | None,
+              ready: torch.cuda.Event | None) -> None:
+        """Start a store of `prepared`'s objects from `jobs`' blocks (copies after `ready`); `h` tells the rest."""
+
+    @abstractmethod
+    def load(self, h: TransferHandle, hit: Hit, jobs: list[ObjectJob], ready: torch.cuda.Event | None) -> None:
+        """Start a load of `hit`'s objects into `jobs`' blocks (copies after `ready`); `h` tells the rest, and
+        the lease is released once it is done or failed."""
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """Request ids whose stores / retrieves completed since the last call."""
+        with self._finished_lock:
+            out = (self._finished["store"], self._finished["load"])
+            self._finished = {"store": set(), "load": set()}
+        return out
+
+    def drain(self) -> None:
+        """Finish the queued transfers and wait for the commits in flight (they resolve on the client's thread)."""
+        self._store_q.put(None)
+        self._load_q.put(None)
+        for w in self._workers:
+            w.join(timeout=self.timeout_s)
+        with self._finished_lock:
+            commits = list(self._commits)
+        futures.wait(commits, timeout=self.timeout_s + 5)
+
+    def abort_prepared(self, reply: Future) -> None:
+        """A prepared store that will never run: free its slots once the server's answer is in."""
+        if reply.exception() is None:
+            self._abort(reply.result()[0].reservation, wait=False)
+
+    # ---- shared steps -------------------------------------------------------------------------------
+
+    def _work(self, q: queue.SimpleQueue[_Item | None]) -> None:
+        """Run each queued step; a failure is delivered through its handle and the worker keeps going."""
+        while (item := q.get()) is not None:
+            h, fn, args = item
+            try:
+                fn(h, *args)
+            except BaseException as e:
+                self._fail(h, e)
+
+    @staticmethod
+    def _fail(h: TransferHandle, e: BaseException) -> None:
+        for f in (h.done, h.committed):
+            if not f.done():
+                f.set_exception(e)
+
+    def _resolve_done(self, h: TransferHandle) -> None:
+        """The engine's pages are free: report the request to get_finished, then wake waiters."""
+        with self._finished_lock:
+            self._finished[h.kind].add(h.request_id)
+        h.done.set_result(h)
+
+    def _scatter(self, h: TransferHandle, ready: torch.cuda.Event | None) -> CopyFn:
+        """A load's copy step: the last moment a cancel can stop it (nothing written yet), then the copies."""
+        scatter = self.copies.copier(h, "scatter", ready)
+
+        def copy(items: list) -> None:
+            h.proceed()
+            scatter(items)
+
+        return copy
+
+    def _nothing_to_store(self, h: TransferHandle, reply: P.Prepared) -> bool:
+        """True (and the handle resolved) when the server held or refused every object: no slot to fill."""
+        h.skipped, h.refused = len(reply.present), len(reply.refused)
+        if reply.slots:
+            return False
+        h.t_copy_start = h.t_done = h.t_committed = time.perf_counter()
+        self._resolve_done(h)
+        h.committed.set_result(h)
+        return True
+
+    @staticmethod
+    def _slot_jobs(reply: P.Prepared, jobs: list[ObjectJob]) -> list[ObjectJob]:
+        """The reserved slots, each with the engine blocks of its object."""
+        by_object = {(o.chunk, o.group): ids for o, ids in jobs}
+        return [(s, by_object[s.chunk, s.group]) for s in reply.slots]
+
+    def _pages_read(self, h: TransferHandle, reply: P.Prepared) -> None:
+        """The store's pages are read; it commits unless cancel() came first (then the caller may have
+        reused the blocks while they were read: CancelledError, and the reservation is aborted)."""
+        h.proceed()
+        h.nbytes, h.objects = sum(s.length for s in reply.slots), len(reply.slots)
+        self._resolve_done(h)
+
+    def _track_commit(self, h: TransferHandle, reservation: int, commit: Future) -> None:
+        """`committed` follows the commit's reply, on whichever thread receives it (the I/O thread for a
+        payload-carrying commit: this worker goes on with the next store meanwhile)."""
+        with self._finished_lock:
+            self._commits.add(commit)
+        commit.add_done_callback(lambda f: self._committed(h, reservation, f))
+
+    def _committed(self, h: TransferHandle, reservation: int, commit: Future) -> None:
+        with self._finished_lock:
+            self._commits.discard(commit)
+        exc = commit.exception()
+        if exc is None:
+            h.t_committed = time.perf_counter()
+            h.committed.set_result(h)
+            return
+        self._abort(reservation, wait=False)  # on the I/O thread: never wait for a reply here
+        for f in (h.done, h.committed):
+            if not f.done():
+                f.set_exception(exc)
+
+    def _abort(self, reservation: int, wait: bool = True) -> None:
+        """Nothing half-written may stay reserved on the server."""
+        if not reservation:
+            return
+        try:
+            fut = self.client.submit(P.AbortStore(engine=self.engine_id, reservation=reservation))
+            if wait:
+                fut.result(timeout=5)
+        except Exception:
+            pass  # end_session or the server's reclaim of a silent engine frees it anyway
+
+    def _do_load(self, h: TransferHandle, hit: Hit, move: Callable[[], None]) -> None:
+        """Run `move` (the wire's fetch and copies, or the wait for copies the caller queued), then resolve
+        and release the lease."""
+        try:
+            if not h.t_copy_start:
+                h.t_copy_start = time.perf_counter()  # for a payload wire: fetch, decode and copy
+            move()
+            h.t_done = h.t_committed = time.perf_counter()
+            h.nbytes, h.objects = hit.nbytes, len(hit.objects)
+        except BaseException:
+            self._release(hit.lease)
+            raise
+        self._resolve_done(h)
+        h.committed.set_result(h)
+        # The pages are written and every copy has finished reading the slots: the engine need not wait
+        # for the release round trip (one fixed cost fewer per retrieve).
+        self._release(hit.lease)
+
+    def _release(self, lease: int, wait: bool = True) -> None:
+        try:
+            msg = P.Release(engine=self.engine_id, lease=lease)
+            self.client.call(msg) if wait else self.client.submit(msg)
+        except Exception:
+            pass  # end_session or the server's reclaim drops the pins anyway
+
+
+class DirectRoute(Route):
+    """Copies to or from the arena's slots, then a payload-free commit (a store) or the release (a load)."""
+
+    def __init__(self, wire: DirectWire, client: CacheClient, engine_id: int, copies: PageCopies, timeout_s: float):
+        super().__init__(client, engine_id, copies, timeout_s)
+        self.wire = wire
+        self._in_caller = copies.device.type == "cuda"  # copies only queue there: the caller queues them
+
+    def store(self, h, prepared, jobs, pages, ready) -> None:
+        reply = prepared.reply
+        if self._in_caller and reply.done() and reply.exception() is None:
+            answer = reply.result()[0]
+            if (issued := self._issue_store(h, answer, jobs, pages, ready)) is not None:
+                self._store_q.put((h, self._finish_store, (answer, issued)))
+        else:
+            self._store_q.put((h, self._do_store, (prepared, jobs, pages, ready)))
+
+    def load(self, h, hit, jobs, ready) -> None:
+        if not self._in_caller:
+            copy = self._scatter(h, ready)
+            self._load_q.put((h, self._do_load, (hit, lambda: copy(self.wire.slots(jobs)))))
+            return
+        try:
+            h.proceed()
+            issued = self.copies.issue(h, "scatter", self.wire.slots(jobs), ready)
+        except BaseException as e:
+            self._fail(h, e)
+            self._release(hit.lease, wait=False)
+            return
+        self._load_q.put((h, self._do_load, (hit, lambda: self.copies.wait(h, issued))))
+
+    def _do_store(self, h: TransferHandle, prep: PreparedStore, jobs: list[ObjectJob], pages: PlannedPages | None,
+                  ready: torch.cuda.Event | None) -> None:
+        reply = prep.wait(self.timeout_s + 5)
+        if (issued := self._issue_store(h, reply, jobs, pages, ready)) is not None:
+            self._finish_store(h, reply, issued)
+
+    def _issue_store(self, h: TransferHandle, reply: P.Prepared, jobs: list[ObjectJob], pages: PlannedPages | None,
+                     ready: torch.cuda.Event | None) -> Issued | None:
+        """Queue the store's copies (on the caller's thread, or the worker's). None when the handle is settled
+        already: the server held or refused every object, or queueing failed (the reservation is aborted,
+        the error is in the handle)."""
+        if self._nothing_to_store(h, reply):
+            return None
+        try:
+            return self.copies.issue(h, "gather", self.wire.slots(self._slot_jobs(reply, jobs)), ready, pages)
+        except BaseException as e:
+            self._abort(reply.reservation, wait=False)
+            self._fail(h, e)
+            return None
+
+    def _finish_store(self, h: TransferHandle, reply: P.Prepared, issued: Issued) -> None:
+        """The store after its copies were queued: wait for them, then commit."""
+        try:
+            self.copies.wait(h, issued)
+            self._pages_read(h, reply)
+            commit = self.wire.commit(h, reply.reservation)
+        except BaseException:
+            self._abort(reply.reservation)
+            raise
+        self._track_commit(h, reply.reservation, commit)
+
+
+class PayloadRoute(Route):
+    """The wire moves the objects as frames: a whole store or load runs on a worker."""
+
+    def __init__(self, wire: PayloadWire, client: CacheClient, engine_id: int, copies: PageCopies,
+                 timeout_s: float):
+        super().__init__(client, engine_id, copies, timeout_s)
+        self.wire = wire
+
+    def store(self, h, prepared, jobs, pages, ready) -> None:
+        self._store_q.put((h, self._do_store, (prepared, jobs, pages, ready)))
+
+    def load(self, h, hit, jobs, ready) -> None:
+        copy = self._scatter(h, ready)
+        self._load_q.put((h, self._do_load, (hit, lambda: self.wire.load(h, hit, jobs, copy))))
+
+    def _do_store(self, h: TransferHandle, prep: PreparedStore, jobs: list[ObjectJob], pages: PlannedPages | None,
+                  ready: torch.cuda.Event | None) -> None:
+        reply = prep.wait(self.timeout_s + 5)
+        if self._nothing_to_store(h, reply):
+            return
+        try:
+            copy = self.copies.copier(h, "gather", ready, pages)
+            commit = self.wire.store(h, reply.reservation, self._slot_jobs(reply, jobs), copy, ready,
+                                     lambda: self._pages_read(h, reply))
+        except BaseException:
+            self._abort(reply.reservation)
+            raise
+        self._track_commit(h, reply.reservation, commit)
+
+
+def open_route(wire: DirectWire | PayloadWire, client: CacheClient, engine_id: int, copies: PageCopies,
+               timeout_s: float) -> Route:
+    """The route its format's traits name (`hybridkv.wire_formats.TRAITS`: direct or not; `engine.wire` checks
+    that each format's strategy is of that kind)."""
+    if traits(wire.format).direct:
+        assert isinstance(wire, DirectWire)
+        return DirectRoute(wire, client, engine_id, copies, timeout_s)
+    assert isinstance(wire, PayloadWire)
+    return PayloadRoute(wire, client, engine_id, copies, timeout_s)
