@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("vllm.config", reason="vLLM is not installed here; `nox -s vllm` builds an environment with it")
-from hybridkv.engine.vllm import offline
 from hybridkv.engine.vllm.layout_from_vllm import check_matches_preset, layout_from_kv_cache_config
 from hybridkv.layout import layer_index
 from hybridkv.presets import MAMBA2_CONFIGS, preset_layout
+from hybridkv_bench import vllm_offline as offline
 
 CFG = MAMBA2_CONFIGS["nemotron-h-8b"]
 
