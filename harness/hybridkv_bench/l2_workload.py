@@ -170,7 +170,7 @@ def run_l2_bench(b: L2Bench, out: Path) -> dict:
     from hybridkv import protocol as P
     from hybridkv.engine.transfer import KVTransfer, TransferConfig
     from hybridkv.presets import preset_layout
-    from hybridkv.server.l2 import CRC32_IMPL
+    from hybridkv.server.l2.header import CRC32_IMPL
     from hybridkv.server.launch import start_server
 
     from .pools import BlockAllocator, fill_random, vllm_pools
@@ -199,7 +199,7 @@ def run_l2_bench(b: L2Bench, out: Path) -> dict:
             result.update(_disk_ceilings(l2_dir, b.probe_mib * MIB, object_bytes))
             flags = ["--l2-dir", str(l2_dir), "--l2-gib", f"{2 * total / GIB + 0.01:.4f}"]
             flags += ["--l2-fsync"] if b.fsync else []
-            from hybridkv.server.l2_fs import FilesystemL2
+            from hybridkv.server.l2.fs import FilesystemL2
 
             with FilesystemL2(work / "adapter", 4 * adapter_count * object_bytes + GIB, fsync=b.fsync) as fs:
                 result.update(adapter_rates(fs, object_bytes, adapter_count, b.io_threads))
@@ -215,8 +215,8 @@ def run_l2_bench(b: L2Bench, out: Path) -> dict:
             spec = {"type": "redis", "url": url, "prefix": prefix, "chunk_mb": b.redis_chunk_mib,
                     "timeout_s": 60.0, "meta_timeout_s": 1.0}
             flags = ["--l2-adapter", json.dumps(spec)]
-            from hybridkv.server.l2 import RedisL2Spec, parse_l2_adapter
-            from hybridkv.server.l2_redis import RedisL2
+            from hybridkv.server.l2.redis import RedisL2
+            from hybridkv.server.l2.specs import RedisL2Spec, parse_l2_adapter
 
             rspec = parse_l2_adapter(json.dumps({**spec, "prefix": prefix + "adapter:"}))
             assert isinstance(rspec, RedisL2Spec)

@@ -23,7 +23,8 @@ import pytest
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.presets import preset_layout
-from hybridkv.server.l2_fs import DATA_OFFSET, ObjectHeader
+from hybridkv.server.l2.fs_files import DATA_OFFSET
+from hybridkv.server.l2.header import ObjectHeader
 from serverkit import ATTN, STATES, Engine
 
 TESTS = Path(__file__).parent

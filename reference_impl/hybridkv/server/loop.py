@@ -26,7 +26,7 @@ from hybridkv.server.connections import ConnectionGate, listen_backlog
 from hybridkv.server.context import Answer, Context, Frames, RequestError
 from hybridkv.server.counters import Counters
 from hybridkv.server.formats import Formats
-from hybridkv.server.l2 import L2Adapter, make_l2
+from hybridkv.server.l2.base import L2Adapter
 from hybridkv.server.lifecycle import claim_ipc_path
 from hybridkv.server.objects import ObjectStore
 from hybridkv.server.sessions import SessionLimits, Sessions
@@ -67,7 +67,7 @@ class CacheServer:
             log.info("removed the arena of a dead server: %s", path)
         self.arena = Arena(config.l1_bytes, config.l1_dir)
         try:  # from here on, any failure (a bad --l2-dir, SIGTERM during start) must remove the arena
-            l2: L2Adapter | None = make_l2(config)
+            l2: L2Adapter | None = config.l2.open() if config.l2 is not None else None
             self.workers = Workers(config.io_threads)
             self.counters = Counters()
             self.objects = ObjectStore(config, self.arena, l2, self.workers, self.counters)
