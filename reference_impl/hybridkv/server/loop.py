@@ -30,7 +30,7 @@ from hybridkv.server.l2.base import L2Adapter
 from hybridkv.server.lifecycle import claim_ipc_path
 from hybridkv.server.objects import ObjectStore
 from hybridkv.server.sessions import SessionLimits, Sessions
-from hybridkv.server.telemetry import Telemetry, status
+from hybridkv.server.telemetry import Telemetry
 from hybridkv.server.workers import Workers
 
 log = logging.getLogger("hybridkv.server")
@@ -43,7 +43,7 @@ HANDLERS: dict[type, Callable[[Context, bytes, Any, Frames], Answer]] = {
     P.Lookup: lookup.lookup, P.Prefetch: prefetch.prefetch, P.PrepareStore: store.prepare,
     P.CommitStore: store.commit, P.AbortStore: store.abort, P.ShareCuda: admin.share_cuda,
     P.Retrieve: retrieve.retrieve, P.Release: retrieve.release, P.EndSession: retrieve.end_session,
-    P.Stats: admin.stats, P.Clear: admin.clear, P.Health: admin.health, P.Status: status,
+    P.Stats: admin.stats, P.Clear: admin.clear, P.Health: admin.health, P.Status: admin.status,
 }
 
 
