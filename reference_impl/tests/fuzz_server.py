@@ -28,6 +28,7 @@ import zmq
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.presets import preset_layout
+from hybridkv.server.config import GIB, ServerConfig
 from hybridkv.server.launch import start_server
 
 WINDOW = 32  # messages in flight: enough to keep the server busy, few enough to match every answer
@@ -309,7 +310,8 @@ def main() -> int:
         endpoint, pid = args.endpoint, args.pid
     else:
         sock = tempfile.mkdtemp(prefix="hkv-fz-", dir="/tmp")
-        server = start_server(f"ipc://{sock}/s.sock", "--admin", l1_gib=0.05, log_level="error")
+        server = start_server(ServerConfig(endpoint=f"ipc://{sock}/s.sock", l1_bytes=int(0.05 * GIB), admin=True),
+                              log_level="error")
         endpoint, pid = server.endpoint, server.pid
     try:
         res = fuzz(endpoint, pid, args.messages, args.seed)

@@ -14,7 +14,8 @@ if TYPE_CHECKING:
     from hybridkv.server.l2.specs import L2Spec
     from hybridkv.server.loop import CacheServer
 
-GIB = 1 << 30
+from hybridkv.server.config import GIB
+
 MAX_GIB = float(1 << 32)  # 4 EiB: any larger size (inf among them) is a typo, not a machine
 
 # The flags that are one ServerConfig field's value as it is (a bool field: the flag alone), each named as its
@@ -203,11 +204,16 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         **{FIELD_OF.get(flag, _dest(flag)): getattr(args, _dest(flag)) for flag in FIELD_FLAGS})
 
 
-def parse(argv: Sequence[str]) -> ServerConfig:
-    """The configuration `hybridkv serve ARGV` would run with (its process options, such as logging, aside)."""
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """`hybridkv serve ARGV`'s arguments, as the command parses them."""
     p = argparse.ArgumentParser(prog="hybridkv serve")
     add_arguments(p)
-    return server_config(p.parse_args(list(argv)))
+    return p.parse_args(list(argv))
+
+
+def parse(argv: Sequence[str]) -> ServerConfig:
+    """The configuration `hybridkv serve ARGV` would run with (its process options, such as logging, aside)."""
+    return server_config(parse_args(argv))
 
 
 def server_argv(config: ServerConfig) -> list[str]:

@@ -12,7 +12,7 @@ from hybridkv.endpoints import (  # noqa: F401 (re-exported: the server's settin
     default_ipc_dir,
     ensure_private_dir,
 )
-from hybridkv.server.l2.specs import L2Spec
+from hybridkv.server.l2.specs import GIB, L2Spec  # noqa: F401 (GIB re-exported: sizes are given in GiB)
 
 EVICTION_POLICIES = ("lru", "fifo")
 
