@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 # The payload checksum is CRC-32 (zlib's polynomial, the same value as `zlib.crc32`). ISA-L's
-# carry-less-multiply implementation (the `isal` package) computes it about 6x faster than zlib's on
-# the same core and, like zlib, without the GIL, so checksumming keeps up with the disk even on a
-# small, busy host; without the package zlib computes the same values (files stay interchangeable).
+# carry-less-multiply implementation (the `isal` package) computes it several times faster than zlib's
+# on the same core (L2.md, "File format", has the figures) and, like zlib, without the GIL, so
+# checksumming keeps up with the disk even on a small, busy host; without the package zlib computes the
+# same values (files stay interchangeable).
 crc32: Callable[[Any, int], int]
 try:
     from isal.isal_zlib import crc32 as _isal_crc32
