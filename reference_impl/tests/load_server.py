@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent / "server"))  # fuzz_server, the server tests' helper
+
 GOOD = 13
 
 

@@ -20,7 +20,7 @@ from hybridkv.engine.client import CacheClient
 from hybridkv.server import cli as serve_cli
 from serverkit import Engine
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]  # serverkit's folder
 FAST = ("--client-timeout", "1", "--quarantine", "0.5")
 
 # A child engine process: registers, then does `action` and prints one JSON line, then waits to be killed.

@@ -1,7 +1,7 @@
 """Fuzz a running cache server: mutated and garbage messages of every request type, then a byte-exact check.
 
-    python reference_impl/tests/fuzz_server.py --messages 100000     # starts its own server
-    python reference_impl/tests/fuzz_server.py --endpoint ipc:///path --pid 1234 --messages 20000
+    python reference_impl/tests/server/fuzz_server.py --messages 100000     # starts its own server
+    python reference_impl/tests/server/fuzz_server.py --endpoint ipc:///path --pid 1234 --messages 20000
 
 Seeds are valid requests of every type carrying live ids (an engine, a lease, a reservation of this
 connection); each message is a seed mutated at the byte level (flips, truncation, splices, random
@@ -304,7 +304,7 @@ def main() -> int:
     ap.add_argument("--pid", type=int)
     ap.add_argument("--max-rss-growth-mib", type=float, default=64.0)
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).parents[1]))  # serverkit
     server = None
     if args.endpoint:
         endpoint, pid = args.endpoint, args.pid
