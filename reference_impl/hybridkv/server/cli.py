@@ -9,12 +9,11 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from hybridkv.server.config import GIB, ConfigError, ServerConfig
+
 if TYPE_CHECKING:
-    from hybridkv.server.config import ServerConfig
     from hybridkv.server.l2.specs import L2Spec
     from hybridkv.server.loop import CacheServer
-
-from hybridkv.server.config import GIB
 
 MAX_GIB = float(1 << 32)  # 4 EiB: any larger size (inf among them) is a typo, not a machine
 
@@ -141,7 +140,7 @@ def add_l2_and_seed_arguments(p: argparse.ArgumentParser) -> None:
                       default=argparse.SUPPRESS, help="= --eviction, LRU or FIFO in any case")
     seed.add_argument("--port", type=int, default=None, help="= --endpoint tcp://127.0.0.1:PORT")
     for flag, instead in SEED_REPLACED.items():
-        seed.add_argument(flag, dest=f"seed_{flag[2:].replace('-', '_')}", nargs="?", const="", default=None,
+        seed.add_argument(flag, dest=f"seed_{_dest(flag)}", nargs="?", const="", default=None,
                           metavar="X", help=f"not taken (exits 2): {instead}")
 
 
@@ -151,7 +150,7 @@ def apply_seed(args: argparse.Namespace) -> None:
     from hybridkv.endpoints import default_endpoint
 
     for flag, instead in SEED_REPLACED.items():
-        if getattr(args, f"seed_{flag[2:].replace('-', '_')}") is not None:
+        if getattr(args, f"seed_{_dest(flag)}") is not None:
             raise UserError(f"{flag} is a seed flag hybridkv does not take: {instead}")
     if args.port is not None:
         if args.endpoint != default_endpoint():
@@ -166,7 +165,6 @@ def l2_spec(args: argparse.Namespace) -> L2Spec | None:
     import dataclasses
 
     from hybridkv.cli import UserError
-    from hybridkv.server.config import ConfigError
     from hybridkv.server.l2.specs import FsL2Spec, L2ConfigError, parse_l2_adapter
 
     if args.l2_adapter is not None:
@@ -178,7 +176,7 @@ def l2_spec(args: argparse.Namespace) -> L2Spec | None:
             raise UserError(str(e)) from None
         if isinstance(spec, FsL2Spec):
             return dataclasses.replace(spec, fsync=args.l2_fsync or spec.fsync)
-        if args.l2_gib:
+        if int(args.l2_gib * GIB):
             raise ConfigError("an L2 size needs an L2 directory (--l2-dir)")
         return spec
     l2_bytes = int(args.l2_gib * GIB)
@@ -191,8 +189,6 @@ def l2_spec(args: argparse.Namespace) -> L2Spec | None:
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
     """The configuration `hybridkv serve` runs with these arguments; UserError / ConfigError name the flag."""
-    from hybridkv.server.config import ConfigError, ServerConfig
-
     apply_seed(args)
     # say it in the unit it was given in, not in the bytes it becomes
     if not 0 < args.l1_gib < MAX_GIB:
@@ -222,8 +218,6 @@ def server_argv(config: ServerConfig) -> list[str]:
     import dataclasses
     import json
 
-    from hybridkv.server.config import ServerConfig
-
     defaults = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
     argv = ["--endpoint", config.endpoint, "--l1-gib", repr(config.l1_bytes / GIB)]
     for flag in FIELD_FLAGS:
@@ -249,7 +243,6 @@ def run(args: argparse.Namespace) -> int:
 
     from hybridkv.arena import ArenaError
     from hybridkv.cli import UserError
-    from hybridkv.server.config import ConfigError
     from hybridkv.server.connections import raise_fd_limit
     from hybridkv.server.l2.base import L2Error
     from hybridkv.server.lifecycle import EndpointInUse
