@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from hybridkv.server.cli import parse_args, server_config
 from hybridkv.server.launch import ServerProcess, start_server
 
 if not torch.cuda.is_available():
@@ -37,8 +38,9 @@ def server_factory(sock_dir: str) -> Iterator[Callable[..., ServerProcess]]:
     def start(*args: str, name: str | None = None, l1_gib: float = 0.05, client_timeout: float = 30.0,
               admin: bool = True) -> ServerProcess:
         extra = ("--admin",) if admin else ()
-        s = start_server(f"ipc://{sock_dir}/{name or f's{len(procs)}'}.sock", *args, *extra, l1_gib=l1_gib,
-                         client_timeout=client_timeout)
+        flags = parse_args([f"--endpoint=ipc://{sock_dir}/{name or f's{len(procs)}'}.sock", f"--l1-gib={l1_gib}",
+                            f"--client-timeout={client_timeout}", *args, *extra])
+        s = start_server(server_config(flags), metrics_port=flags.metrics_port)
         procs.append(s)
         return s
 

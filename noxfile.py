@@ -142,7 +142,7 @@ def fuzz(session: nox.Session) -> None:
     cores), then a byte-exact store and retrieve; fails on a crash, an unanswered message, RSS growth of
     more than 10 MiB after warm-up or wrong bytes. `-- --messages N --seed S` to change the run."""
     _install(session)
-    _run(session, "python", "reference_impl/tests/fuzz_server.py",
+    _run(session, "python", "reference_impl/tests/server/fuzz_server.py",
          *(session.posargs or ["--messages", "200000", "--max-rss-growth-mib", "10"]))
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from hybridkv.engine.transfer import KVTransfer, TransferConfig
 from hybridkv.presets import preset_layout
+from hybridkv.server.config import GIB, ServerConfig
 from hybridkv.server.launch import start_server
 
 DEVICE = "cpu"
@@ -27,7 +28,8 @@ def main() -> None:
               for _ in range(g.num_layers)] for g in layout.groups]
 
     sock_dir = tempfile.mkdtemp(prefix="hybridkv-quickstart-")  # 0700: the server refuses an open directory
-    server = start_server(f"ipc://{sock_dir}/server.sock", l1_gib=0.0625)  # its own process, ready on return
+    # its own process, ready on return
+    server = start_server(ServerConfig(endpoint=f"ipc://{sock_dir}/server.sock", l1_bytes=GIB // 16))
     try:
         with KVTransfer(server.endpoint, layout, pages, TransferConfig(wire_format="shm")) as kv:
             chunk = kv.chunk_tokens  # the cache unit: a prefix is cached in whole chunks

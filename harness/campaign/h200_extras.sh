@@ -34,7 +34,7 @@ case "$part" in
   transfer)
     # the transfer library's round-trip tests run on the GPU when one is visible (not only the -m cuda ones)
     status=0
-    "$py" -m pytest -q -p no:cacheprovider reference_impl/tests/engine/test_transfer.py reference_impl/tests/test_prepare_store.py \
+    "$py" -m pytest -q -p no:cacheprovider reference_impl/tests/engine/test_transfer.py reference_impl/tests/server/test_prepare_store.py \
       > "$out/$part/transfer-tests.log" 2>&1 || status=1
     tail -3 "$out/$part/transfer-tests.log"
     # every step of a store and a load on the presets' real pages, then where the queueing of copies goes

@@ -43,6 +43,7 @@ from hybridkv.engine.wire import DirectWire
 from hybridkv.layout import ModelLayout
 from hybridkv.policy import chunk_objects
 from hybridkv.presets import preset_layout
+from hybridkv.server.config import GIB, ServerConfig
 from hybridkv.server.launch import start_server
 from hybridkv_kernels import build_plan, run_plan
 
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         ap.error(f"--presets takes NAME:TP, got {args.presets}")
     d = tempfile.mkdtemp(prefix="hkv-", dir="/tmp")
-    server = start_server(f"ipc://{d}/s.sock", l1_gib=args.l1_gib)
+    server = start_server(ServerConfig(endpoint=f"ipc://{d}/s.sock", l1_bytes=int(args.l1_gib * GIB)))
     try:
         if args.idle_rt:
             row = idle_round_trips(server.endpoint, args.rounds)

@@ -20,6 +20,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
@@ -170,7 +171,9 @@ def run_l2_bench(b: L2Bench, out: Path) -> dict:
     from hybridkv import protocol as P
     from hybridkv.engine.transfer import KVTransfer, TransferConfig
     from hybridkv.presets import preset_layout
-    from hybridkv.server.l2 import CRC32_IMPL
+    from hybridkv.server.config import ServerConfig
+    from hybridkv.server.l2.header import CRC32_IMPL
+    from hybridkv.server.l2.specs import FsL2Spec, L2Spec, parse_l2_adapter
     from hybridkv.server.launch import start_server
 
     from .pools import BlockAllocator, fill_random, vllm_pools
@@ -197,9 +200,8 @@ def run_l2_bench(b: L2Bench, out: Path) -> dict:
             df = subprocess.run(["df", "-h", str(l2_dir)], capture_output=True, text=True).stdout.splitlines()[-1:]
             result["l2_where"] = " ".join(df)
             result.update(_disk_ceilings(l2_dir, b.probe_mib * MIB, object_bytes))
-            flags = ["--l2-dir", str(l2_dir), "--l2-gib", f"{2 * total / GIB + 0.01:.4f}"]
-            flags += ["--l2-fsync"] if b.fsync else []
-            from hybridkv.server.l2_fs import FilesystemL2
+            l2: L2Spec = FsL2Spec(str(l2_dir), int((2 * total / GIB + 0.01) * GIB), b.fsync)
+            from hybridkv.server.l2.fs import FilesystemL2
 
             with FilesystemL2(work / "adapter", 4 * adapter_count * object_bytes + GIB, fsync=b.fsync) as fs:
                 result.update(adapter_rates(fs, object_bytes, adapter_count, b.io_threads))
@@ -214,9 +216,9 @@ def run_l2_bench(b: L2Bench, out: Path) -> dict:
             prefix = f"hkv-l2bench-{os.getpid()}-{int(time.time())}:"
             spec = {"type": "redis", "url": url, "prefix": prefix, "chunk_mb": b.redis_chunk_mib,
                     "timeout_s": 60.0, "meta_timeout_s": 1.0}
-            flags = ["--l2-adapter", json.dumps(spec)]
-            from hybridkv.server.l2 import RedisL2Spec, parse_l2_adapter
-            from hybridkv.server.l2_redis import RedisL2
+            l2 = parse_l2_adapter(json.dumps(spec))
+            from hybridkv.server.l2.redis import RedisL2
+            from hybridkv.server.l2.specs import RedisL2Spec
 
             rspec = parse_l2_adapter(json.dumps({**spec, "prefix": prefix + "adapter:"}))
             assert isinstance(rspec, RedisL2Spec)
@@ -225,7 +227,8 @@ def run_l2_bench(b: L2Bench, out: Path) -> dict:
         # Each run's arenas in a private folder of /dev/shm: nothing else sweeping /dev/shm touches them.
         shm = Path(tempfile.mkdtemp(prefix="hkv-l2w-", dir="/dev/shm"))
         shm_dirs.append(shm)
-        flags += ["--io-threads", str(b.io_threads), "--l1-dir", str(shm)]
+        server = ServerConfig(endpoint=f"ipc://{work}/a.sock", l1_bytes=int((1.2 * total / GIB + 0.05) * GIB), l2=l2,
+                              io_threads=b.io_threads, l1_dir=str(shm), admin=True, client_timeout_s=120)
 
         bpc = [ct // g.block_tokens for g in layout.groups]
         num_blocks = 2 * b.chunks * sum(bpc) + 8  # a block id belongs to one group at a time
@@ -241,8 +244,7 @@ def run_l2_bench(b: L2Bench, out: Path) -> dict:
 
         # 1. Spill: host A stores everything in an L1 that holds it, then flushes every object on SIGTERM.
         with open(logs / "a.log", "w") as log:
-            a = start_server(f"ipc://{work}/a.sock", *flags, "--admin", "--flush-on-exit", "--spill-watermark", "0",
-                             l1_gib=1.2 * total / GIB + 0.05, client_timeout=120, stderr=log)
+            a = start_server(replace(server, flush_on_exit=True, spill_watermark=0.0), stderr=log)
         try:
             with KVTransfer(a.endpoint, layout, pools, cfg) as kv:
                 for d, tokens in enumerate(docs):
@@ -266,8 +268,8 @@ def run_l2_bench(b: L2Bench, out: Path) -> dict:
         # 2. Reload: host B (own arena, an L1 of a third) looks every document up; every page is verified.
         result["page_cache_dropped"] = drop_page_cache() if b.l2 == "fs" else False
         with open(logs / "b.log", "w") as log:
-            bsrv = start_server(f"ipc://{work}/b.sock", *flags, "--admin",
-                                l1_gib=max(total / 3, 2 * total / b.docs) / GIB + 0.05, client_timeout=120, stderr=log)
+            l1_b = int((max(total / 3, 2 * total / b.docs) / GIB + 0.05) * GIB)
+            bsrv = start_server(replace(server, endpoint=f"ipc://{work}/b.sock", l1_bytes=l1_b), stderr=log)
         bad = hit_chunks = 0
         lookup_s = 0.0
         try:

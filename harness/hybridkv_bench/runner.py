@@ -30,6 +30,8 @@ import torch
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.engine.transfer import WIRE_FORMATS, Hit, KVTransfer
+from hybridkv.server.config import ServerConfig
+from hybridkv.server.l2.specs import FsL2Spec
 from hybridkv.server.launch import ServerProcess, start_server
 
 from .context import collect_context
@@ -148,17 +150,18 @@ class Runner:
         srv = self.scenario.server
         sock = self._mkdtemp("hkv-bench-")  # /tmp: ipc:// paths must stay short; mkdtemp makes it 0700
         # only the CUDA-IPC baseline's server may see a GPU: it maps the engine's pages and copies itself
-        # --admin: the runner reads server-wide Stats around each case (its own private server)
-        flags = ["--admin", *(["--cuda-ipc"] if wire_format == "cuda_ipc" else [])]
+        # admin: the runner reads server-wide Stats around each case (its own private server)
+        l2 = None
         if srv.l2_gib > 0:
             parent = Path(srv.l2_dir) if srv.l2_dir else self.folder / ".tmp"
             parent.mkdir(parents=True, exist_ok=True)
-            flags += ["--l2-dir", str(self._mkdtemp("l2-", parent)), "--l2-gib", f"{srv.l2_gib:.6f}"]
+            l2 = FsL2Spec(str(self._mkdtemp("l2-", parent)), srv.l2_bytes)
         log_path = server_log(self.folder, label)
         log_path.parent.mkdir(exist_ok=True)
         with open(log_path, "w") as log:
-            server = start_server(f"ipc://{sock}/server.sock", *flags, l1_gib=srv.l1_gib,
-                                  client_timeout=srv.client_timeout_s, stderr=log)
+            server = start_server(ServerConfig(endpoint=f"ipc://{sock}/server.sock", l1_bytes=srv.l1_bytes, l2=l2,
+                                               client_timeout_s=srv.client_timeout_s, admin=True,
+                                               cuda_ipc=wire_format == "cuda_ipc"), stderr=log)
         self._servers.append(server)
         return server
 

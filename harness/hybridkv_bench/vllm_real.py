@@ -208,6 +208,7 @@ def run_ttft(sc: TTFTScenario, out: Path, scenario_text: str) -> tuple[Path, lis
     """Measure every prompt length; write run.json (one case per length), ttft.csv, ttft.png, report.md."""
     import shutil
 
+    from hybridkv.server.config import GIB, ServerConfig
     from hybridkv.server.launch import start_server
 
     from .context import collect_context
@@ -220,7 +221,8 @@ def run_ttft(sc: TTFTScenario, out: Path, scenario_text: str) -> tuple[Path, lis
         stack.callback(shutil.rmtree, shm, ignore_errors=True)
         stack.callback(shutil.rmtree, work, ignore_errors=True)
         model = write_model(work / "model", sc.model)
-        server = start_server(f"ipc://{work}/server.sock", "--l1-dir", str(shm), "--admin", l1_gib=sc.l1_gib)
+        server = start_server(ServerConfig(endpoint=f"ipc://{work}/server.sock", l1_bytes=int(sc.l1_gib * GIB),
+                                           l1_dir=str(shm), admin=True))
         stack.callback(server.close)
         with RunWriter(out, {"text": scenario_text, **msgspec.to_builtins(sc)}, collect_context()) as w:
             prompts = {(n, r): prompt(n, 1000 * r + i, sc.model.vocab)

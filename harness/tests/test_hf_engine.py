@@ -15,6 +15,7 @@ import torch  # noqa: E402
 from benchkit import SCENARIOS  # noqa: E402
 from hybridkv.engine.transfer import KVTransfer, TransferConfig  # noqa: E402
 from hybridkv.presets import TINY_HYBRID, hybrid_layout  # noqa: E402
+from hybridkv.server.config import GIB, ServerConfig  # noqa: E402
 from hybridkv.server.launch import start_server  # noqa: E402
 from hybridkv_bench.engine_hf import HFEngine  # noqa: E402
 from hybridkv_bench.engine_sim import EnginePools  # noqa: E402
@@ -46,7 +47,7 @@ def model(request):
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("hf")
     # a private arena folder: another machine user's server start cannot take this arena for a dead one's
-    srv = start_server(f"ipc://{d}/s.sock", "--l1-dir", str(d), l1_gib=0.05)
+    srv = start_server(ServerConfig(endpoint=f"ipc://{d}/s.sock", l1_bytes=int(0.05 * GIB), l1_dir=str(d)))
     yield srv
     srv.stop()
     srv.close()

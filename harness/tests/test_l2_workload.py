@@ -57,10 +57,6 @@ def test_disk_probe_refuses_a_request_size_o_direct_cannot_take(tmp_path):
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 def test_redis_workload_is_a_cross_host_hit(tmp_path):
-    from hybridkv.server import loop
-
-    if not hasattr(loop, "make_l2"):
-        pytest.skip("server/loop.py does not build its L2 with make_l2 yet: no Redis L2 to serve")
     r = run_l2_bench(load_l2_bench(_tiny(tmp_path, "redis")), tmp_path / "run")
     assert r["cross_host_hit"] and r["corrupt_pages"] == 0
     assert r["redis_set_gbps"] > 0 and r["redis_get_gbps"] > 0

@@ -67,11 +67,13 @@ def sock_dir():
 
 @pytest.fixture(scope="module")
 def lookup_server(sock_dir):
+    from hybridkv.server.config import GIB, ServerConfig
     from hybridkv.server.launch import start_server
 
     # room for the store benchmark's rounds (8 objects of 20 KiB each) beside the 71 chunks, so no lookup
     # benchmark finds its chunks evicted whatever order the tests run in
-    s = start_server(f"ipc://{sock_dir}/s.sock", "--admin", l1_gib=0.25)  # --admin: Stats checks the pins
+    # admin: Stats checks the pins
+    s = start_server(ServerConfig(endpoint=f"ipc://{sock_dir}/s.sock", l1_bytes=GIB // 4, admin=True))
     yield s.endpoint
     s.close()
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 from hybridkv.engine.transfer import KVTransfer
 from hybridkv.presets import preset_layout
+from hybridkv.server.config import GIB, ServerConfig
 from hybridkv.server.launch import start_server
 from hybridkv_bench.fixed_cost import LOAD_STEPS, STORE_STEPS, profile, small_pages
 from hybridkv_bench.pools import BlockAllocator, fill_random, vllm_pools
@@ -32,7 +33,7 @@ CHUNKS = 2
 @pytest.fixture(scope="module")
 def endpoint():
     d = tempfile.mkdtemp(prefix="hkv-", dir="/tmp")
-    s = start_server(f"ipc://{d}/s.sock", l1_gib=0.05)
+    s = start_server(ServerConfig(endpoint=f"ipc://{d}/s.sock", l1_bytes=int(0.05 * GIB)))
     try:
         yield s.endpoint
     finally:

@@ -18,6 +18,7 @@ import pytest
 import torch
 from benchkit import REPO, SCENARIOS
 from hybridkv.cli import main
+from hybridkv.server.config import GIB, ServerConfig
 from hybridkv.server.launch import start_server
 from hybridkv_bench.gate import gate
 from hybridkv_bench.results import load_run
@@ -176,7 +177,8 @@ def test_a_case_that_cannot_run_here_is_a_failed_case(tmp_path: Path, capsys):
 def test_external_server_is_used_and_its_probes_not_measured(tmp_path: Path):
     sock = Path(os.environ.get("TMPDIR", "/tmp")) / f"hkv-ext-{os.getpid()}"
     sock.mkdir(mode=0o700)
-    server = start_server(f"ipc://{sock}/s.sock", "--admin", l1_gib=0.0625)  # the runner reads Stats
+    # admin: the runner reads Stats
+    server = start_server(ServerConfig(endpoint=f"ipc://{sock}/s.sock", l1_bytes=GIB // 16, admin=True))
     try:
         sf = load_scenario(SCENARIOS / "smoke.toml").scaled(0.5)
         outcome = run_bench(sf, BenchOptions(out=tmp_path / "run", server=server.endpoint,

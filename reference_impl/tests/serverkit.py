@@ -16,13 +16,15 @@ from hybridkv import protocol as P
 from hybridkv.arena import map_arena
 from hybridkv.engine.client import CacheClient
 from hybridkv.presets import preset_layout
+from hybridkv.server.cli import parse
 from hybridkv.server.launch import ServerProcess, start_server
 
 
 def spawn_server(sock_dir: str, *args: str, name: str = "s", l1_gib: float = 0.05,
                  client_timeout: float = 30.0) -> ServerProcess:
     """A server for tests that manage its life themselves (the `server_factory` fixture stops its own)."""
-    return start_server(f"ipc://{sock_dir}/{name}.sock", *args, "--admin", l1_gib=l1_gib, client_timeout=client_timeout)
+    return start_server(parse([f"--endpoint=ipc://{sock_dir}/{name}.sock", f"--l1-gib={l1_gib}",
+                               f"--client-timeout={client_timeout}", *args, "--admin"]))
 
 
 @contextmanager

@@ -1,4 +1,5 @@
-"""Handlers for engines and administration: register, unregister, heartbeat, share_cuda, stats, clear, health."""
+"""Handlers for engines and administration: register, unregister, heartbeat, share_cuda, stats, clear, health,
+status."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from hybridkv.keys import namespace
 from hybridkv.layout import LayoutError
 from hybridkv.server.context import Answer, Context, Frames, RequestError, no_frames
 from hybridkv.server.sessions import Engine
-from hybridkv.server.telemetry import server_figures
+from hybridkv.server.telemetry import STATUS_FIGURES, limits, server_figures
 
 E = P.ErrorCode
 
@@ -101,3 +102,18 @@ def _admin_only(ctx: Context, what: str) -> None:
         ctx.counters.forbidden_refusals += 1
         raise RequestError(E.FORBIDDEN, f"{what} touches every tenant; this server was started without "
                            "--admin, which opens it to every client of the endpoint")
+
+
+def status(ctx: Context, ident: bytes, msg: P.Status, frames: Frames) -> Answer:
+    """Status: the operator's summary, open to every client (so server-wide totals only)."""
+    no_frames(msg, frames)
+    tel, now = ctx.telemetry, time.monotonic()
+    figures = server_figures(ctx)
+    window_s, window = tel.window(now, figures)
+    errors: dict[str, int] = {}
+    for (_, code), n in tel.errors.items():
+        errors[code] = errors.get(code, 0) + n
+    return P.StatusResult(version=__version__, pid=os.getpid(), uptime_s=now - ctx.started,
+                          figures={k: figures.get(k, 0) for k in STATUS_FIGURES}, limits=limits(ctx),
+                          window_s=window_s, window=window, errors=errors,
+                          recent_errors=[P.RecentError(now - t, kind, code) for t, kind, code in tel.recent]), []

@@ -6,14 +6,28 @@ import argparse
 import os
 import signal
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from hybridkv.server.config import GIB, ConfigError, ServerConfig
+
 if TYPE_CHECKING:
-    from hybridkv.server.l2 import RedisL2Spec
+    from hybridkv.server.l2.specs import L2Spec
     from hybridkv.server.loop import CacheServer
 
-GIB = 1 << 30
 MAX_GIB = float(1 << 32)  # 4 EiB: any larger size (inf among them) is a typo, not a machine
+
+# The flags that are one ServerConfig field's value as it is (a bool field: the flag alone), each named as its
+# field (--max-keys: max_keys) but for those in FIELD_OF; `server_config` reads them, `server_argv` writes them back
+FIELD_FLAGS = ("--l1-dir", "--chunk-tokens", "--eviction", "--client-timeout", "--quarantine", "--io-threads",
+               "--spill-watermark", "--flush-on-exit", "--cuda-ipc", "--admin", "--max-keys", "--max-message-bytes",
+               "--max-frame-bytes", "--max-clients", "--max-engines", "--max-engines-per-client", "--max-leases",
+               "--max-reservations", "--max-queued-replies", "--max-pending", "--max-prefetches")
+FIELD_OF = {"--client-timeout": "client_timeout_s", "--quarantine": "quarantine_s"}
+
+
+def _dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -126,18 +140,17 @@ def add_l2_and_seed_arguments(p: argparse.ArgumentParser) -> None:
                       default=argparse.SUPPRESS, help="= --eviction, LRU or FIFO in any case")
     seed.add_argument("--port", type=int, default=None, help="= --endpoint tcp://127.0.0.1:PORT")
     for flag, instead in SEED_REPLACED.items():
-        seed.add_argument(flag, dest=f"seed_{flag[2:].replace('-', '_')}", nargs="?", const="", default=None,
+        seed.add_argument(flag, dest=f"seed_{_dest(flag)}", nargs="?", const="", default=None,
                           metavar="X", help=f"not taken (exits 2): {instead}")
 
 
-def apply_l2_and_seed(args: argparse.Namespace) -> RedisL2Spec | None:
-    """Fold --port and --l2-adapter into args (endpoint, l2_dir, l2_gib, l2_fsync); the Redis spec if any."""
+def apply_seed(args: argparse.Namespace) -> None:
+    """Refuse the seed's flags we do not take; fold --port into args.endpoint."""
     from hybridkv.cli import UserError
     from hybridkv.endpoints import default_endpoint
-    from hybridkv.server.l2 import FsL2Spec, L2ConfigError, parse_l2_adapter
 
     for flag, instead in SEED_REPLACED.items():
-        if getattr(args, f"seed_{flag[2:].replace('-', '_')}") is not None:
+        if getattr(args, f"seed_{_dest(flag)}") is not None:
             raise UserError(f"{flag} is a seed flag hybridkv does not take: {instead}")
     if args.port is not None:
         if args.endpoint != default_endpoint():
@@ -145,19 +158,78 @@ def apply_l2_and_seed(args: argparse.Namespace) -> RedisL2Spec | None:
         if not 0 < args.port < 65536:
             raise UserError(f"--port must be in 1..65535, got {args.port}")
         args.endpoint = f"tcp://127.0.0.1:{args.port}"
-    if args.l2_adapter is None:
-        return None
-    if args.l2_dir is not None:
-        raise UserError(f"--l2-adapter and --l2-dir {args.l2_dir}: give one")
-    try:
-        spec = parse_l2_adapter(args.l2_adapter)
-    except L2ConfigError as e:
-        raise UserError(str(e)) from None
-    if isinstance(spec, FsL2Spec):
-        args.l2_dir, args.l2_gib = spec.base_path, spec.capacity_bytes / GIB
-        args.l2_fsync = args.l2_fsync or spec.fsync
-        return None
-    return spec
+
+
+def l2_spec(args: argparse.Namespace) -> L2Spec | None:
+    """The L2 that --l2-adapter, or --l2-dir / --l2-gib / --l2-fsync, ask for; None without L2."""
+    import dataclasses
+
+    from hybridkv.cli import UserError
+    from hybridkv.server.l2.specs import FsL2Spec, L2ConfigError, parse_l2_adapter
+
+    if args.l2_adapter is not None:
+        if args.l2_dir is not None:
+            raise UserError(f"--l2-adapter and --l2-dir {args.l2_dir}: give one")
+        try:
+            spec = parse_l2_adapter(args.l2_adapter)
+        except L2ConfigError as e:
+            raise UserError(str(e)) from None
+        if isinstance(spec, FsL2Spec):
+            return dataclasses.replace(spec, fsync=args.l2_fsync or spec.fsync)
+        if int(args.l2_gib * GIB):
+            raise ConfigError("an L2 size needs an L2 directory (--l2-dir)")
+        return spec
+    l2_bytes = int(args.l2_gib * GIB)
+    if l2_bytes and not args.l2_dir:
+        raise ConfigError("an L2 size needs an L2 directory (--l2-dir)")
+    if args.l2_dir and not l2_bytes:
+        raise ConfigError(f"L2 directory {args.l2_dir} given without a size: set --l2-gib")
+    return FsL2Spec(args.l2_dir, l2_bytes, args.l2_fsync) if args.l2_dir else None
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The configuration `hybridkv serve` runs with these arguments; UserError / ConfigError name the flag."""
+    apply_seed(args)
+    # say it in the unit it was given in, not in the bytes it becomes
+    if not 0 < args.l1_gib < MAX_GIB:
+        raise ConfigError(f"L1 size (--l1-gib) must be above 0 and below {MAX_GIB:.0f} GiB, got {args.l1_gib:g}")
+    if not 0 <= args.l2_gib < MAX_GIB:
+        raise ConfigError(f"L2 size (--l2-gib) must be 0 or more and below {MAX_GIB:.0f} GiB, got {args.l2_gib:g}")
+    return ServerConfig(endpoint=args.endpoint, l1_bytes=int(args.l1_gib * GIB), l2=l2_spec(args),
+                        parent_pid=os.getppid() if args.exit_with_parent else 0,
+                        **{FIELD_OF.get(flag, _dest(flag)): getattr(args, _dest(flag)) for flag in FIELD_FLAGS})
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """`hybridkv serve ARGV`'s arguments, as the command parses them."""
+    p = argparse.ArgumentParser(prog="hybridkv serve")
+    add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def parse(argv: Sequence[str]) -> ServerConfig:
+    """The configuration `hybridkv serve ARGV` would run with (its process options, such as logging, aside)."""
+    return server_config(parse_args(argv))
+
+
+def server_argv(config: ServerConfig) -> list[str]:
+    """The `hybridkv serve` flags that run `config`: `parse(server_argv(c)) == c`. A nonzero parent_pid becomes
+    --exit-with-parent, whose pid is the parent of the process that runs the flags."""
+    import dataclasses
+    import json
+
+    defaults = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
+    argv = ["--endpoint", config.endpoint, "--l1-gib", repr(config.l1_bytes / GIB)]
+    for flag in FIELD_FLAGS:
+        field = FIELD_OF.get(flag, _dest(flag))
+        value = getattr(config, field)
+        if value != defaults[field]:
+            argv += [flag] if isinstance(value, bool) else [flag, str(value)]
+    if config.l2 is not None:
+        argv += ["--l2-adapter", json.dumps(config.l2.to_json())]
+    if config.parent_pid:
+        argv.append("--exit-with-parent")
+    return argv
 
 
 def run(args: argparse.Namespace) -> int:
@@ -171,9 +243,8 @@ def run(args: argparse.Namespace) -> int:
 
     from hybridkv.arena import ArenaError
     from hybridkv.cli import UserError
-    from hybridkv.server.config import ConfigError, ServerConfig
     from hybridkv.server.connections import raise_fd_limit
-    from hybridkv.server.l2 import L2Error
+    from hybridkv.server.l2.base import L2Error
     from hybridkv.server.lifecycle import EndpointInUse
     from hybridkv.server.loop import CacheServer
     from hybridkv.server.metrics_http import MetricsEndpoint, MetricsError, check_metrics_address
@@ -189,29 +260,11 @@ def run(args: argparse.Namespace) -> int:
     metrics: MetricsEndpoint | None = None
     raise_fd_limit()  # libzmq cannot survive EMFILE: take every descriptor the hard limit allows
     try:
-        l2_redis = apply_l2_and_seed(args)
-        # say it in the unit it was given in, not in the bytes it becomes
-        if not 0 < args.l1_gib < MAX_GIB:
-            raise ConfigError(f"L1 size (--l1-gib) must be above 0 and below {MAX_GIB:.0f} GiB, got {args.l1_gib:g}")
-        if not 0 <= args.l2_gib < MAX_GIB:
-            raise ConfigError(f"L2 size (--l2-gib) must be 0 or more and below {MAX_GIB:.0f} GiB, got {args.l2_gib:g}")
+        cfg = server_config(args)
         if args.metrics_port is not None:
             check_metrics_address(args.metrics_host, args.metrics_port)  # before an arena is made
         if not args.headline_interval >= 0:
             raise ConfigError(f"--headline-interval must be 0 (never) or more seconds, got {args.headline_interval:g}")
-        cfg = ServerConfig(
-            endpoint=args.endpoint, l1_bytes=int(args.l1_gib * GIB), l1_dir=args.l1_dir, l2_dir=args.l2_dir,
-            l2_bytes=int(args.l2_gib * GIB), l2_fsync=args.l2_fsync, chunk_tokens=args.chunk_tokens,
-            eviction=args.eviction, client_timeout_s=args.client_timeout, quarantine_s=args.quarantine,
-            io_threads=args.io_threads, spill_watermark=args.spill_watermark, flush_on_exit=args.flush_on_exit,
-            cuda_ipc=args.cuda_ipc, admin=args.admin, max_keys=args.max_keys,
-            max_message_bytes=args.max_message_bytes, max_frame_bytes=args.max_frame_bytes,
-            max_clients=args.max_clients, max_engines=args.max_engines,
-            max_engines_per_client=args.max_engines_per_client, max_leases=args.max_leases,
-            max_reservations=args.max_reservations,
-            max_queued_replies=args.max_queued_replies, max_pending=args.max_pending,
-            max_prefetches=args.max_prefetches, l2_redis=l2_redis,
-            parent_pid=os.getppid() if args.exit_with_parent else 0)
         server = CacheServer(cfg, telemetry=Telemetry(args.headline_interval))
         try:
             endpoint = server.bind()
@@ -223,8 +276,7 @@ def run(args: argparse.Namespace) -> int:
         running = server
         signal.signal(signal.SIGTERM, lambda *_: running.stop())
         signal.signal(signal.SIGINT, lambda *_: running.stop())
-        l2 = (f"redis {cfg.l2_redis.url} prefix {cfg.l2_redis.prefix}" if cfg.l2_redis is not None
-              else f"{cfg.l2_dir} ({args.l2_gib:g} GiB)" if cfg.has_l2 else "none")
+        l2 = cfg.l2.describe() if cfg.l2 is not None else "none"
 
         def ready() -> None:
             print(f"hybridkv server ready: endpoint={endpoint} l1={args.l1_gib:g}GiB arena={running.arena.path} "

@@ -12,7 +12,7 @@ from hybridkv.endpoints import (  # noqa: F401 (re-exported: the server's settin
     default_ipc_dir,
     ensure_private_dir,
 )
-from hybridkv.server.l2 import FsL2Spec, L2Spec, RedisL2Spec
+from hybridkv.server.l2.specs import GIB, L2Spec  # noqa: F401 (GIB re-exported: sizes are given in GiB)
 
 EVICTION_POLICIES = ("lru", "fifo")
 
@@ -22,10 +22,7 @@ class ServerConfig:
     l1_bytes: int
     endpoint: str = ""
     l1_dir: str = "/dev/shm"
-    l2_dir: str | None = None
-    l2_bytes: int = 0
-    l2_fsync: bool = False
-    l2_redis: RedisL2Spec | None = None  # an L2 shared between hosts, instead of l2_dir
+    l2: L2Spec | None = None        # the L2 below L1 (a directory, a Redis shared between hosts), or none
     chunk_tokens: int = 0           # 0: each engine chooses; otherwise engines must register with it
     eviction: str = "lru"
     client_timeout_s: float = 30.0  # an engine silent this long is gone: its reservations and pins are reclaimed
@@ -57,14 +54,6 @@ class ServerConfig:
         check_endpoint(self.endpoint)
         if self.l1_bytes <= 0:
             raise ConfigError(f"L1 size must be positive, got {self.l1_bytes} B")
-        if self.l2_bytes < 0:
-            raise ConfigError(f"L2 size must be >= 0, got {self.l2_bytes} B")
-        if self.l2_bytes and not self.l2_dir:
-            raise ConfigError("an L2 size needs an L2 directory (--l2-dir)")
-        if self.l2_dir and not self.l2_bytes:
-            raise ConfigError(f"L2 directory {self.l2_dir} given without a size: set --l2-gib")
-        if self.l2_redis is not None and self.l2_dir:
-            raise ConfigError(f"choose one L2: a directory ({self.l2_dir}) or redis ({self.l2_redis.url}), not both")
         if self.chunk_tokens < 0:
             raise ConfigError(f"chunk tokens must be >= 0, got {self.chunk_tokens}")
         if self.eviction not in EVICTION_POLICIES:
@@ -90,13 +79,4 @@ class ServerConfig:
 
     @property
     def has_l2(self) -> bool:
-        return self.l2_spec is not None
-
-    @property
-    def l2_spec(self) -> L2Spec | None:
-        """The L2 adapter to build (`hybridkv.server.l2.make_l2`), or None without L2."""
-        if self.l2_redis is not None:
-            return self.l2_redis
-        if self.l2_dir and self.l2_bytes > 0:
-            return FsL2Spec(self.l2_dir, self.l2_bytes, self.l2_fsync)
-        return None
+        return self.l2 is not None

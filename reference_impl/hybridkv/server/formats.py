@@ -1,13 +1,13 @@
 """The server half of each wire format: how a commit's bytes reach the arena and how a retrieve's leave it.
 
-One strategy per format, registered in one table keyed by `WireFormat`. A strategy validates on the
-loop thread (raising RequestError) and returns the copy work as a job for a worker thread, or None
-when no byte has to move (shm: the engine wrote the arena itself).
+One strategy per format, in one table keyed by the format's name (`hybridkv.wire_formats.WireFormat`), each
+chosen by what the format is (its `TRAITS`). A strategy validates on the loop thread (raising RequestError) and
+returns the copy work as a job for a worker thread, or None when no byte has to move (a direct format: the
+engine wrote the arena itself).
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -18,20 +18,13 @@ from hybridkv.arena import Arena
 from hybridkv.baselines.codec import bytes_to_tensor, copy_tensor_into, decode_tensor, encode_tensor
 from hybridkv.server.errors import RequestError
 from hybridkv.server.sessions import Engine, Lease, Reservation
+from hybridkv.wire_formats import FORMATS, TRAITS, WireFormat
 
 if TYPE_CHECKING:
     from hybridkv.baselines.cuda_ipc import MappedEngine
 
 E = P.ErrorCode
 Job = Callable[[], Any]
-
-
-class WireFormat(enum.StrEnum):
-    SHM = "shm"
-    RAW = "raw"
-    PICKLE = "pickle"
-    TORCH_SAVE = "torch_save"
-    CUDA_IPC = "cuda_ipc"
 
 
 class FormatStrategy(Protocol):
@@ -54,7 +47,7 @@ def _no_payload(msg: P.Message, frames: list[Any]) -> None:
 
 
 class ShmFormat:
-    """The engine writes and reads the arena itself: only metadata crosses the socket."""
+    """A direct format: the engine writes and reads the arena itself, only metadata crosses the socket."""
 
     def commit(self, eng: Engine, res: Reservation, msg: P.CommitStore, frames: list[Any]) -> Job | None:
         _no_payload(msg, frames)
@@ -68,11 +61,12 @@ class ShmFormat:
 class RawFormat:
     """One zero-copy payload frame per object, the object's bytes exactly."""
 
-    def __init__(self, arena: Arena):
+    def __init__(self, arena: Arena, fmt: WireFormat):
         self.arena = arena
+        self.fmt = fmt
 
     def commit(self, eng: Engine, res: Reservation, msg: P.CommitStore, frames: list[Any]) -> Job | None:
-        _frame_count(res, frames, WireFormat.RAW)
+        _frame_count(res, frames, self.fmt)
         for i, (f, s) in enumerate(zip(frames, res.slots, strict=True)):
             if len(f) != s.entry.length:
                 raise RequestError(E.BAD_PAYLOAD, f"payload frame {i} (chunk {s.chunk}, group {s.group}) is "
@@ -171,17 +165,21 @@ class CudaIpcFormat:
 
 
 class Formats:
-    """The table: one strategy per wire format."""
+    """The table: one strategy per wire format, by the format's traits."""
 
     def __init__(self, arena: Arena, cuda_ipc: bool):
         self.cuda = CudaIpcFormat(arena, cuda_ipc)
-        self.table: dict[WireFormat, FormatStrategy] = {
-            WireFormat.SHM: ShmFormat(),
-            WireFormat.RAW: RawFormat(arena),
-            WireFormat.PICKLE: LegacyFormat(arena, WireFormat.PICKLE),
-            WireFormat.TORCH_SAVE: LegacyFormat(arena, WireFormat.TORCH_SAVE),
-            WireFormat.CUDA_IPC: self.cuda,
-        }
+        self.table: dict[WireFormat, FormatStrategy] = {fmt: self._strategy(arena, fmt) for fmt in FORMATS}
 
-    def __getitem__(self, fmt: str) -> FormatStrategy:
-        return self.table[WireFormat(fmt)]
+    def _strategy(self, arena: Arena, fmt: WireFormat) -> FormatStrategy:
+        t = TRAITS[fmt]
+        if t.direct:
+            return ShmFormat()
+        if t.server_holds_cuda:
+            return self.cuda  # the server maps the engine's GPU pages and copies itself
+        if t.server_imports_torch:
+            return LegacyFormat(arena, fmt)  # the server rebuilds the seed's tensors
+        return RawFormat(arena, fmt)
+
+    def __getitem__(self, fmt: WireFormat) -> FormatStrategy:
+        return self.table[fmt]

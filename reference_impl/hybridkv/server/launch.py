@@ -13,8 +13,14 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hybridkv.server.cli import server_argv
+
+if TYPE_CHECKING:
+    from hybridkv.server.config import ServerConfig
 
 
 class ServerStartError(RuntimeError):
@@ -56,17 +62,21 @@ class ServerProcess:
                 f.close()
 
 
-def start_server(endpoint: str, *args: str, l1_gib: float, client_timeout: float = 30.0,
-                 log_level: str = "warning", ready_timeout: float = 60.0, stderr=subprocess.PIPE,
-                 nofile: int = 0) -> ServerProcess:
-    """Run `hybridkv serve` with these flags in a new process; returns once it printed its ready line.
-    `nofile` > 0 starts it under that open-file limit, soft and hard (as `ulimit -n` in its shell would)."""
+def start_server(config: ServerConfig, *, log_level: str = "warning", log_format: str = "text",
+                 metrics_port: int | None = None, headline_interval: float | None = None,
+                 ready_timeout: float = 60.0, stderr=subprocess.PIPE, nofile: int = 0) -> ServerProcess:
+    """Run `hybridkv serve` with `config` in a new process; returns once it printed its ready line.
+    The keywords are the process's own: its logging, its metrics endpoint (`metrics_port` 0: any free port),
+    and `nofile` > 0, the open-file limit it starts under, soft and hard (as `ulimit -n` in its shell would)."""
     # --exit-with-parent: a starter killed by SIGKILL leaves no server (and no arena in /dev/shm) behind
-    cmd = [sys.executable, "-m", "hybridkv.cli", "serve", "--endpoint", endpoint, "--l1-gib", f"{l1_gib:.6f}",
-           "--client-timeout", str(client_timeout), "--log-level", log_level, "--exit-with-parent", *args]
+    process = ["--log-level", log_level, "--log-format", log_format,
+               *(["--metrics-port", str(metrics_port)] if metrics_port is not None else []),
+               *(["--headline-interval", str(headline_interval)] if headline_interval is not None else [])]
+    cmd = [sys.executable, "-m", "hybridkv.cli", "serve", *server_argv(replace(config, parent_pid=os.getpid())),
+           *process]
     # A CPU-only server sees no GPU from its first instruction (serve also hides them itself); only the
     # cuda_ipc baseline needs one.
-    env = dict(os.environ) if "--cuda-ipc" in args else {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    env = dict(os.environ) if config.cuda_ipc else {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))) if nofile else None
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, preexec_fn=limit)
     deadline = time.monotonic() + ready_timeout
@@ -82,21 +92,20 @@ def start_server(endpoint: str, *args: str, l1_gib: float, client_timeout: float
     except BaseException:  # Ctrl-C while starting: no server may outlive its starter
         proc.kill()
         proc.wait()
-        _remove_arenas_of(proc.pid, args)
+        _remove_arenas_of(proc.pid, config.l1_dir)
         raise
     if "ready" not in line:
         proc.kill()
-        _remove_arenas_of(proc.pid, args)
+        _remove_arenas_of(proc.pid, config.l1_dir)
         err = proc.stderr.read() if proc.stderr not in (None, subprocess.DEVNULL) else ""
         proc.wait()
         raise ServerStartError(f"cache server did not start ({' '.join(cmd[3:])}): {line.strip()} {err.strip()}")
     arena = line.split("arena=")[1].split()[0]
     metrics = line.split("metrics=")[1].split()[0] if "metrics=" in line else None
-    return ServerProcess(proc, endpoint, arena, metrics)
+    return ServerProcess(proc, config.endpoint, arena, metrics)
 
 
-def _remove_arenas_of(pid: int, args: tuple[str, ...]) -> None:
+def _remove_arenas_of(pid: int, l1_dir: str) -> None:
     """A server killed before it was ready may have left its arena file: remove it by its pid."""
-    l1_dir = args[args.index("--l1-dir") + 1] if "--l1-dir" in args else "/dev/shm"
     for f in Path(l1_dir).glob(f"hybridkv-{pid}-*.arena"):
         f.unlink(missing_ok=True)

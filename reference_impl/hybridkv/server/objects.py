@@ -18,7 +18,7 @@ from hybridkv.arena import Arena
 from hybridkv.server.config import ServerConfig
 from hybridkv.server.counters import Counters
 from hybridkv.server.l1 import Entry, L1Cache, NoSlot, ObjectKey, State
-from hybridkv.server.l2 import L2Adapter
+from hybridkv.server.l2.base import L2Adapter
 from hybridkv.server.workers import Workers
 
 log = logging.getLogger("hybridkv.server")

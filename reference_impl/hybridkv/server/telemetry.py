@@ -1,5 +1,6 @@
 """What the server shows operators: request latencies and error codes recorded on the loop thread, snapshots
-of every figure for the metrics endpoint, the Status reply (`hybridkv status`) and the headline log line.
+of every figure for the metrics endpoint, the figures of the Status reply (`hybridkv status`; `admin.status`
+answers it) and the headline log line.
 
 Recording costs the loop one dict insert and one pop per request. The rest is built from the counters the
 server keeps anyway: a snapshot when a scrape asks for one, a sample of a few totals once a second for
@@ -10,7 +11,6 @@ it never touch the loop's tables.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from bisect import bisect_left
@@ -19,11 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, get_args
 
-from hybridkv import __version__
 from hybridkv import protocol as P
 
 if TYPE_CHECKING:
-    from hybridkv.server.context import Answer, Context, Frames
+    from hybridkv.server.context import Context
 
 log = logging.getLogger("hybridkv.server")
 
@@ -184,20 +183,3 @@ class Telemetry:
             wake()
             self._published.wait_for(lambda: self._generation > gen, timeout_s)
             return self.snapshot
-
-
-def status(ctx: Context, ident: bytes, msg: P.Status, frames: Frames) -> Answer:
-    """Status: the operator's summary, open to every client (so server-wide totals only)."""
-    from hybridkv.server.context import no_frames
-
-    no_frames(msg, frames)
-    tel, now = ctx.telemetry, time.monotonic()
-    figures = server_figures(ctx)
-    window_s, window = tel.window(now, figures)
-    errors: dict[str, int] = {}
-    for (_, code), n in tel.errors.items():
-        errors[code] = errors.get(code, 0) + n
-    return P.StatusResult(version=__version__, pid=os.getpid(), uptime_s=now - ctx.started,
-                          figures={k: figures.get(k, 0) for k in STATUS_FIGURES}, limits=limits(ctx),
-                          window_s=window_s, window=window, errors=errors,
-                          recent_errors=[P.RecentError(now - t, kind, code) for t, kind, code in tel.recent]), []

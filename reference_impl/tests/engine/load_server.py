@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent / "server"))  # fuzz_server, the server tests' helper
+
 GOOD = 13
 
 
@@ -186,11 +188,12 @@ def main() -> int:
     ap.add_argument("--max-rss-mib", type=float, default=256.0)
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
+    from hybridkv.server.config import GIB, ServerConfig
     from hybridkv.server.launch import start_server
 
     sock = tempfile.mkdtemp(prefix="hkv-ld-", dir="/tmp")
-    server = start_server(f"ipc://{sock}/s.sock", "--max-queued-replies", "100", "--max-leases", "256",
-                          l1_gib=0.25, client_timeout=5, log_level="error")
+    server = start_server(ServerConfig(endpoint=f"ipc://{sock}/s.sock", l1_bytes=GIB // 4, max_queued_replies=100,
+                                       max_leases=256, client_timeout_s=5), log_level="error")
     try:
         alone = run(server.endpoint, server.pid, args.seconds, hostile=False)
         res = run(server.endpoint, server.pid, args.seconds)

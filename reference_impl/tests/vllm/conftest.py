@@ -16,6 +16,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from hybridkv.engine.vllm.settings import kv_transfer_config  # noqa: E402
+from hybridkv.server.cli import parse  # noqa: E402
 from hybridkv.server.launch import ServerProcess, start_server  # noqa: E402
 from hybridkv_bench import vllm_offline as offline  # noqa: E402
 
@@ -49,7 +50,8 @@ def serve(sock_dir) -> Iterator:
     def start(*args: str, l1_gib: float = 0.05) -> ServerProcess:
         l1 = tempfile.mkdtemp(prefix="hkv-", dir="/dev/shm")
         dirs.append(l1)
-        s = start_server(f"ipc://{sock_dir}/s{len(procs)}.sock", "--l1-dir", l1, *args, l1_gib=l1_gib)
+        s = start_server(parse([f"--endpoint=ipc://{sock_dir}/s{len(procs)}.sock", "--l1-dir", l1, *args,
+                                f"--l1-gib={l1_gib}"]))
         procs.append(s)
         return s
 

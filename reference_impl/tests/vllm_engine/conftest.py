@@ -43,6 +43,7 @@ if _why:
     collect_ignore_glob = ["test_*.py"]
 
 import enginekit  # noqa: E402
+from hybridkv.server.cli import parse  # noqa: E402
 from hybridkv.server.launch import ServerProcess, start_server  # noqa: E402
 
 
@@ -71,8 +72,8 @@ def serve(sock_dir) -> Iterator:
     def start(*args: str, name: str | None = None, l1_gib: float = 0.25) -> ServerProcess:
         l1 = tempfile.mkdtemp(prefix="hkv-", dir="/dev/shm")
         dirs.append(l1)
-        s = start_server(f"ipc://{sock_dir}/{name or f's{len(procs)}'}.sock", "--l1-dir", l1, "--admin", *args,
-                         l1_gib=l1_gib)
+        s = start_server(parse([f"--endpoint=ipc://{sock_dir}/{name or f's{len(procs)}'}.sock", "--l1-dir", l1,
+                                "--admin", *args, f"--l1-gib={l1_gib}"]))
         procs.append(s)
         return s
 

@@ -13,6 +13,7 @@ import time
 import pytest
 from enginekit import BLOCK, close_llm, forget_local, generate, make_llm, prompt
 from faultproxy import FaultProxy
+from hybridkv.server.cli import parse
 from hybridkv.server.launch import start_server
 
 RETRY_S = 3.0
@@ -35,7 +36,7 @@ def rig(model_dir, sock_dir):
     rig = {"back": back, "shm": shm, "proxy": proxy, "server": None}
 
     def start(*flags: str):
-        rig["server"] = start_server(back, "--l1-dir", shm, *flags, l1_gib=0.25)
+        rig["server"] = start_server(parse([f"--endpoint={back}", "--l1-dir", shm, *flags, "--l1-gib=0.25"]))
         return rig["server"]
 
     rig["start"] = start

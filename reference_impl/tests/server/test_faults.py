@@ -20,7 +20,7 @@ from hybridkv.engine.client import CacheClient
 from hybridkv.server import cli as serve_cli
 from serverkit import Engine
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]  # serverkit's folder
 FAST = ("--client-timeout", "1", "--quarantine", "0.5")
 
 # A child engine process: registers, then does `action` and prints one JSON line, then waits to be killed.
@@ -231,8 +231,9 @@ def test_sigterm_exits_cleanly_and_unlinks_the_arena(server_factory):
 
 _STARTER = textwrap.dedent("""
     import sys, time
+    from hybridkv.server.config import GIB, ServerConfig
     from hybridkv.server.launch import start_server
-    srv = start_server(sys.argv[1], l1_gib=0.01)
+    srv = start_server(ServerConfig(endpoint=sys.argv[1], l1_bytes=int(0.01 * GIB)))
     print(srv.proc.pid, srv.arena_path, flush=True)
     time.sleep(600)
 """)

@@ -5,6 +5,12 @@ subdirectories are opened relative to it with O_NOFOLLOW, and object files relat
 symlink planted inside the directory can neither send a write nor an unlink outside it. Payloads move
 with O_DIRECT when the file system takes it (the arena's slots are page-aligned), so a spill or a
 reload costs one DMA and no page-cache copy; the unaligned tail and the header go through the page cache.
+
+Layout of the directory (see L2.md for the header and the durability guarantees):
+
+    <dir>/.lock                      flock held by the one FilesystemL2 that owns the directory
+    <dir>/<kk>/<key hex>-<group>.obj objects; <kk> is the key's first byte in hex (256 subdirectories)
+    <dir>/<kk>/.tmp-<pid>-<random>   a put in progress; never an object, removed on start
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import ctypes.util
 import errno
 import fcntl
 import os
+import re
 import secrets
 import stat
 import threading
@@ -23,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hybridkv.server.l2 import BadObject, L2Error, ObjectHeader, crc32
+from hybridkv.server.l2.base import L2Error
+from hybridkv.server.l2.header import BadObject, ObjectHeader, crc32
 
 TMP_PREFIX = ".tmp-"
 LOCK_NAME = ".lock"
@@ -33,6 +41,7 @@ _PIECE = 16 << 20   # bytes per read syscall, so the checksum of one piece overl
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+_OBJ_NAME = re.compile(r"([0-9a-f]{32})-([0-9]+)\.obj")
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _syncfs = getattr(_libc, "syncfs", None)
@@ -132,6 +141,12 @@ class ObjectDir:
     @staticmethod
     def name(key: bytes, group: int) -> str:
         return f"{key.hex()}-{group}.obj"
+
+    @staticmethod
+    def parse_name(name: str) -> tuple[bytes, int] | None:
+        """The (key, group) an object file's name stands for, or None for a name that is not an object's."""
+        m = _OBJ_NAME.fullmatch(name)
+        return None if m is None else (bytes.fromhex(m[1]), int(m[2]))
 
     def path(self, key: bytes, group: int) -> Path:
         """For messages only: every syscall goes through the subdirectory's fd."""
@@ -246,6 +261,18 @@ class ObjectDir:
             return ObjectHeader.unpack(os.pread(fd, DATA_OFFSET, 0), DATA_OFFSET), st.st_size, st.st_mtime_ns
         finally:
             os.close(fd)
+
+    def check_object(self, sub_index: int, name: str, key: bytes, group: int) -> tuple[ObjectHeader, int]:
+        """The header and mtime of object file `name` (named for key, group) in a subdirectory; BadObject
+        when its name, its header or its size says it is not that object."""
+        if key[0] != sub_index or name != self.name(key, group):
+            raise BadObject(f"name is not canonical for its key/group or subdirectory {sub_index:02x}")
+        hdr, size, mtime = self.read_header(sub_index, name)
+        if hdr.key != key or hdr.group != group:
+            raise BadObject(f"named for {key.hex()}-{group} but its header is for {hdr.key.hex()}-{hdr.group}")
+        if size != DATA_OFFSET + hdr.payload_len:
+            raise BadObject(f"file is {size} bytes, header says {DATA_OFFSET} + {hdr.payload_len}")
+        return hdr, mtime
 
     def rename(self, key: bytes, tmp: str, name: str) -> None:
         sub = self._fds[key[0]]

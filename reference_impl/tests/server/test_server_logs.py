@@ -10,14 +10,15 @@ import time
 
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
+from hybridkv.server.config import GIB, ServerConfig
 from hybridkv.server.launch import start_server
 from hybridkv.server.telemetry import HEADLINE_FIGURES
 from serverkit import Engine
 
 
 def test_json_lines_and_a_rate_limited_headline(sock_dir):
-    server = start_server(f"ipc://{sock_dir}/j.sock", "--log-level", "info", "--log-format", "json",
-                          "--headline-interval", "0.5", l1_gib=0.02)
+    server = start_server(ServerConfig(endpoint=f"ipc://{sock_dir}/j.sock", l1_bytes=int(0.02 * GIB)),
+                          log_level="info", log_format="json", headline_interval=0.5)
     try:
         with CacheClient(server.endpoint) as c:
             eng = Engine(c)

@@ -1,7 +1,7 @@
 """Fuzz a running cache server: mutated and garbage messages of every request type, then a byte-exact check.
 
-    python reference_impl/tests/fuzz_server.py --messages 100000     # starts its own server
-    python reference_impl/tests/fuzz_server.py --endpoint ipc:///path --pid 1234 --messages 20000
+    python reference_impl/tests/server/fuzz_server.py --messages 100000     # starts its own server
+    python reference_impl/tests/server/fuzz_server.py --endpoint ipc:///path --pid 1234 --messages 20000
 
 Seeds are valid requests of every type carrying live ids (an engine, a lease, a reservation of this
 connection); each message is a seed mutated at the byte level (flips, truncation, splices, random
@@ -28,6 +28,7 @@ import zmq
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.presets import preset_layout
+from hybridkv.server.config import GIB, ServerConfig
 from hybridkv.server.launch import start_server
 
 WINDOW = 32  # messages in flight: enough to keep the server busy, few enough to match every answer
@@ -303,13 +304,14 @@ def main() -> int:
     ap.add_argument("--pid", type=int)
     ap.add_argument("--max-rss-growth-mib", type=float, default=64.0)
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).parents[1]))  # serverkit
     server = None
     if args.endpoint:
         endpoint, pid = args.endpoint, args.pid
     else:
         sock = tempfile.mkdtemp(prefix="hkv-fz-", dir="/tmp")
-        server = start_server(f"ipc://{sock}/s.sock", "--admin", l1_gib=0.05, log_level="error")
+        server = start_server(ServerConfig(endpoint=f"ipc://{sock}/s.sock", l1_bytes=int(0.05 * GIB), admin=True),
+                              log_level="error")
         endpoint, pid = server.endpoint, server.pid
     try:
         res = fuzz(endpoint, pid, args.messages, args.seed)

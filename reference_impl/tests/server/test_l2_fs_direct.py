@@ -17,8 +17,9 @@ import zlib
 from pathlib import Path
 
 import pytest
-from hybridkv.server import l2 as l2mod
-from hybridkv.server.l2_fs import DATA_OFFSET, FilesystemL2
+from hybridkv.server.l2 import header as l2mod
+from hybridkv.server.l2.fs import FilesystemL2
+from hybridkv.server.l2.fs_files import DATA_OFFSET
 
 NS = b"namespace-d-0004"
 PAGE = 4096

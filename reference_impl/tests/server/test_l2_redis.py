@@ -10,14 +10,9 @@ import time
 
 import pytest
 import rediskit
-from hybridkv.server.l2 import (
-    HEADER_BYTES,
-    FsL2Spec,
-    L2ConfigError,
-    L2Error,
-    RedisL2Spec,
-    parse_l2_adapter,
-)
+from hybridkv.server.l2.base import L2Error
+from hybridkv.server.l2.header import HEADER_BYTES
+from hybridkv.server.l2.specs import FsL2Spec, L2ConfigError, RedisL2Spec, parse_l2_adapter
 
 pytestmark = pytest.mark.skipif(rediskit.skip_reason() is not None, reason=str(rediskit.skip_reason()))
 
@@ -34,7 +29,7 @@ def store():
 
 
 def make(store, **kw):
-    from hybridkv.server.l2_redis import RedisL2
+    from hybridkv.server.l2.redis import RedisL2
 
     kw.setdefault("chunk_bytes", 256 * 1024)
     return RedisL2(RedisL2Spec(url=store.url, **kw))
@@ -114,7 +109,7 @@ def test_damaged_value_is_a_miss_and_deleted(store, damage, caplog):
         else:
             r.set(mkey, r.get(mkey)[:HEADER_BYTES])
         out = bytearray(MB + 5)
-        with caplog.at_level(logging.WARNING, logger="hybridkv.server.l2_redis"):
+        with caplog.at_level(logging.WARNING, logger="hybridkv.server.l2.redis"):
             assert not l2.get_into(key_of(3), 1, memoryview(out))
         assert out != bytearray(data) or damage == "missing_chunk"
         assert "removed bad object" in caplog.text
@@ -205,7 +200,7 @@ def test_store_down_then_restarted(store, caplog):
         store.kill()
         out = bytearray(MB)
         t = time.perf_counter()
-        with caplog.at_level(logging.WARNING, logger="hybridkv.server.l2_redis"):
+        with caplog.at_level(logging.WARNING, logger="hybridkv.server.l2.redis"):
             assert not l2.get_into(key_of(9), 0, memoryview(out))
             for i in range(200):
                 assert l2.length(key_of(100 + i), 0) is None
@@ -229,10 +224,10 @@ def test_store_down_then_restarted(store, caplog):
 
 def test_store_never_up(caplog):
     """An adapter started against nothing is a working adapter whose every call is a miss."""
-    from hybridkv.server.l2_redis import RedisL2
+    from hybridkv.server.l2.redis import RedisL2
 
     spec = RedisL2Spec(url=f"redis://127.0.0.1:{rediskit.free_port()}/0")
-    with caplog.at_level(logging.WARNING, logger="hybridkv.server.l2_redis"), RedisL2(spec) as l2:
+    with caplog.at_level(logging.WARNING, logger="hybridkv.server.l2.redis"), RedisL2(spec) as l2:
         assert l2.length(key_of(1), 0) is None
         assert not l2.get_into(key_of(1), 0, memoryview(bytearray(10)))
         with pytest.raises(L2Error):

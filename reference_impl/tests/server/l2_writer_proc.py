@@ -41,7 +41,7 @@ def object_payload(key: bytes, size: int) -> bytes:
 
 
 def main(argv: list[str]) -> None:
-    from hybridkv.server.l2_fs import FilesystemL2
+    from hybridkv.server.l2.fs import FilesystemL2
 
     directory, first = argv[0], int(argv[1])
     sizes = [int(s) for s in argv[2].split(",")]

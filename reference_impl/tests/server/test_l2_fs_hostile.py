@@ -11,8 +11,9 @@ import threading
 from pathlib import Path
 
 import pytest
-from hybridkv.server.l2 import L2Error
-from hybridkv.server.l2_fs import DATA_OFFSET, FilesystemL2
+from hybridkv.server.l2.base import L2Error
+from hybridkv.server.l2.fs import FilesystemL2
+from hybridkv.server.l2.fs_files import DATA_OFFSET
 from serverkit import small_tmpfs
 
 NS = b"namespace-a-0001"

@@ -20,6 +20,7 @@ from hybridkv.engine.client import CacheClient, ServerError
 from hybridkv.keys import chunk_keys
 from hybridkv.layout import MAX_LAYERS, MAX_NAME_CHARS, GroupLayout, ModelLayout
 from hybridkv.presets import preset_layout
+from hybridkv.server.config import GIB, ServerConfig
 from hybridkv.server.launch import ServerStartError, start_server
 from serverkit import Engine, RawDealer, small_tmpfs
 
@@ -118,11 +119,11 @@ def test_more_connections_than_the_fd_limit_leave_the_server_serving(sock_dir, s
         old = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
         try:
-            s = start_server(endpoint, "--admin", l1_gib=0.02)
+            s = start_server(ServerConfig(endpoint=endpoint, l1_bytes=int(0.02 * GIB), admin=True))
         finally:
             resource.setrlimit(resource.RLIMIT_NOFILE, old)
     else:
-        s = start_server(endpoint, "--admin", l1_gib=0.02, nofile=256)
+        s = start_server(ServerConfig(endpoint=endpoint, l1_bytes=int(0.02 * GIB), admin=True), nofile=256)
     try:
         with CacheClient(endpoint, timeout_s=10) as early:
             assert early.call(P.Health())[0].status == "ok"

@@ -19,8 +19,11 @@ from pathlib import Path
 import hybridkv
 import numpy as np
 import pytest
-from hybridkv.server.l2 import L2Error
-from hybridkv.server.l2_fs import DATA_OFFSET, MAGIC, TMP_PREFIX, FilesystemL2, ObjectKey
+from hybridkv.keys import ObjectKey
+from hybridkv.server.l2.base import L2Error
+from hybridkv.server.l2.fs import FilesystemL2
+from hybridkv.server.l2.fs_files import DATA_OFFSET, TMP_PREFIX
+from hybridkv.server.l2.header import MAGIC
 
 NS_A = b"namespace-a-0001"
 NS_B = b"namespace-b-0002"

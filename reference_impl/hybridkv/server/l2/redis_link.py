@@ -15,7 +15,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-log = logging.getLogger("hybridkv.server.l2_redis")
+log = logging.getLogger("hybridkv.server.l2.redis")  # the adapter's log: one logger for its lines
 
 # Failures of a whole command or connection: the store is down, unreachable, loading, refusing our
 # credentials... not one object damaged (a per-key error inside a read pipeline is that object's).

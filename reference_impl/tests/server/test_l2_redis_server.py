@@ -13,16 +13,9 @@ import pytest
 import rediskit
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
-from hybridkv.server import loop
 from serverkit import Engine
 
-pytestmark = [
-    pytest.mark.skipif(rediskit.skip_reason() is not None, reason=str(rediskit.skip_reason())),
-    # The server builds its L2 with hybridkv.server.l2.make_l2 once server/loop.py calls it (the merge
-    # of the l2 and server branches); before that only a filesystem L2 can be served.
-    pytest.mark.skipif(not hasattr(loop, "make_l2"),
-                       reason="server/loop.py does not build its L2 with make_l2 yet: no Redis L2 to serve"),
-]
+pytestmark = pytest.mark.skipif(rediskit.skip_reason() is not None, reason=str(rediskit.skip_reason()))
 
 TINY_L1 = 1 / 1024  # 1 MiB: 51 tiny-hybrid objects of 20 KiB, under 13 chunks
 

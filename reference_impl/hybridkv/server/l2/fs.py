@@ -1,17 +1,11 @@
 """Filesystem L2: one file per object, written to a temp name and renamed, checked on every read.
 
-Layout of the directory (see L2.md for the header and the durability guarantees):
-
-    <dir>/.lock                      flock held by the one FilesystemL2 that owns the directory
-    <dir>/<kk>/<key hex>-<group>.obj objects; <kk> is the key's first byte in hex (256 subdirectories)
-    <dir>/<kk>/.tmp-<pid>-<random>   a put in progress; never an object, removed on start
-
-An object file is a 4 KiB header block (the 64-byte ObjectHeader, then zeros) and the payload, so the
-payload moves with O_DIRECT. Every syscall goes through directory fds without following symlinks
-(`l2_fs_files.ObjectDir`). The index (object -> namespace, length, LRU position) lives in memory and
-is rebuilt on start from the headers alone; payload checksums are verified on every read instead,
-because checksumming tens of GB at start would delay the server by minutes. Capacity counts what the
-files occupy on disk: header block plus payload, rounded up to the file system's block.
+An object file is a 4 KiB header block (the 64-byte ObjectHeader, then zeros) and the payload, so the payload
+moves with O_DIRECT. Every syscall goes through directory fds without following symlinks (`fs_files.ObjectDir`,
+which has the directory's layout). The index (object -> namespace, length, LRU position) lives in memory and is
+rebuilt on start from the headers alone; payload checksums are verified on every read instead, because
+checksumming tens of GB at start would delay the server by minutes. Capacity counts what the files occupy on
+disk: header block plus payload, rounded up to the file system's block.
 """
 
 from __future__ import annotations
@@ -19,7 +13,6 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -27,22 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridkv.keys import ObjectKey
-from hybridkv.server.l2 import (
-    HEADER_BYTES,  # noqa: F401  (re-exported for tools that read object files)
-    MAGIC,  # noqa: F401
-    BadObject,
-    L2Adapter,
-    L2Error,
-    ObjectHeader,  # noqa: F401  (re-exported)
-    byte_view,
-    check_key,
-    check_ns,
-)
-from hybridkv.server.l2_fs_files import DATA_OFFSET, LOCK_NAME, TMP_PREFIX, ObjectDir  # noqa: F401
+from hybridkv.server.l2.base import L2Adapter, L2Error, byte_view, check_key, check_ns
+from hybridkv.server.l2.fs_files import TMP_PREFIX, ObjectDir
+from hybridkv.server.l2.header import BadObject
 
 log = logging.getLogger(__name__)
 
-_OBJ_NAME = re.compile(r"([0-9a-f]{32})-([0-9]+)\.obj")
 _KEY_LOCK_STRIPES = 64
 # LRU stamps are file mtimes; successive stamps differ by at least 1 us so that file systems which
 # keep microseconds (not nanoseconds) still order them after a restart.
@@ -52,7 +35,6 @@ _COUNTERS = ("puts", "gets", "hits", "misses", "corrupt_removed", "evictions", "
 # Read errors that condemn the file itself (media or file-system damage), not this process's state.
 _BAD_FILE_ERRNOS = frozenset({errno.EIO, errno.ENODATA, errno.EUCLEAN, errno.EBADMSG, errno.ELOOP})
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
-
 
 
 @dataclass(slots=True)
@@ -305,20 +287,13 @@ class FilesystemL2(L2Adapter):
                     self._dir.unlink_in(i, de.name)
                     self._counters["tmp_removed"] += 1
                     continue
-                m = _OBJ_NAME.fullmatch(de.name)
-                if m is None or not de.is_file(follow_symlinks=False):
+                oid = ObjectDir.parse_name(de.name)
+                if oid is None or not de.is_file(follow_symlinks=False):
                     log.warning("L2: ignoring %s/%02x/%s, not an object file", self.directory, i, de.name)
                     continue
-                key, group = bytes.fromhex(m[1]), int(m[2])
+                key, group = oid
                 try:
-                    if key[0] != i or de.name != ObjectDir.name(key, group):
-                        raise BadObject(f"name is not canonical for its key/group or subdirectory {i:02x}")
-                    hdr, size, mtime = self._dir.read_header(i, de.name)
-                    if hdr.key != key or hdr.group != group:
-                        raise BadObject(f"named for {key.hex()}-{group} but its header is for "
-                                        f"{hdr.key.hex()}-{hdr.group}")
-                    if size != DATA_OFFSET + hdr.payload_len:
-                        raise BadObject(f"file is {size} bytes, header says {DATA_OFFSET} + {hdr.payload_len}")
+                    hdr, mtime = self._dir.check_object(i, de.name, key, group)
                 except (BadObject, OSError) as e:
                     log.warning("L2: removing bad object file %s/%02x/%s: %s", self.directory, i, de.name, e)
                     self._dir.unlink_in(i, de.name)

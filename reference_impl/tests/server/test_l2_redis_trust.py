@@ -11,7 +11,9 @@ import zlib
 
 import pytest
 import rediskit
-from hybridkv.server.l2 import HEADER_BYTES, L2ConfigError, L2Error, ObjectHeader, parse_l2_adapter
+from hybridkv.server.l2.base import L2Error
+from hybridkv.server.l2.header import HEADER_BYTES, ObjectHeader
+from hybridkv.server.l2.specs import L2ConfigError, parse_l2_adapter
 
 pytestmark = pytest.mark.skipif(rediskit.skip_reason() is not None, reason=str(rediskit.skip_reason()))
 
@@ -29,7 +31,7 @@ def secret_file(tmp_path, name: str, data: bytes, mode: int = 0o600) -> str:
 def adapter(url: str, **extra: object):
     import json
 
-    from hybridkv.server.l2_redis import RedisL2
+    from hybridkv.server.l2.redis import RedisL2
 
     return RedisL2(parse_l2_adapter(json.dumps({"type": "redis", "url": url, "chunk_mb": 0.25, **extra})))
 

@@ -23,7 +23,8 @@ import pytest
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.presets import preset_layout
-from hybridkv.server.l2_fs import DATA_OFFSET, ObjectHeader
+from hybridkv.server.l2.fs_files import DATA_OFFSET
+from hybridkv.server.l2.header import ObjectHeader
 from serverkit import ATTN, STATES, Engine
 
 TESTS = Path(__file__).parent
@@ -319,7 +320,7 @@ def test_sigkill_during_l2_writes_loses_no_completed_object(server_factory, l2_d
         srv = server_factory(*l2, l1_gib=40 / 1024, name=f"w{rnd}")  # 13 slots of 3.2 MB
         writer = subprocess.Popen([sys.executable, str(TESTS / "l2_store_loop.py"), srv.endpoint, BIG,
                                    str(1000 * rnd)], stdout=subprocess.PIPE, text=True,
-                                  env={**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), *sys.path])})
+                                  env={**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), *sys.path])})
         try:
             assert writer.stdout.readline().strip() == "ready"
             time.sleep(rng.uniform(0.2, 1.0))

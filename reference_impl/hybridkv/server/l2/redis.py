@@ -1,67 +1,44 @@
 """Redis / Valkey L2: objects shared between hosts through one store, checked on every read.
 
-Keys (all under the configured prefix, one deployment or tenant per prefix):
-
-    <prefix>m:<key hex>-<group>      the 64-byte ObjectHeader (as in FilesystemL2) + u32 chunk size
-    <prefix>d:<key hex>-<group>:<i>  payload bytes [i * chunk, (i + 1) * chunk)
-
-A put writes the data keys, then the meta key, in one pipeline: a reader that finds the meta finds a
-whole object or a damaged one (a missing or short chunk, a checksum mismatch), which is a miss and is
-deleted, never served. The store's own maxmemory policy evicts keys; an object with a key gone is a
-miss. While the store is unreachable every call is a miss (puts raise `L2Error`) without touching the
-network, for a back-off that doubles up to 8 s, with one log line per 10 s.
+Every object is one meta key and its data keys (`redis_meta` names them). A put writes the data keys,
+then the meta key, in one pipeline: a reader that finds the meta finds a whole object or a damaged one
+(a missing or short chunk, a checksum mismatch), which is a miss and is deleted, never served. The
+store's own maxmemory policy evicts keys; an object with a key gone is a miss. While the store is
+unreachable every call is a miss (puts raise `L2Error`) without touching the network, for a back-off
+that doubles up to 8 s, with one log line per 10 s.
 
 The server loop asks `length` for every object of a lookup, so lengths are cached in a local index
-(trusted for `index_ttl_s`, misses for `miss_ttl_s`) and `probe` fills it for many objects in one
-round trip; queries from the loop use their own connections with a short timeout.
+(trusted for `index_ttl_s`, misses for `miss_ttl_s`) and `probe` fills it for many objects in one round
+trip; queries from the loop use their own connections with a short timeout.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
-import re
-import struct
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import redis
 
 from hybridkv.keys import ObjectKey
-from hybridkv.server.l2 import (
-    HEADER_BYTES,
-    KEY_BYTES,
-    BadObject,
-    L2Adapter,
-    L2Error,
-    ObjectHeader,
-    RedisL2Spec,
-    byte_view,
-    check_key,
-    check_ns,
-    crc32,
-)
-from hybridkv.server.l2_redis_link import DOWN, StoreHealth, redis_client
+from hybridkv.server.l2.base import L2Adapter, L2Error, byte_view, check_key, check_ns
+from hybridkv.server.l2.header import BadObject, ObjectHeader, crc32
+from hybridkv.server.l2.redis_link import DOWN, StoreHealth, redis_client
+from hybridkv.server.l2.redis_meta import Forged, MetaCodec
+
+if TYPE_CHECKING:
+    from hybridkv.server.l2.specs import RedisL2Spec
 
 log = logging.getLogger(__name__)
 
-_CHUNK = struct.Struct("<I")
-META_BYTES = HEADER_BYTES + _CHUNK.size
 _MAX_INDEX = 1 << 20          # known lengths kept; the oldest are forgotten (and asked again)
 _PROBE_BATCH = 1024           # meta keys per pipeline
 _MAX_GROUP_SPAN = 16          # groups of one chunk probed together by length()
 _COUNTERS = ("puts", "gets", "hits", "misses", "corrupt_removed", "forged", "evicted_seen", "bytes_written",
              "bytes_read", "store_errors", "probes")
-MAC_BYTES = 32  # HMAC-SHA256, after the chunk size, in the meta of a server with a MAC key
-
-
-
-class Forged(BadObject):
-    """An object without a valid MAC, on a server that has the key: never served."""
 
 
 @dataclass(slots=True)
@@ -76,8 +53,7 @@ class RedisL2(L2Adapter):
 
     def __init__(self, spec: RedisL2Spec) -> None:
         self.spec = spec
-        self._prefix_bytes = spec.prefix.encode()
-        self._meta_name = re.compile(rb"m:[0-9a-f]{%d}-[0-9]{1,9}" % (2 * KEY_BYTES))
+        self._codec = MetaCodec(spec.prefix, spec.mac_key)
         self.capacity_bytes = 0  # the store's maxmemory bounds it, not us
         auth: dict[str, Any] = {"username": spec.username, "password": spec.password,
                                 "tls": {"ca": spec.tls_ca_file, "cert": spec.tls_cert_file, "key": spec.tls_key_file}}
@@ -116,8 +92,8 @@ class RedisL2(L2Adapter):
             return
         self._check_up("put")
         try:
-            old: Any = self._data.get(self._mkey(key, group))
-            if old is not None and self._parse_meta(old, key, group)[0].payload_len == size:
+            old: Any = self._data.get(self._codec.meta_key(key, group))
+            if old is not None and self._codec.parse(old, key, group)[0].payload_len == size:
                 self._remember(okey, size, ns)  # another host stored it: same key, same bytes
                 self._count(puts=1)
                 self._health.ok()
@@ -127,21 +103,19 @@ class RedisL2(L2Adapter):
         except DOWN as e:
             self._down("put", e)
         cb = self.spec.chunk_bytes
-        meta = ObjectHeader(ns, key, group, size, crc32(view, 0)).pack() + _CHUNK.pack(cb)
-        if self.spec.mac_key:
-            meta += self._mac(meta, view)
-        names = self._dkeys(key, group, size, cb)
+        meta = self._codec.pack(ObjectHeader(ns, key, group, size, crc32(view, 0)), cb, view)
+        names = self._codec.data_keys(key, group, size, cb)
         pipe = self._data.pipeline(transaction=False)
         for i, name in enumerate(names):
             pipe.set(name, view[i * cb:(i + 1) * cb], ex=self._ex)  # memoryview slices: sent without a copy
-        pipe.set(self._mkey(key, group), meta, ex=self._ex)
+        pipe.set(self._codec.meta_key(key, group), meta, ex=self._ex)
         try:
             res = pipe.execute(raise_on_error=False)
         except DOWN as e:
             self._down("put", e)
         errors = [r for r in res if isinstance(r, Exception)]
         if errors:
-            self._delete_quietly([self._mkey(key, group), *names])
+            self._delete_quietly([self._codec.meta_key(key, group), *names])
             self._count(store_errors=1)
             raise L2Error(f"redis L2 {self.spec.url} refused object {key.hex()}-{group} ({size} B): {errors[0]}")
         self._health.ok()
@@ -217,13 +191,13 @@ class RedisL2(L2Adapter):
         try:
             for i in range(0, len(todo), _PROBE_BATCH):
                 batch = todo[i:i + _PROBE_BATCH]
-                metas: list[Any] = self._meta.mget([self._mkey(k, g) for k, g in batch])
+                metas: list[Any] = self._meta.mget([self._codec.meta_key(k, g) for k, g in batch])
                 for (k, g), raw in zip(batch, metas, strict=True):
                     if raw is None:
                         self._remember((k, g), None, b"")
                         continue
                     try:
-                        hdr, _ = self._parse_meta(raw, k, g)
+                        hdr, _ = self._codec.parse(raw, k, g)
                     except BadObject as e:
                         bad.append((k, g, isinstance(e, Forged)))
                         self._remember((k, g), None, b"")
@@ -237,7 +211,7 @@ class RedisL2(L2Adapter):
         for k, g, forged in bad:
             log.warning("L2 redis: removed object %s-%d with a %s", k.hex(), g, "meta without a MAC" if forged
                         else "bad header")
-            self._delete_quietly([self._mkey(k, g)])
+            self._delete_quietly([self._codec.meta_key(k, g)])
             self._count(**{"forged" if forged else "corrupt_removed": 1})
 
     def remove(self, key: bytes, group: int) -> bool:
@@ -247,18 +221,18 @@ class RedisL2(L2Adapter):
         self._check_up("remove")
         length = self._fresh_length((key, group))
         try:
-            raw: Any = self._data.get(self._mkey(key, group))
+            raw: Any = self._data.get(self._codec.meta_key(key, group))
             if raw is not None:
                 try:
-                    hdr, cb = self._parse_meta(raw, key, group)
+                    hdr, cb = self._codec.parse(raw, key, group)
                     length, chunk = hdr.payload_len, cb
                 except BadObject:
                     chunk = self.spec.chunk_bytes
             else:
                 chunk = self.spec.chunk_bytes
-            names = [self._mkey(key, group)]
+            names = [self._codec.meta_key(key, group)]
             if length is not None:
-                names += self._dkeys(key, group, length, chunk)
+                names += self._codec.data_keys(key, group, length, chunk)
             removed = self._data.delete(*names)
         except DOWN as e:
             self._down("remove", e)
@@ -274,7 +248,7 @@ class RedisL2(L2Adapter):
         count = 0
         try:
             batch: list[bytes] = []
-            for name in self._data.scan_iter(match=self._glob(self.spec.prefix) + b"m:*", count=1000):
+            for name in self._data.scan_iter(match=self._codec.scan_match(), count=1000):
                 batch.append(name)
                 if len(batch) >= _PROBE_BATCH:
                     count += self._clear_batch(batch, ns)
@@ -294,7 +268,7 @@ class RedisL2(L2Adapter):
         if length is None or not self._health.up():
             return
         try:
-            self._data.touch(self._mkey(key, group), *self._dkeys(key, group, length, self.spec.chunk_bytes))
+            self._data.touch(*self._keys_of(key, group, length))
         except DOWN as e:
             self._health.failed("touch", e)
 
@@ -321,8 +295,8 @@ class RedisL2(L2Adapter):
         """Fill `out` from the store; False for a missing object, BadObject for a damaged one."""
         size = out.nbytes
         pipe = self._data.pipeline(transaction=False)
-        pipe.get(self._mkey(key, group))
-        for name in self._dkeys(key, group, size, cb):
+        pipe.get(self._codec.meta_key(key, group))
+        for name in self._codec.data_keys(key, group, size, cb):
             pipe.get(name)
         meta, *chunks = pipe.execute(raise_on_error=False)
         if isinstance(meta, Exception) or any(isinstance(c, Exception) for c in chunks):
@@ -332,7 +306,7 @@ class RedisL2(L2Adapter):
             # Chunks without a meta may be a put in flight: left alone (the store's LRU or TTL takes orphans).
             self._forget((key, group))
             return False
-        hdr, their_cb = self._parse_meta(meta, key, group)
+        hdr, their_cb = self._codec.parse(meta, key, group)
         hdr.check_for(key, group, size)
         if their_cb != cb:  # written by a server with another chunk size: read its keys
             return self._read(key, group, out, their_cb)
@@ -348,82 +322,32 @@ class RedisL2(L2Adapter):
             pos += want
         if crc32(out, 0) != hdr.payload_crc:
             raise BadObject("payload checksum mismatch")
-        if self.spec.mac_key and not hmac.compare_digest(meta[META_BYTES:], self._mac(meta[:META_BYTES], out)):
-            raise Forged("no valid MAC: not written by a server with our key")
+        self._codec.check_mac(meta, out)
         self._remember((key, group), size, hdr.ns)
         return True
 
-    def _mac(self, meta: bytes, payload: memoryview) -> bytes:
-        """HMAC-SHA256 over the meta (header: namespace, key, group, length, crc; chunk size) and the payload."""
-        mac = hmac.new(self.spec.mac_key, meta, hashlib.sha256)
-        mac.update(payload)
-        return mac.digest()
-
-    def _parse_meta(self, raw: bytes, key: bytes, group: int) -> tuple[ObjectHeader, int]:
-        want = META_BYTES + (MAC_BYTES if self.spec.mac_key else 0)
-        if len(raw) != want:
-            if self.spec.mac_key and len(raw) == META_BYTES:
-                raise Forged("no MAC: written by a server without our key, or by someone else")
-            raise BadObject(f"meta value is {len(raw)} bytes, expected {want}")
-        hdr = ObjectHeader.unpack(raw[:HEADER_BYTES])
-        if hdr.key != key or hdr.group != group:
-            raise BadObject(f"meta is for {hdr.key.hex()}-{hdr.group}")
-        (cb,) = _CHUNK.unpack_from(raw, HEADER_BYTES)
-        if cb == 0:
-            raise BadObject("chunk size 0")
-        return hdr, cb
-
     def _clear_batch(self, metas: list[bytes], ns: bytes | None) -> int:
-        # SCAN's glob matches other prefixes that extend ours ("t" + "m:*" is all of tenant "tm:"), so a name
-        # is ours only when all of it after the prefix is our meta key's grammar
-        mine = self._meta_name.fullmatch
-        metas = [m for m in metas if mine(m, len(self._prefix_bytes))]
+        metas = [m for m in metas if self._codec.is_meta_name(m)]
         if not metas:
             return 0
-        names: list[bytes | str] = []
-        count = 0
-        values: list[Any] = self._data.mget(metas)
-        for name, raw in zip(metas, values, strict=True):
-            if raw is None:
-                continue
-            try:
-                hdr = ObjectHeader.unpack(raw[:HEADER_BYTES])
-                (cb,) = _CHUNK.unpack_from(raw, HEADER_BYTES)
-            except (BadObject, struct.error):
-                if ns is None:
-                    names.append(name)  # damaged, and its name is ours: gone in a clear of everything
-                continue  # whose namespace it was cannot be told: not for a clear of one namespace
-            if name != self._mkey(hdr.key, hdr.group).encode():
-                continue  # a header copied under another name: not the object this name stands for
-            if ns is not None and hdr.ns != ns:
-                continue
-            names += [name, *self._dkeys(hdr.key, hdr.group, hdr.payload_len, max(cb, 1))]
-            count += 1
+        names, count = self._codec.cleared(metas, self._data.mget(metas), ns)
         if names:
             self._data.unlink(*names)
         return count
 
     def _drop(self, key: bytes, group: int, size: int) -> None:
         self._forget((key, group))
-        self._delete_quietly([self._mkey(key, group), *self._dkeys(key, group, size, self.spec.chunk_bytes)])
+        self._delete_quietly(self._keys_of(key, group, size))
+
+    def _keys_of(self, key: bytes, group: int, size: int) -> list[str]:
+        """The meta key and the data keys of an object of `size` bytes written with our chunk size."""
+        return [self._codec.meta_key(key, group), *self._codec.data_keys(key, group, size, self.spec.chunk_bytes)]
 
     def _delete_quietly(self, names: list) -> None:
         try:
             self._data.unlink(*names)
         except (redis.RedisError, OSError) as e:
             log.debug("L2 redis: cannot delete %d keys: %s", len(names), e)
-
-    def _mkey(self, key: bytes, group: int) -> str:
-        return f"{self.spec.prefix}m:{key.hex()}-{group}"
-
-    def _dkeys(self, key: bytes, group: int, size: int, cb: int) -> list[str]:
-        base = f"{self.spec.prefix}d:{key.hex()}-{group}:"
-        return [f"{base}{i}" for i in range(-(-size // cb))]
-
-    @staticmethod
-    def _glob(prefix: str) -> bytes:
-        """The prefix with glob metacharacters escaped, for SCAN MATCH."""
-        return "".join("\\" + c if c in "*?[]\\" else c for c in prefix).encode()
 
     def _fresh_length(self, okey: ObjectKey) -> int | None:
         with self._lock:

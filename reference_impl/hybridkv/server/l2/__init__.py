@@ -1,0 +1,13 @@
+"""The L2 tier: where objects evicted from the L1 shared-memory arena go, and where lookups refill L1 from.
+
+    base.py        the `L2Adapter` interface the server's worker threads call, `L2Error`, the key checks
+    header.py      the checksummed object header every adapter stores in front of a payload; `crc32`
+    specs.py       one spec per kind of L2 (`FsL2Spec`, `RedisL2Spec`), the registry of kinds, the seed's
+                   `--l2-adapter` JSON; `spec.open()` builds the spec's adapter
+    fs.py          `FilesystemL2`: one file per object in a local directory
+    fs_files.py    that directory's syscalls, through directory fds, never following a symlink
+    redis.py       `RedisL2`: objects in a Redis/Valkey shared between hosts
+    redis_meta.py  its key names and meta values;  redis_link.py: its clients and the store's health
+
+A new kind of L2 is its adapter's module and its spec in specs.py (one line in `SPEC_KINDS`).
+"""

@@ -1,0 +1,103 @@
+"""The Redis L2's names and meta values: what key holds what, and the meta value's bytes.
+
+Keys (all under the configured prefix, one deployment or tenant per prefix):
+
+    <prefix>m:<key hex>-<group>      the 64-byte ObjectHeader (as in FilesystemL2) + u32 chunk size
+                                     (+ a 32-byte HMAC-SHA256 on a server with a MAC key)
+    <prefix>d:<key hex>-<group>:<i>  payload bytes [i * chunk, (i + 1) * chunk)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import struct
+from typing import Any
+
+from hybridkv.server.l2.header import HEADER_BYTES, KEY_BYTES, BadObject, ObjectHeader
+
+CHUNK = struct.Struct("<I")
+META_BYTES = HEADER_BYTES + CHUNK.size
+MAC_BYTES = 32  # HMAC-SHA256, after the chunk size, in the meta of a server with a MAC key
+_META_NAME = re.compile(rb"m:[0-9a-f]{%d}-[0-9]{1,9}" % (2 * KEY_BYTES))
+
+
+class Forged(BadObject):
+    """An object without a valid MAC, on a server that has the key: never served."""
+
+
+class MetaCodec:
+    """The key names under one prefix, and meta values packed and checked with one MAC key (or none)."""
+
+    def __init__(self, prefix: str, mac_key: bytes) -> None:
+        self.prefix, self.mac_key = prefix, mac_key
+        self._prefix_bytes = prefix.encode()
+
+    def meta_key(self, key: bytes, group: int) -> str:
+        return f"{self.prefix}m:{key.hex()}-{group}"
+
+    def data_keys(self, key: bytes, group: int, size: int, cb: int) -> list[str]:
+        base = f"{self.prefix}d:{key.hex()}-{group}:"
+        return [f"{base}{i}" for i in range(-(-size // cb))]
+
+    def scan_match(self) -> bytes:
+        """SCAN MATCH's pattern for our meta keys: the prefix with glob metacharacters escaped."""
+        return "".join("\\" + c if c in "*?[]\\" else c for c in self.prefix).encode() + b"m:*"
+
+    def is_meta_name(self, name: bytes) -> bool:
+        """Whether all of `name` after the prefix is our meta key's grammar: SCAN's glob also matches other
+        prefixes that extend ours ("t" + "m:*" is all of tenant "tm:")."""
+        return _META_NAME.fullmatch(name, len(self._prefix_bytes)) is not None
+
+    def pack(self, header: ObjectHeader, cb: int, payload: memoryview) -> bytes:
+        meta = header.pack() + CHUNK.pack(cb)
+        return meta + self.mac(meta, payload) if self.mac_key else meta
+
+    def mac(self, meta: bytes, payload: memoryview) -> bytes:
+        """HMAC-SHA256 over the meta (header: namespace, key, group, length, crc; chunk size) and the payload."""
+        mac = hmac.new(self.mac_key, meta, hashlib.sha256)
+        mac.update(payload)
+        return mac.digest()
+
+    def check_mac(self, meta: bytes, payload: memoryview) -> None:
+        if self.mac_key and not hmac.compare_digest(meta[META_BYTES:], self.mac(meta[:META_BYTES], payload)):
+            raise Forged("no valid MAC: not written by a server with our key")
+
+    def parse(self, raw: bytes, key: bytes, group: int) -> tuple[ObjectHeader, int]:
+        """The header and chunk size of (key, group)'s meta value; BadObject (Forged) naming what is wrong."""
+        want = META_BYTES + (MAC_BYTES if self.mac_key else 0)
+        if len(raw) != want:
+            if self.mac_key and len(raw) == META_BYTES:
+                raise Forged("no MAC: written by a server without our key, or by someone else")
+            raise BadObject(f"meta value is {len(raw)} bytes, expected {want}")
+        hdr = ObjectHeader.unpack(raw[:HEADER_BYTES])
+        if hdr.key != key or hdr.group != group:
+            raise BadObject(f"meta is for {hdr.key.hex()}-{hdr.group}")
+        (cb,) = CHUNK.unpack_from(raw, HEADER_BYTES)
+        if cb == 0:
+            raise BadObject("chunk size 0")
+        return hdr, cb
+
+    def cleared(self, metas: list[bytes], values: list[Any], ns: bytes | None) -> tuple[list[bytes | str], int]:
+        """For a clear of namespace `ns` (every one when None): the keys to delete among these meta keys of ours
+        and their values, and how many objects they are."""
+        names: list[bytes | str] = []
+        count = 0
+        for name, raw in zip(metas, values, strict=True):
+            if raw is None:
+                continue
+            try:
+                hdr = ObjectHeader.unpack(raw[:HEADER_BYTES])
+                (cb,) = CHUNK.unpack_from(raw, HEADER_BYTES)
+            except (BadObject, struct.error):
+                if ns is None:
+                    names.append(name)  # damaged, and its name is ours: gone in a clear of everything
+                continue  # whose namespace it was cannot be told: not for a clear of one namespace
+            if name != self.meta_key(hdr.key, hdr.group).encode():
+                continue  # a header copied under another name: not the object this name stands for
+            if ns is not None and hdr.ns != ns:
+                continue
+            names += [name, *self.data_keys(hdr.key, hdr.group, hdr.payload_len, max(cb, 1))]
+            count += 1
+        return names, count
