@@ -14,11 +14,9 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-import msgspec
-
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerError
-from hybridkv.engine.vllm.plan import HybridKVMetadata, LoadJob, StoreJob
+from hybridkv.engine.vllm.plan import HybridKVMetadata, LoadJob, StoreJob, chunk_extras
 from hybridkv.engine.vllm.settings import ConnectorSettings
 from hybridkv.keys import chunk_keys
 from hybridkv.layout import LayoutError, ModelLayout
@@ -393,17 +391,3 @@ class SchedulerSide:
                 pass  # the server reclaims silent engines anyway
             self._client.close()
             self._client = None
-
-
-def chunk_extras(request: Request, n_chunks: int, chunk_tokens: int) -> list[bytes] | None:
-    """Per chunk, what else vLLM's own prefix cache keys a block by (vLLM's own function: cache salt, LoRA name
-    and path, multimodal inputs in the chunk, prompt embeddings), encoded stably; None when a request has none.
-    Chunk keys carry them, so tenants with different `cache_salt`s, adapters or images never share KV."""
-    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
-
-    out: list[bytes] = []
-    mm_idx = 0
-    for i in range(n_chunks):
-        extra, mm_idx = generate_block_hash_extra_keys(request, i * chunk_tokens, (i + 1) * chunk_tokens, mm_idx)
-        out.append(msgspec.msgpack.encode(extra) if extra else b"")
-    return out if any(out) else None
