@@ -5,14 +5,10 @@ from __future__ import annotations
 
 import pytest
 from hybridkv_bench.metrics import RequestRow, case_metrics
-from hybridkv_bench.scenario import (
-    MultiEngine,
-    ScenarioError,
-    StoreWhileLoad,
-    decode_scenario,
-    engine_gpus,
-)
-from hybridkv_bench.workloads import build_plan
+from hybridkv_bench.scenario.load import decode_scenario
+from hybridkv_bench.scenario.spec import ScenarioError
+from hybridkv_bench.scenario.workloads import MultiEngine, StoreWhileLoad, engine_gpus
+from hybridkv_bench.workloads.plan import build_plan
 
 TP8_EIGHT_ENGINES = """
 name = "t"

@@ -7,21 +7,10 @@ import msgspec
 import pytest
 from benchkit import SCENARIOS
 from hybridkv.presets import HybridModelConfig, preset_layout
-from hybridkv_bench.scenario import (
-    AXES,
-    L1Pressure,
-    ModelOverrides,
-    MultiTurn,
-    ScenarioError,
-    decode_scenario,
-    expand_matrix,
-    find_scenarios,
-    load_scenario,
-    prefix_bytes,
-    request_prefix_tokens,
-    scaled,
-    working_set_bytes,
-)
+from hybridkv_bench.scenario.load import decode_scenario, find_scenarios, load_scenario
+from hybridkv_bench.scenario.sizes import prefix_bytes, request_prefix_tokens, scaled, working_set_bytes
+from hybridkv_bench.scenario.spec import AXES, ModelOverrides, ScenarioError, expand_matrix
+from hybridkv_bench.scenario.workloads import L1Pressure, MultiTurn
 
 BASE = """
 name = "t"

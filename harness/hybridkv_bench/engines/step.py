@@ -1,0 +1,120 @@
+"""The one request step that engines in threads (the runner's) and in processes (`engines.procs`) share:
+run a request, check its hit against the stored prefixes, record its row; and the barriers that align a
+phase's transfers."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from hybridkv.engine.client import CacheClient
+from hybridkv.engine.transfer import KVTransfer, TransferConfig
+from hybridkv.layout import ModelLayout
+
+from hybridkv_bench.engines.sim import HitMismatch
+from hybridkv_bench.metrics import MODEL_COLUMNS, RequestRow
+from hybridkv_bench.workloads.plan import ExpectedHits, Plan, Request
+
+CLIENT_TIMEOUT_S = 300.0  # one call may carry a legacy-format payload of GBs through a serializer
+
+
+def gpu_index(engine) -> int:
+    """The CUDA device index an engine's pages live on; -1 on CPU or for engines without pools."""
+    device = getattr(getattr(engine, "pools", None), "device", None)
+    return device.index if isinstance(device, torch.device) and device.type == "cuda" else -1
+
+
+def since(t: float, origin: float) -> float:
+    """A perf_counter stamp as seconds from the repeat's start (0.0: not recorded)."""
+    return t - origin if t else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RepeatInfo:
+    """What every request row of one repeat records beside its own figures."""
+
+    case: str
+    workload: str
+    repeat: int
+    chunk: int
+    origin: float  # perf_counter at the repeat's start: load_start_s / store_start_s count from it
+
+
+def sim_transfer(endpoint: str, layout: ModelLayout, pages, axes: dict[str, str], chunk: int, rank: int,
+                 salt: str, name: str, client: CacheClient) -> KVTransfer:
+    """One rank's KVTransfer for a case's axes, over `client`."""
+    # expand_matrix built the axes from the Matrix's Literal tuples; TransferConfig checks them again
+    cfg = TransferConfig(**cast(dict[str, Any], axes), chunk_tokens=chunk, tp_rank=rank, salt=salt,
+                         timeout_s=CLIENT_TIMEOUT_S, name=name)
+    return KVTransfer(endpoint, layout, pages, cfg, client=client)
+
+
+def request_index(plan: Plan) -> dict[int, int]:
+    """Each request's index in the plan (its `request` column), by identity."""
+    return {id(r): i for i, r in enumerate(plan.requests)}
+
+
+def run_request(eng, oracle: ExpectedHits, req: Request, step: int, index: int, info: RepeatInfo,
+                align) -> RequestRow:
+    """Run one request on `eng`, check its hit against `oracle`, record what it stored; its row. `align`:
+    the barrier of this phase's aligned requests (threading's or multiprocessing's), or None."""
+    expect = oracle.lookup(req.tokens)
+    name = f"r{info.repeat}-{req.name}"
+    if req.think_s or req.hint_tokens:  # multi_turn: the user's think time, the hint sent as it starts
+        hint = eng.kv.prefetch(req.tokens[:req.hint_tokens]) if req.hint_tokens else None
+        time.sleep(req.think_s)  # nothing else runs on this engine meanwhile; the server reads L2
+        if hint is not None:
+            hint.result(timeout=CLIENT_TIMEOUT_S)  # answered before any read ends; an error fails the case
+    if align is not None and req.align:
+        def gate(point: str) -> None:
+            if point == req.align:
+                align.wait()
+
+        res = eng.run(name, req.tokens, gate)
+    else:  # other engine kinds' run(request_id, tokens) need not take a gate
+        res = eng.run(name, req.tokens)
+    if res.hit_tokens != expect * info.chunk:
+        raise HitMismatch(f"{req.name}: the server's hit is {res.hit_tokens} tokens, the stored prefixes "
+                          f"allow exactly {expect * info.chunk} ({expect} chunks of {info.chunk})")
+    oracle.stored(req.tokens)
+    return RequestRow(case=info.case, workload=info.workload, repeat=info.repeat, request=index, phase=req.phase,
+                      prompt_tokens=len(req.tokens), hit_tokens=res.hit_tokens, lookup_s=res.lookup_s,
+                      store_s=res.store_s, store_done_s=res.store_done_s, load_s=res.load_s,
+                      store_copy_s=res.store_copy_s, load_copy_s=res.load_copy_s,
+                      store_span_s=getattr(res, "store_span_s", 0.0),
+                      prefill_s=res.prefill_s, ttft_s=res.ttft_s, bytes_stored=res.bytes_stored,
+                      bytes_loaded=res.bytes_loaded, verified_chunks=res.verified_chunks,
+                      corrupt_chunks=res.corrupt_chunks, engine=req.engine, step=step, gpu=gpu_index(eng),
+                      load_start_s=since(getattr(res, "load_start", 0.0), info.origin),
+                      store_start_s=since(getattr(res, "store_start", 0.0), info.origin), tier=req.tier,
+                      **{f: getattr(res, f) for f in MODEL_COLUMNS if hasattr(res, f)})
+
+
+def align_barriers(plan: Plan, barrier) -> list:
+    """Per phase, a barrier (`barrier(n)`: threading's or a multiprocessing context's) for its aligned
+    requests, so that their transfers start together; None where fewer than two are aligned."""
+    return [barrier(n) if (n := sum(1 for r in phase if r.align)) > 1 else None for phase in plan.phases]
+
+
+def abort_all(barriers) -> None:
+    """Break every barrier given (None: skipped): whoever waits at one stops instead of waiting on."""
+    for b in barriers:
+        if b is not None:
+            b.abort()
+
+
+def rank_overlap(plan: Plan, chunk: int) -> str:
+    """Why one phase of `plan` lets two engines of one rank use the same chunk prefix ("" when none does):
+    which of them stores it first would decide the other's hit."""
+    ids = ExpectedHits(chunk, False, "all", "all")
+    for step, phase in enumerate(plan.phases):
+        seen: dict[tuple[int, bytes], Request] = {}
+        for r in phase:
+            for p in ids.prefixes(r.tokens):
+                first = seen.setdefault((plan.ranks[r.engine], p), r)
+                if first.engine != r.engine:
+                    return (f"phase {step}: {first.name} (engine {first.engine}) and {r.name} (engine {r.engine}) of "
+                            f"rank {plan.ranks[r.engine]} share a chunk prefix; their hits would depend on timing")
+    return ""
