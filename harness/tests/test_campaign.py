@@ -14,7 +14,8 @@ from benchkit import REPO, SCENARIOS
 from hybridkv_bench.results.folder import load_run
 from hybridkv_bench.scenario.load import load_scenario
 from hybridkv_bench.scenario.spec import expand_matrix
-from hybridkv_bench.scenario.workloads import MultiEngine, StoreWhileLoad
+from hybridkv_bench.workloads.multi_engine import MultiEngine
+from hybridkv_bench.workloads.store_while_load import StoreWhileLoad
 
 SCRIPT = REPO / "harness" / "campaign" / "h200_coverage.sh"
 

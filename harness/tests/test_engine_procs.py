@@ -19,7 +19,7 @@ from hybridkv_bench.run.options import BenchOptions
 from hybridkv_bench.run.runner import run_bench
 from hybridkv_bench.scenario.load import ScenarioFile, load_scenario
 from hybridkv_bench.scenario.spec import ScenarioError
-from hybridkv_bench.workloads.plan import Plan, Request
+from hybridkv_bench.workloads.base import Plan, Request
 
 SCENARIO = """
 name = "{name}"

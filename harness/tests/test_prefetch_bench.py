@@ -14,8 +14,8 @@ from hybridkv_bench.run.options import BenchOptions
 from hybridkv_bench.run.runner import run_bench
 from hybridkv_bench.scenario.load import ScenarioFile, decode_scenario, load_scenario
 from hybridkv_bench.scenario.spec import ScenarioError
-from hybridkv_bench.scenario.workloads import MultiTurn
-from hybridkv_bench.workloads.plan import build_plan
+from hybridkv_bench.workloads.base import build_plan
+from hybridkv_bench.workloads.multi_turn import MultiTurn
 
 TEXT = (SCENARIOS / "prefetch.toml").read_text()
 

@@ -10,7 +10,8 @@ from hybridkv.presets import HybridModelConfig, preset_layout
 from hybridkv_bench.scenario.load import decode_scenario, find_scenarios, load_scenario
 from hybridkv_bench.scenario.sizes import prefix_bytes, request_prefix_tokens, scaled, working_set_bytes
 from hybridkv_bench.scenario.spec import AXES, ModelOverrides, ScenarioError, expand_matrix
-from hybridkv_bench.scenario.workloads import L1Pressure, MultiTurn
+from hybridkv_bench.workloads.l1_pressure import L1Pressure
+from hybridkv_bench.workloads.multi_turn import MultiTurn
 
 BASE = """
 name = "t"

@@ -62,7 +62,8 @@ from hybridkv_bench.engines.step import (
 from hybridkv_bench.metrics import RequestRow
 from hybridkv_bench.prefill import prefill_seconds
 from hybridkv_bench.scenario.spec import ModelSpec, PrefillModel
-from hybridkv_bench.workloads.plan import ExpectedHits, Plan
+from hybridkv_bench.workloads.base import Plan
+from hybridkv_bench.workloads.hits import ExpectedHits
 
 STOP_GRACE_S = 60.0       # a stopped engine finishes its transfers and unregisters within this, or is terminated
 FAILED_GRACE_S = 2.0      # the same after a failure: partners of a dead engine wait at a barrier for nobody

@@ -15,7 +15,8 @@ from hybridkv.layout import ModelLayout
 
 from hybridkv_bench.engines.sim import HitMismatch
 from hybridkv_bench.metrics import MODEL_COLUMNS, RequestRow
-from hybridkv_bench.workloads.plan import ExpectedHits, Plan, Request
+from hybridkv_bench.workloads.base import Plan, Request
+from hybridkv_bench.workloads.hits import ExpectedHits
 
 CLIENT_TIMEOUT_S = 300.0  # one call may carry a legacy-format payload of GBs through a serializer
 

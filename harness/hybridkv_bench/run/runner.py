@@ -48,8 +48,9 @@ from hybridkv_bench.run.server import ServerWatch, log_tail, ping_server, server
 from hybridkv_bench.run.threads import repeat_in_threads
 from hybridkv_bench.scenario.load import ScenarioFile
 from hybridkv_bench.scenario.spec import Case, Scenario, expand_matrix
-from hybridkv_bench.scenario.workloads import Workload, engine_gpus
-from hybridkv_bench.workloads.plan import ExpectedHits, build_plan
+from hybridkv_bench.workloads.base import build_plan, engine_gpus
+from hybridkv_bench.workloads.hits import ExpectedHits
+from hybridkv_bench.workloads.registry import Workload
 
 if TYPE_CHECKING:
     from hybridkv_bench.engines.hf.model import HFModel

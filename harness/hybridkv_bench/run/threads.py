@@ -6,7 +6,8 @@ import threading
 
 from hybridkv_bench.engines.step import RepeatInfo, abort_all, align_barriers, request_index, run_request
 from hybridkv_bench.metrics import RequestRow
-from hybridkv_bench.workloads.plan import ExpectedHits, Plan
+from hybridkv_bench.workloads.base import Plan
+from hybridkv_bench.workloads.hits import ExpectedHits
 
 
 def repeat_in_threads(engines: list, oracles: dict[int, ExpectedHits], plan: Plan,

@@ -12,16 +12,8 @@ from hybridkv.presets import hybrid_layout
 
 from hybridkv_bench.engines.hf.spec import transformers_problem
 from hybridkv_bench.scenario.spec import GIB, RooflinePrefill, Scenario, ScenarioError, expand_matrix
-from hybridkv_bench.scenario.workloads import (
-    Divergence,
-    FanOut,
-    L1Pressure,
-    LongDocQA,
-    MultiEngine,
-    MultiTurn,
-    StoreWhileLoad,
-    Workload,
-)
+from hybridkv_bench.workloads.base import Shrink, Sizing
+from hybridkv_bench.workloads.registry import Workload
 
 # ---- sizes ---------------------------------------------------------------------------------------
 
@@ -39,37 +31,12 @@ def prefix_bytes(layout: ModelLayout, chunk_tokens: int, tokens: int, policy: st
 
 def request_prefix_tokens(w: Workload) -> int:
     """Tokens of the longest prefix one request of the workload expects to find cached."""
-    match w:
-        case LongDocQA() | Divergence() | L1Pressure() | MultiEngine() | StoreWhileLoad():
-            return w.prompt_tokens
-        case MultiTurn():
-            return w.system_tokens + (w.turns - 1) * w.turn_tokens
-        case FanOut():
-            return w.system_tokens
-    raise AssertionError(w)
+    return w.prefix_tokens()
 
 
 def working_set_bytes(w: Workload, layout: ModelLayout, chunk_tokens: int, policy: str) -> int:
     """Bytes the workload stores into the cache (all documents, conversations, branches, ranks)."""
-    one = lambda tokens: prefix_bytes(layout, chunk_tokens, tokens, policy)  # noqa: E731
-    match w:
-        case LongDocQA():
-            return w.documents * one(w.prompt_tokens + w.question_tokens)
-        case MultiTurn():
-            passes = 3 if w.prefetch == "compare" else 1  # l1, l2, l2_prefetch: fresh conversations each
-            return passes * w.conversations * one(w.system_tokens + w.turns * w.turn_tokens)
-        case FanOut():
-            shared = one(w.system_tokens)
-            return shared + w.requests * (one(w.system_tokens + w.user_tokens) - shared)
-        case Divergence():
-            return 2 * one(w.prompt_tokens)
-        case L1Pressure():
-            return w.documents * one(w.prompt_tokens)
-        case MultiEngine():
-            return w.engines * one(w.prompt_tokens)
-        case StoreWhileLoad():
-            return (w.rounds + 1) * one(w.prompt_tokens)
-    raise AssertionError(w)
+    return w.working_set(lambda tokens: prefix_bytes(layout, chunk_tokens, tokens, policy))
 
 
 # ---- validation ----------------------------------------------------------------------------------
@@ -109,29 +76,21 @@ def validate(scenario: Scenario, source: str = "<scenario>") -> None:
     except ScenarioError as e:
         raise fail(str(e).removeprefix(f"{scenario.name}: ")) from None
     smallest = "boundary" if "boundary" in scenario.matrix.store_policy else "all"
+    sizing = Sizing(scenario, layout, chunk, lambda tokens: prefix_bytes(layout, chunk, tokens, smallest))
     for i, w in enumerate(scenario.workloads):
         where = f"workloads[{i}] ({w.label})"
         prefix = request_prefix_tokens(w)
         if prefix < chunk:
             raise fail(f"{where}: a {prefix}-token prefix is shorter than one {chunk}-token chunk, "
                        "so nothing would ever be cached")
-        if isinstance(w, Divergence) and w.prompt_tokens < 2 * chunk:
-            raise fail(f"{where}: prompt_tokens {w.prompt_tokens} must span at least 2 chunks ({2 * chunk})")
         one = prefix_bytes(layout, chunk, prefix, smallest)
         if one > scenario.server.l1_bytes:
             raise fail(f"{where}: one request's {prefix}-token prefix needs {one / GIB:.3f} GiB, more than "
                        f"server.l1_gib {scenario.server.l1_gib}: no warm request could ever hit")
-        if isinstance(w, L1Pressure):
-            total = working_set_bytes(w, layout, chunk, smallest)
-            if total <= scenario.server.l1_bytes:
-                raise fail(f"{where}: {w.documents} x {w.prompt_tokens} tokens store {total / GIB:.3f} GiB, "
-                           f"which fits in server.l1_gib {scenario.server.l1_gib}: nothing would spill")
-            if scenario.server.l2_gib <= 0:
-                raise fail(f"{where}: needs an L2 to spill to (server.l2_gib is 0)")
-        if isinstance(w, MultiTurn) and (problem := _prefetch_problem(w, scenario, layout, chunk, smallest)):
+        if problem := w.problem(sizing):
             raise fail(f"{where}: {problem}")
         room = scenario.server.l1_bytes + scenario.server.l2_bytes
-        if not isinstance(w, L1Pressure) or scenario.server.l2_gib > 0:
+        if not w.spills or scenario.server.l2_gib > 0:
             # Hits are checked exactly, with no model of eviction: what a case stores must stay cached.
             # Under L1 alone it must fit L1; with an L2 behind it, L1 + L2 (evicted objects spill there).
             for policy in scenario.matrix.store_policy:
@@ -142,31 +101,6 @@ def validate(scenario: Scenario, source: str = "<scenario>") -> None:
                     raise fail(f"{where}: its working set under store_policy {policy!r} is {total / GIB:.2f} GiB, "
                                f"more than {tiers} = {room / GIB:.2f} GiB hold; early prefixes would be evicted "
                                "and their hits lost (raise l1_gib, add an L2, or shrink the workload)")
-
-
-def _prefetch_problem(w: MultiTurn, scenario: Scenario, layout: ModelLayout, chunk: int, policy: str) -> str:
-    """Why a multi_turn's prefetch setting cannot measure what it is for ("" when it can)."""
-    if w.prefetch == "off":
-        return ""
-    if scenario.server.l2_gib <= 0:
-        return f"prefetch = {w.prefetch!r} brings prefixes back from L2, and server.l2_gib is 0"
-    if scenario.engine == "vllm":
-        return "prefetch hints are sent by the sim and transformers engines; the vllm engine sends none"
-    if w.prefetch != "compare":
-        return ""
-    l1 = scenario.server.l1_bytes
-    conv = prefix_bytes(layout, chunk, w.system_tokens + w.turns * w.turn_tokens, policy)
-    if conv > l1:
-        return (f"one conversation stores {conv / GIB:.3f} GiB, more than server.l1_gib {scenario.server.l1_gib:g}: "
-                "the l1 tier would not come from L1")
-    # Between two turns of one conversation the others each look up and store at least their first
-    # turn's prefix: that must exceed L1 for this conversation's prefix to have left it.
-    others = (w.conversations - 1) * prefix_bytes(layout, chunk, w.system_tokens + w.turn_tokens, policy)
-    if others <= l1:
-        return (f"the other {w.conversations - 1} conversations' first turns store {others / GIB:.3f} GiB, which "
-                f"fits in server.l1_gib {scenario.server.l1_gib:g}: the l2 tiers would still come from L1 "
-                "(add conversations or shrink L1)")
-    return ""
 
 
 # ---- scaling -------------------------------------------------------------------------------------
@@ -202,55 +136,26 @@ def scaled(scenario: Scenario, factor: float) -> Scenario:
     def count(n: int, least: int) -> int:
         return min(n, max(least, round(n * factor)))
 
-    def shrink(w: Workload) -> Workload:
-        r = msgspec.structs.replace
-        match w:
-            case LongDocQA():
-                return r(w, prompt_tokens=prefix(w.prompt_tokens), question_tokens=tail(w.question_tokens),
-                         documents=count(w.documents, 1))
-            case MultiTurn():
-                return r(w, system_tokens=prefix(w.system_tokens), turn_tokens=step(w.turn_tokens),
-                         turns=count(w.turns, 3),
-                         conversations=count(w.conversations, 2 if w.prefetch == "compare" else 1))
-            case FanOut():
-                return r(w, system_tokens=prefix(w.system_tokens), user_tokens=tail(w.user_tokens),
-                         requests=count(w.requests, 2))
-            case L1Pressure():
-                return r(w, prompt_tokens=prefix(w.prompt_tokens), documents=count(w.documents, 1))
-            case StoreWhileLoad():
-                return r(w, prompt_tokens=prefix(w.prompt_tokens), rounds=count(w.rounds, 1))
-            case Divergence() | MultiEngine():
-                return r(w, prompt_tokens=prefix(w.prompt_tokens))
-        raise AssertionError(w)
-
-    workloads = tuple(shrink(w) for w in scenario.workloads)
+    rule = Shrink(prefix=prefix, step=step, tail=tail, count=count)
+    workloads = tuple(w.shrink(rule) for w in scenario.workloads)
     smallest = "boundary" if "boundary" in scenario.matrix.store_policy else "all"
     size = lambda w, policy="all": working_set_bytes(w, layout, chunk, policy) / GIB  # noqa: E731
     ratio = max(size(w) for w in workloads) / max(size(w) for w in scenario.workloads)
     l1 = max(scenario.server.l1_gib * ratio, 4 * layout.chunk_bytes(chunk) / GIB)
     l2 = scenario.server.l2_gib * ratio
+    one = lambda tokens: prefix_bytes(layout, chunk, tokens, smallest)  # noqa: E731
     for old, new in zip(scenario.workloads, workloads, strict=True):
-        if isinstance(new, L1Pressure):
+        if new.spills:
             continue
         # What fitted before still fits; one request's prefix always fits (validate demands it).
         if size(old) <= scenario.server.l1_gib:
             l1 = max(l1, size(new))
-        l1 = max(l1, prefix_bytes(layout, chunk, request_prefix_tokens(new), smallest) / GIB)
-        if isinstance(new, MultiTurn) and new.prefetch == "compare":  # the l1 tier: one conversation fits
-            l1 = max(l1, prefix_bytes(layout, chunk, new.system_tokens + new.turns * new.turn_tokens, smallest) / GIB)
+        l1 = max(l1, new.least_l1_gib(one))
     fixed = []
     for old, w in zip(scenario.workloads, workloads, strict=True):
-        if isinstance(w, MultiTurn) and w.prefetch == "compare":
-            # enough interleaved conversations to push each other out of the new L1, as before scaling
-            first = prefix_bytes(layout, chunk, w.system_tokens + w.turn_tokens, smallest) / GIB
-            w = msgspec.structs.replace(w, conversations=max(w.conversations, math.floor(l1 / first) + 2))
+        w = w.refit(l1, one)
+        if w.l2_holds(size(old, smallest) <= scenario.server.l2_gib):
             l2 = max(l2, size(w, smallest))
-        if isinstance(w, L1Pressure):
-            if size(w, smallest) <= l1:
-                doc = prefix_bytes(layout, chunk, w.prompt_tokens, smallest) / GIB
-                w = msgspec.structs.replace(w, documents=math.ceil(1.5 * l1 / doc))
-            if size(old, smallest) <= scenario.server.l2_gib:
-                l2 = max(l2, size(w, smallest))
         fixed.append(w)
     server = msgspec.structs.replace(scenario.server, l1_gib=l1, l2_gib=l2)
     out = msgspec.structs.replace(scenario, workloads=tuple(fixed), server=server)

@@ -1,10 +1,10 @@
 """Scenario files: a model, a server, a prefill model, workloads and a matrix of transfer axes.
 
-A scenario is TOML decoded strictly into the structs below and the workload kinds of
-`scenario_workloads` (an unknown or misspelt key is an error naming the key path and the file), then
-checked against the model's layout (`scenario_sizes.validate`: chunk size against the block sizes, L1
+A scenario is TOML decoded strictly (`scenario.load`) into the structs below and the workload kinds of
+`workloads.registry` (an unknown or misspelt key is an error naming the key path and the file), then
+checked against the model's layout (`scenario.sizes.validate`: chunk size against the block sizes, L1
 against one request, every workload's working set against L1 + L2). `expand_matrix` turns the matrix
-into the list of cases a runner executes; `scenario_sizes.scaled` shrinks a scenario for quick CPU runs.
+into the list of cases a runner executes; `scenario.sizes.scaled` shrinks a scenario for quick CPU runs.
 """
 
 from __future__ import annotations
@@ -22,10 +22,8 @@ from hybridkv.wire_formats import TRAITS, WireFormat
 from hybridkv_kernels.engines import CopyEngine
 
 from hybridkv_bench.engines.hf.spec import TransformersSpec
-from hybridkv_bench.scenario.workloads import (
-    Workload,
-    _Strict,
-)
+from hybridkv_bench.scenario.strict import Strict
+from hybridkv_bench.workloads.registry import Workload
 
 GIB = 1 << 30
 
@@ -51,7 +49,7 @@ class ScenarioError(ValueError):
     """A scenario file that cannot be run as written; the message names the file and the value."""
 
 
-class ModelOverrides(_Strict, frozen=True, omit_defaults=True):
+class ModelOverrides(Strict, frozen=True, omit_defaults=True):
     """Optional replacements for fields of the preset's HybridModelConfig (None keeps the preset's)."""
 
     num_layers: int | None = None
@@ -71,7 +69,7 @@ class ModelOverrides(_Strict, frozen=True, omit_defaults=True):
     active_params: float | None = None
 
 
-class ModelSpec(_Strict, frozen=True):
+class ModelSpec(Strict, frozen=True):
     """Which model's cache to move: a preset, its tensor-parallel size, the chunk size."""
 
     preset: str
@@ -93,7 +91,7 @@ class ModelSpec(_Strict, frozen=True):
         return self.chunk_tokens or layout.default_chunk_tokens()
 
 
-class ServerSpec(_Strict, frozen=True):
+class ServerSpec(Strict, frozen=True):
     """Cache-server capacities. GiB = 2**30 bytes."""
 
     l1_gib: float
@@ -118,7 +116,7 @@ class ServerSpec(_Strict, frozen=True):
         return int(self.l2_gib * GIB)
 
 
-class RooflinePrefill(_Strict, frozen=True, tag_field="kind", tag="roofline"):
+class RooflinePrefill(Strict, frozen=True, tag_field="kind", tag="roofline"):
     """Prefill time = FLOPs / (device_tflops * efficiency); see hybridkv_bench.prefill."""
 
     device_tflops: float
@@ -131,7 +129,7 @@ class RooflinePrefill(_Strict, frozen=True, tag_field="kind", tag="roofline"):
             raise ValueError(f"efficiency must lie in (0, 1], got {self.efficiency}")
 
 
-class RatePrefill(_Strict, frozen=True, tag_field="kind", tag="tokens_per_s"):
+class RatePrefill(Strict, frozen=True, tag_field="kind", tag="tokens_per_s"):
     """Prefill time = uncached tokens / rate (the whole engine, all TP ranks together)."""
 
     rate: float
@@ -144,7 +142,7 @@ class RatePrefill(_Strict, frozen=True, tag_field="kind", tag="tokens_per_s"):
 PrefillModel = RooflinePrefill | RatePrefill
 
 
-class Exclude(_Strict, frozen=True, omit_defaults=True):
+class Exclude(Strict, frozen=True, omit_defaults=True):
     """A partial assignment of axes; every case that matches all its given axes is left out."""
 
     wire_format: WireFormat | None = None
@@ -161,7 +159,7 @@ class Exclude(_Strict, frozen=True, omit_defaults=True):
         return all(v is None or axes[k] == v for k, v in msgspec.structs.asdict(self).items())
 
 
-class Matrix(_Strict, frozen=True):
+class Matrix(Strict, frozen=True):
     """Lists of values per axis; the cases are their product minus the `exclude` entries."""
 
     wire_format: tuple[WireFormat, ...] = ("shm",)
@@ -180,7 +178,7 @@ class Matrix(_Strict, frozen=True):
                 raise ValueError(f"axis {axis} lists a value twice: {list(values)}")
 
 
-class Scenario(_Strict, frozen=True):
+class Scenario(Strict, frozen=True):
     """One scenario file, decoded. Build with `load_scenario` or `decode_scenario`, which validate it."""
 
     name: str
