@@ -33,6 +33,7 @@ TRAITS: dict[WireFormat, FormatTraits] = {
                              label="CUDA-IPC server"),
 }
 FORMATS: tuple[WireFormat, ...] = get_args(WireFormat)
+DEFAULT_FORMAT: WireFormat = "shm"  # the zero-copy format: what a scenario's matrix runs unless it lists others
 assert set(FORMATS) == set(TRAITS), "every wire format has its traits"
 
 

@@ -47,18 +47,11 @@ from typing import Any
 import torch
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
+from hybridkv.engine.config import TransferConfig
 
-from hybridkv_bench.engines.sim import EnginePools, SimEngine
-from hybridkv_bench.engines.step import (
-    CLIENT_TIMEOUT_S,
-    RepeatInfo,
-    abort_all,
-    align_barriers,
-    rank_overlap,
-    request_index,
-    run_request,
-    sim_transfer,
-)
+from hybridkv_bench.engines.base import CLIENT_TIMEOUT_S
+from hybridkv_bench.engines.sim import EnginePools, SimEngine, sim_transfer
+from hybridkv_bench.engines.step import RepeatInfo, abort_all, align_barriers, rank_overlap, request_index, run_request
 from hybridkv_bench.metrics import RequestRow
 from hybridkv_bench.prefill import prefill_seconds
 from hybridkv_bench.scenario.spec import ModelSpec, PrefillModel
@@ -79,7 +72,7 @@ class EngineSpec:
     endpoint: str
     model: ModelSpec
     prefill: PrefillModel
-    axes: dict[str, str]
+    transfer: TransferConfig
     chunk: int
     salt: str
     name: str          # the engine's name on the server: "<workload>/<case>#<engine>"
@@ -253,8 +246,8 @@ def _build(spec: EngineSpec) -> SimEngine:
     client = CacheClient(spec.endpoint, timeout_s=CLIENT_TIMEOUT_S)
     try:
         pools = EnginePools.for_prompts(layout, spec.pool_tokens, spec.device)
-        kv = sim_transfer(spec.endpoint, layout, pools.pages, spec.axes, spec.chunk, spec.rank, spec.salt, spec.name,
-                          client)
+        kv = sim_transfer(spec.endpoint, layout, pools.pages, spec.transfer, spec.chunk, spec.rank, spec.salt,
+                          spec.name, client)
     except BaseException:
         client.close()
         raise
@@ -264,8 +257,8 @@ def _build(spec: EngineSpec) -> SimEngine:
 
 def _run_repeat(spec: EngineSpec, eng: SimEngine, repeat: int, origin: float, phase_barrier, aligned) -> list:
     plan, e = spec.plan, spec.engine
-    oracle = ExpectedHits(spec.chunk, bool(eng.layout.recurrent_groups), spec.axes["store_policy"],
-                          spec.axes["retrieve_policy"])
+    oracle = ExpectedHits(spec.chunk, bool(eng.layout.recurrent_groups), spec.transfer.store_policy,
+                          spec.transfer.retrieve_policy)
     info = RepeatInfo(spec.case, spec.workload, repeat, spec.chunk, origin)
     index = request_index(plan)
     rows = []

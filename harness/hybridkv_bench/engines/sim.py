@@ -20,6 +20,7 @@ to `committed` are kept beside it); end the session; free the blocks.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from collections.abc import Callable, Sequence
@@ -27,11 +28,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from hybridkv.engine.transfer import Hit, KVTransfer, PreparedStore
+from hybridkv.engine.client import CacheClient
+from hybridkv.engine.transfer import Hit, KVTransfer, PreparedStore, TransferConfig
 from hybridkv.layout import ModelLayout
 from hybridkv.policy import chunk_objects, object_blocks
 from hybridkv.protocol import ObjectLoc
 
+from hybridkv_bench.engines.base import CLIENT_TIMEOUT_S, EngineSite, RequestResult
 from hybridkv_bench.pools import BlockAllocator, vllm_pools
 
 _M64 = (1 << 64) - 1
@@ -96,32 +99,6 @@ class EnginePools:
 
 
 @dataclass(frozen=True, slots=True)
-class RequestResult:
-    """What one request measured and verified. Times in seconds; prefill_s is modeled."""
-
-    hit_tokens: int
-    lookup_s: float
-    load_s: float
-    prefill_s: float
-    store_s: float
-    store_done_s: float
-    store_copy_s: float
-    load_copy_s: float
-    bytes_stored: int
-    bytes_loaded: int
-    verified_chunks: int
-    corrupt_chunks: int
-    load_start: float = 0.0   # perf_counter when the retrieve was submitted (0: no load)
-    store_start: float = 0.0  # perf_counter when the store was submitted
-    store_span_s: float = 0.0  # prepare submitted -> committed (0: the engine does not record it)
-
-    @property
-    def ttft_s(self) -> float:
-        """lookup + load (measured) + prefill of the uncached tokens (modeled); a miss loads nothing."""
-        return self.lookup_s + self.load_s + self.prefill_s
-
-
-@dataclass(frozen=True, slots=True)
 class StoreTiming:
     """One store as a request row records it (all zero when the server already held every object)."""
 
@@ -148,10 +125,6 @@ def timed_store(kv: KVTransfer, request_id: str, tokens: np.ndarray, blocks: Seq
                        t1 - (prepared.t_submit if prepared is not None else t0))
 
 
-class HitMismatch(RuntimeError):
-    """The server's hit differs from what the stored prefixes allow (too short: lost data; too long: unsafe)."""
-
-
 class SimEngine:
     """One engine rank: its pools, its KVTransfer, and the request life described in the module doc."""
 
@@ -165,6 +138,14 @@ class SimEngine:
         self.timeout_s = timeout_s
         self.before_retrieve = before_retrieve  # a test hook: runs between lookup and retrieve
         self._cuda = pools.device.type == "cuda"
+
+    @property
+    def gpu(self) -> int:
+        device = self.pools.device
+        return device.index if device.type == "cuda" and device.index is not None else -1
+
+    def close(self) -> None:
+        self.kv.close()
 
     def _sync(self) -> None:
         if self._cuda:
@@ -267,3 +248,20 @@ class SimEngine:
                              store_s=stored.store_s, store_done_s=stored.store_done_s, store_copy_s=stored.store_copy_s,
                              bytes_stored=stored.bytes_stored, store_start=stored.start,
                              store_span_s=stored.store_span_s)
+
+
+def build(site: EngineSite) -> SimEngine:
+    """The `sim` engine kind: a SimEngine on the runner's pools for this engine, over a client of its own."""
+    client = site.client()
+    pools = site.pools()
+    kv = sim_transfer(site.endpoint, site.layout, pools.pages, site.transfer, site.chunk, site.rank, site.salt,
+                      site.name, client)
+    return SimEngine(kv, pools, site.prefill, timeout_s=site.timeout_s, before_retrieve=site.before_retrieve)
+
+
+def sim_transfer(endpoint: str, layout: ModelLayout, pages, transfer: TransferConfig, chunk: int, rank: int,
+                 salt: str, name: str, client: CacheClient) -> KVTransfer:
+    """One rank's KVTransfer for a case's transfer settings, over `client`."""
+    cfg = dataclasses.replace(transfer, chunk_tokens=chunk, tp_rank=rank, salt=salt, timeout_s=CLIENT_TIMEOUT_S,
+                              name=name)
+    return KVTransfer(endpoint, layout, pages, cfg, client=client)

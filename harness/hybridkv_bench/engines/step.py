@@ -6,25 +6,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, cast
 
-import torch
-from hybridkv.engine.client import CacheClient
-from hybridkv.engine.transfer import KVTransfer, TransferConfig
-from hybridkv.layout import ModelLayout
-
-from hybridkv_bench.engines.sim import HitMismatch
-from hybridkv_bench.metrics import MODEL_COLUMNS, RequestRow
+from hybridkv_bench.engines.base import CLIENT_TIMEOUT_S, Engine, HitMismatch
+from hybridkv_bench.metrics import RequestRow
 from hybridkv_bench.workloads.base import Plan, Request
 from hybridkv_bench.workloads.hits import ExpectedHits
-
-CLIENT_TIMEOUT_S = 300.0  # one call may carry a legacy-format payload of GBs through a serializer
-
-
-def gpu_index(engine) -> int:
-    """The CUDA device index an engine's pages live on; -1 on CPU or for engines without pools."""
-    device = getattr(getattr(engine, "pools", None), "device", None)
-    return device.index if isinstance(device, torch.device) and device.type == "cuda" else -1
 
 
 def since(t: float, origin: float) -> float:
@@ -43,21 +29,12 @@ class RepeatInfo:
     origin: float  # perf_counter at the repeat's start: load_start_s / store_start_s count from it
 
 
-def sim_transfer(endpoint: str, layout: ModelLayout, pages, axes: dict[str, str], chunk: int, rank: int,
-                 salt: str, name: str, client: CacheClient) -> KVTransfer:
-    """One rank's KVTransfer for a case's axes, over `client`."""
-    # expand_matrix built the axes from the Matrix's Literal tuples; TransferConfig checks them again
-    cfg = TransferConfig(**cast(dict[str, Any], axes), chunk_tokens=chunk, tp_rank=rank, salt=salt,
-                         timeout_s=CLIENT_TIMEOUT_S, name=name)
-    return KVTransfer(endpoint, layout, pages, cfg, client=client)
-
-
 def request_index(plan: Plan) -> dict[int, int]:
     """Each request's index in the plan (its `request` column), by identity."""
     return {id(r): i for i, r in enumerate(plan.requests)}
 
 
-def run_request(eng, oracle: ExpectedHits, req: Request, step: int, index: int, info: RepeatInfo,
+def run_request(eng: Engine, oracle: ExpectedHits, req: Request, step: int, index: int, info: RepeatInfo,
                 align) -> RequestRow:
     """Run one request on `eng`, check its hit against `oracle`, record what it stored; its row. `align`:
     the barrier of this phase's aligned requests (threading's or multiprocessing's), or None."""
@@ -84,13 +61,15 @@ def run_request(eng, oracle: ExpectedHits, req: Request, step: int, index: int, 
                       prompt_tokens=len(req.tokens), hit_tokens=res.hit_tokens, lookup_s=res.lookup_s,
                       store_s=res.store_s, store_done_s=res.store_done_s, load_s=res.load_s,
                       store_copy_s=res.store_copy_s, load_copy_s=res.load_copy_s,
-                      store_span_s=getattr(res, "store_span_s", 0.0),
+                      store_span_s=res.store_span_s,
                       prefill_s=res.prefill_s, ttft_s=res.ttft_s, bytes_stored=res.bytes_stored,
                       bytes_loaded=res.bytes_loaded, verified_chunks=res.verified_chunks,
-                      corrupt_chunks=res.corrupt_chunks, engine=req.engine, step=step, gpu=gpu_index(eng),
-                      load_start_s=since(getattr(res, "load_start", 0.0), info.origin),
-                      store_start_s=since(getattr(res, "store_start", 0.0), info.origin), tier=req.tier,
-                      **{f: getattr(res, f) for f in MODEL_COLUMNS if hasattr(res, f)})
+                      corrupt_chunks=res.corrupt_chunks, engine=req.engine, step=step, gpu=eng.gpu,
+                      load_start_s=since(res.load_start, info.origin),
+                      store_start_s=since(res.store_start, info.origin), tier=req.tier,
+                      prefill_measured_s=res.prefill_measured_s, ttft_measured_s=res.ttft_measured_s,
+                      adapter_s=res.adapter_s, logits_max_abs_diff=res.logits_max_abs_diff,
+                      logits_bitwise_equal=res.logits_bitwise_equal, oracle_pass=res.oracle_pass)
 
 
 def align_barriers(plan: Plan, barrier) -> list:

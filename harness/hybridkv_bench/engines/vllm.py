@@ -15,11 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from hybridkv.engine.config import TransferConfig
 from hybridkv.engine.vllm import offline
 from hybridkv.engine.vllm.settings import kv_transfer_config
 from hybridkv.presets import HybridModelConfig
 
-from hybridkv_bench.engines.sim import HitMismatch, RequestResult
+from hybridkv_bench.engines.base import EngineSite, HitMismatch, RequestResult, refuse_gate
 
 _MODEL_CONFIGS: dict[tuple[HybridModelConfig, int], object] = {}  # vLLM inspects an architecture for ~30 s
 
@@ -38,7 +39,7 @@ def shape_of(cfg: HybridModelConfig) -> offline.HybridShape:
 class VllmEngine:
     """One vLLM engine (scheduler + one worker rank) with the connector, run request by request."""
 
-    def __init__(self, cfg: HybridModelConfig, endpoint: str, axes: dict[str, str], chunk_tokens: int, salt: str,
+    def __init__(self, cfg: HybridModelConfig, endpoint: str, transfer: TransferConfig, chunk_tokens: int, salt: str,
                  prefill: Callable[[int, int], float], max_tokens: int, timeout_s: float):
         if cfg.kv_dtype != "bfloat16" or cfg.conv_dtype != "bfloat16":
             raise ValueError(f"the vllm engine builds bf16 KV caches; preset {cfg.name} has {cfg.kv_dtype}")
@@ -51,10 +52,11 @@ class VllmEngine:
         shape = shape_of(cfg)
         # the store policy is the oracle's: vLLM keeps a state at every chunk here, the connector stores each
         extra = {"salt": salt, "timeout_s": timeout_s, "lookup_timeout_s": timeout_s,
-                 "chunk_tokens": chunk_tokens, **{k: v for k, v in axes.items() if k != "store_policy"}}
-        transfer = kv_transfer_config(endpoint, **extra)
+                 "chunk_tokens": chunk_tokens, "wire_format": transfer.wire_format, "copy_engine": transfer.copy_engine,
+                 "streams": transfer.streams, "retrieve_policy": transfer.retrieve_policy}
+        connector = kv_transfer_config(endpoint, **extra)
         vc = offline.vllm_config(_MODEL_CONFIGS[key], shape, max_num_batched_tokens=chunk_tokens,
-                                 kv_transfer=transfer, retention_interval=chunk_tokens)
+                                 kv_transfer=connector, retention_interval=chunk_tokens)
         blocks = 4 * (max_tokens // chunk_tokens + 2)
         self.engine = offline.OfflineEngine(vc, num_blocks=blocks)
         if self.engine.block_size != chunk_tokens:
@@ -72,8 +74,13 @@ class VllmEngine:
         """The worker rank's KVTransfer (the runner clears its namespace between repeats)."""
         return self._worker.transfer
 
-    def run(self, request_id: str, tokens: np.ndarray) -> RequestResult:
+    @property
+    def gpu(self) -> int:
+        return -1  # no pools of the runner's: vLLM allocates its own
+
+    def run(self, request_id: str, tokens: np.ndarray, gate: Callable[[str], None] | None = None) -> RequestResult:
         """One request through vLLM's scheduler until it finishes; hits verified page by page."""
+        refuse_gate("vllm", gate)
         eng, w = self.engine, self._worker.stats
         if not eng.scheduler.reset_prefix_cache():
             raise RuntimeError("vLLM could not empty its prefix cache (a request is still running)")
@@ -104,3 +111,9 @@ class VllmEngine:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def build(site: EngineSite) -> VllmEngine:
+    """The `vllm` engine kind: vLLM's scheduler with the connector, its own client and KV cache."""
+    return VllmEngine(site.cfg, site.endpoint, site.transfer, site.chunk, site.salt, site.prefill, site.max_tokens,
+                      site.timeout_s)

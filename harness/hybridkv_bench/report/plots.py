@@ -14,14 +14,14 @@ from pathlib import Path
 import pandas as pd
 from hybridkv.wire_formats import FORMATS, TRAITS
 
-AXIS_ORDER = {
+AXIS_ORDER: dict[str, list[str]] = {
     "wire_format": list(FORMATS),
     "copy_engine": ["kernel", "dma"],
     "streams": ["single", "per_group"],
     "retrieve_policy": ["boundary", "all"],
     "store_policy": ["boundary", "all"],
 }
-WIRE_LABELS = {f: t.label for f, t in TRAITS.items()}
+WIRE_LABELS: dict[str, str] = {f: t.label for f, t in TRAITS.items()}
 LOG_SPAN = 10.0  # max/min above which an axis is drawn logarithmic
 MIB = 1 << 20
 

@@ -13,30 +13,29 @@ removes temp files and leaves run.json marked incomplete.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import msgspec
 import torch
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
-from hybridkv.engine.transfer import WIRE_FORMATS, Hit, KVTransfer
+from hybridkv.engine.transfer import WIRE_FORMATS
 from hybridkv.server.launch import ServerProcess, start_server
+from hybridkv.wire_formats import WireFormat, traits
 
+from hybridkv_bench.engines.base import CLIENT_TIMEOUT_S, Engine, EngineSite
 from hybridkv_bench.engines.procs import EngineProcs, EngineSpec
-from hybridkv_bench.engines.sim import EnginePools, SimEngine
-from hybridkv_bench.engines.step import (
-    CLIENT_TIMEOUT_S,
-    RepeatInfo,
-    sim_transfer,
-)
+from hybridkv_bench.engines.registry import builder
+from hybridkv_bench.engines.sim import EnginePools
+from hybridkv_bench.engines.step import RepeatInfo
 from hybridkv_bench.metrics import RequestRow, case_metrics
 from hybridkv_bench.prefill import prefill_seconds
 from hybridkv_bench.results.folder import CaseResult, RunWriter
@@ -48,12 +47,9 @@ from hybridkv_bench.run.server import ServerWatch, log_tail, ping_server, server
 from hybridkv_bench.run.threads import repeat_in_threads
 from hybridkv_bench.scenario.load import ScenarioFile
 from hybridkv_bench.scenario.spec import Case, Scenario, expand_matrix
-from hybridkv_bench.workloads.base import build_plan, engine_gpus
+from hybridkv_bench.workloads.base import Plan, build_plan, engine_gpus
 from hybridkv_bench.workloads.hits import ExpectedHits
 from hybridkv_bench.workloads.registry import Workload
-
-if TYPE_CHECKING:
-    from hybridkv_bench.engines.hf.model import HFModel
 
 
 class Runner:
@@ -81,7 +77,7 @@ class Runner:
         self.folder = Path(options.out or Path("results", "runs", f"{scenario.name}-{stamp}"))
         self.status = Status()
         self._pools: dict[tuple[int, str], EnginePools] = {}
-        self._hf: HFModel | None = None  # the transformers engine's model, built at its first case
+        self._shared: dict[str, Any] = {}  # what an engine kind builds once per run (a transformers model)
         self._tmp: list[Path] = []
         self._servers: list[ServerProcess] = []
         self._nonce = f"{os.getpid()}-{time.time_ns()}"
@@ -114,12 +110,12 @@ class Runner:
         self._tmp.append(d)
         return d
 
-    def _start_server(self, label: str, wire_format: str) -> ServerProcess:
+    def _start_server(self, label: str, wire_format: WireFormat) -> ServerProcess:
         srv = self.scenario.server
         sock = self._mkdtemp("hkv-bench-")  # /tmp: ipc:// paths must stay short; mkdtemp makes it 0700
         # only the CUDA-IPC baseline's server may see a GPU: it maps the engine's pages and copies itself
         # --admin: the runner reads server-wide Stats around each case (its own private server)
-        flags = ["--admin", *(["--cuda-ipc"] if wire_format == "cuda_ipc" else [])]
+        flags = ["--admin", *(["--cuda-ipc"] if traits(wire_format).server_holds_cuda else [])]
         if srv.l2_gib > 0:
             parent = Path(srv.l2_dir) if srv.l2_dir else self.folder / ".tmp"
             parent.mkdir(parents=True, exist_ok=True)
@@ -151,22 +147,21 @@ class Runner:
     def _run_case(self, workload, case: Case) -> tuple[CaseResult, list[RequestRow]]:
         label = f"{workload.label}/{case.name}"
         plan = self.plans[workload.label]
-        axes = case.axes
+        axes, wire_format = case.axes, case.settings.wire_format
 
         def failed(msg: str) -> tuple[CaseResult, list[RequestRow]]:
             return CaseResult(name=case.name, workload=workload.label, axes=axes, status="failed", error=msg), []
 
-        if axes["wire_format"] not in WIRE_FORMATS:
-            return failed(f"wire_format {axes['wire_format']!r} is not implemented by hybridkv.engine.transfer "
+        if wire_format not in WIRE_FORMATS:
+            return failed(f"wire_format {wire_format!r} is not implemented by hybridkv.engine.transfer "
                           f"(it supports {', '.join(WIRE_FORMATS)})")
         salt = f"{label}@{self._nonce}" if self.opt.server else label  # a shared server may hold older runs
         clients: list[CacheClient] = []
-        engines: list = []  # SimEngine or HFEngine: the same run(request_id, tokens)
+        engines: list[Engine] = []
         procs: EngineProcs | None = None  # the engines as processes of their own (engines_in_processes)
-        rows: list[RequestRow] = []
         server = watch = None
         try:
-            server = None if self.opt.server else self._start_server(label, axes["wire_format"])
+            server = None if self.opt.server else self._start_server(label, wire_format)
             endpoint = self.opt.server if server is None else server.endpoint
             assert endpoint is not None
             watch = ServerWatch(server, clients) if server else None
@@ -182,38 +177,9 @@ class Runner:
                 procs.start()  # the engines build themselves (pools, arena registration) before any repeat
             else:
                 self._build_engines(workload, case, endpoint, salt, server, clients, engines)
-            has_state = bool(self.layout.recurrent_groups)
-            for repeat in range(-self.scenario.warmup, self.scenario.repeats):
-                self.status.set(label, f"repeat {repeat + 1} of {self.scenario.repeats}" if repeat >= 0
-                                else f"warm-up {repeat + self.scenario.warmup + 1} of {self.scenario.warmup}")
-                if procs is not None:
-                    rows += procs.repeat(repeat)
-                    continue
-                for eng in {eng.kv.namespace: eng for eng in engines}.values():
-                    # an engine id is bound to the connection that registered it: clear through that one
-                    eng.kv.client.call(P.Clear(engine=eng.kv.engine_id))
-                oracles = {rank: ExpectedHits(self.chunk, has_state, axes["store_policy"], axes["retrieve_policy"])
-                           for rank in set(plan.ranks)}
-                info = RepeatInfo(case.name, workload.label, repeat, self.chunk, time.perf_counter())
-                rows += repeat_in_threads(engines, oracles, plan, info)
+            rows = self._repeats(workload, case, engines, procs)
             after, _ = control.call(P.Stats())
-            # Counters and gauges as the server reports them after the case; on a shared server, with the
-            # values from before it too (counters of other clients may have moved meanwhile).
-            details: dict = {"server_counters": after.counters}
-            if len(plan.ranks) > 1:
-                details["engines_as"] = "processes" if procs is not None else "threads"
-            if server is None:
-                details["server_counters_before"] = before.counters
-            if server is not None:
-                sample = sample_server(server.pid, os.getpid())
-                server_metrics = sample.metrics()
-                details["server_cuda_libraries"] = sample.cuda_libraries
-            else:
-                server_metrics = {}
-                details["server"] = f"external ({endpoint}): VRAM, CUDA libraries, RSS and CPU not measured"
-            metrics = case_metrics(rows, self.calibration, server_metrics)
-            store_done = sorted(r.store_done_s for r in rows if r.repeat >= 0 and r.bytes_stored)
-            details["store_done_s_p50"] = store_done[len(store_done) // 2] if store_done else None
+            metrics, details = self._measured(rows, plan, server, endpoint, before, after, procs is not None)
             return CaseResult(name=case.name, workload=workload.label, axes=axes, status="ok", metrics=metrics,
                               details=details), rows
         except Exception as e:
@@ -227,55 +193,84 @@ class Runner:
             if procs is not None:
                 procs.close()
             for eng in engines:
-                close = getattr(eng, "close", None)  # the vllm engine closes its connector; SimEngine its KVTransfer
-                (close or eng.kv.close)()
+                eng.close()
             for c in clients:
                 c.close()
             if server is not None:
                 self._stop_server(server)
 
+    def _repeats(self, workload: Workload, case: Case, engines: list[Engine],
+                 procs: EngineProcs | None) -> list[RequestRow]:
+        """The warm-up and measured repeats of a case, by its engines in this process or as processes."""
+        label, plan, settings = f"{workload.label}/{case.name}", self.plans[workload.label], case.settings
+        has_state = bool(self.layout.recurrent_groups)
+        rows: list[RequestRow] = []
+        for repeat in range(-self.scenario.warmup, self.scenario.repeats):
+            self.status.set(label, f"repeat {repeat + 1} of {self.scenario.repeats}" if repeat >= 0
+                            else f"warm-up {repeat + self.scenario.warmup + 1} of {self.scenario.warmup}")
+            if procs is not None:
+                rows += procs.repeat(repeat)
+                continue
+            for eng in {eng.kv.namespace: eng for eng in engines}.values():
+                # an engine id is bound to the connection that registered it: clear through that one
+                eng.kv.client.call(P.Clear(engine=eng.kv.engine_id))
+            oracles = {rank: ExpectedHits(self.chunk, has_state, settings.store_policy, settings.retrieve_policy)
+                       for rank in set(plan.ranks)}
+            info = RepeatInfo(case.name, workload.label, repeat, self.chunk, time.perf_counter())
+            rows += repeat_in_threads(engines, oracles, plan, info)
+        return rows
+
+    def _measured(self, rows: list[RequestRow], plan: Plan, server: ServerProcess | None, endpoint: str,
+                  before: P.StatsResult, after: P.StatsResult, in_processes: bool) -> tuple[dict, dict]:
+        """A case's metrics and details: its rows, the server's counters around it, the server's sample."""
+        # Counters and gauges as the server reports them after the case; on a shared server, with the
+        # values from before it too (counters of other clients may have moved meanwhile).
+        details: dict = {"server_counters": after.counters}
+        if len(plan.ranks) > 1:
+            details["engines_as"] = "processes" if in_processes else "threads"
+        if server is None:
+            details["server_counters_before"] = before.counters
+        if server is not None:
+            sample = sample_server(server.pid, os.getpid())
+            server_metrics = sample.metrics()
+            details["server_cuda_libraries"] = sample.cuda_libraries
+        else:
+            server_metrics = {}
+            details["server"] = f"external ({endpoint}): VRAM, CUDA libraries, RSS and CPU not measured"
+        metrics = case_metrics(rows, self.calibration, server_metrics)
+        store_done = sorted(r.store_done_s for r in rows if r.repeat >= 0 and r.bytes_stored)
+        details["store_done_s_p50"] = store_done[len(store_done) // 2] if store_done else None
+        return metrics, details
+
     def _build_engines(self, workload: Workload, case: Case, endpoint: str, salt: str, server: ServerProcess | None,
-                       clients: list[CacheClient], engines: list) -> None:
+                       clients: list[CacheClient], engines: list[Engine]) -> None:
         """The workload's engines in this process, appended to `engines` (their clients to `clients`)."""
         plan, label, hook = self.plans[workload.label], f"{workload.label}/{case.name}", self.opt.before_retrieve
         devices = self.engine_devices(workload)
-        for e, rank in enumerate(plan.ranks):
-            if self.scenario.engine == "vllm":
-                from hybridkv_bench.engines.vllm import VllmEngine  # imports vLLM: only for scenarios that ask for it
+        build = builder(self.scenario.engine)
 
-                engines.append(VllmEngine(self.cfg, endpoint, case.axes, self.chunk, salt, self._prefill,
-                                          plan.max_tokens(e), CLIENT_TIMEOUT_S))
-                continue
-            client = CacheClient(endpoint, timeout_s=CLIENT_TIMEOUT_S)
-            clients.append(client)
-            pools = self._pools_for(e, devices[e])
-            kv = sim_transfer(endpoint, self.layout, pools.pages, case.axes, self.chunk, rank, salt, f"{label}#{e}",
-                              client)
-            engines.append(self._engine(kv, pools, (lambda hit: hook(hit, server)) if hook else None))
+        def client() -> CacheClient:
+            clients.append(c := CacheClient(endpoint, timeout_s=CLIENT_TIMEOUT_S))
+            return c
+
+        transfer = case.transfer
+        for e, rank in enumerate(plan.ranks):
+            site = EngineSite(scenario=self.scenario, cfg=self.cfg, layout=self.layout, chunk=self.chunk,
+                              endpoint=endpoint, transfer=transfer, salt=salt, name=f"{label}#{e}", engine=e, rank=rank,
+                              device=devices[e], run_device=self.device, max_tokens=plan.max_tokens(e),
+                              timeout_s=CLIENT_TIMEOUT_S, prefill=self._prefill,
+                              pools=functools.partial(self._pools_for, e, devices[e]), client=client,
+                              before_retrieve=(lambda hit: hook(hit, server)) if hook else None, shared=self._shared)
+            engines.append(build(site))
 
     def _engine_specs(self, workload: Workload, case: Case, endpoint: str, salt: str) -> list[EngineSpec]:
         """What each engine process of the workload builds: the placement and pool size threads get."""
         plan, label = self.plans[workload.label], f"{workload.label}/{case.name}"
         return [EngineSpec(engine=e, rank=rank, device=device, endpoint=endpoint, model=self.scenario.model,
-                           prefill=self.scenario.prefill, axes=case.axes, chunk=self.chunk, salt=salt,
+                           prefill=self.scenario.prefill, transfer=case.transfer, chunk=self.chunk, salt=salt,
                            name=f"{label}#{e}", case=case.name, workload=workload.label,
                            pool_tokens=self._pool_tokens(e), plan=plan)
                 for e, (rank, device) in enumerate(zip(plan.ranks, self.engine_devices(workload), strict=True))]
-
-    def _engine(self, kv: KVTransfer, pools: EnginePools, before_retrieve: Callable[[Hit], None] | None):
-        """The scenario's engine kind on these pools; a transformers model is built once per run."""
-        if self.scenario.engine == "transformers":
-            from hybridkv_bench.engines.hf.engine import (
-                HFEngine,  # transformers is an optional extra: imported only when asked for
-            )
-            from hybridkv_bench.engines.hf.model import build_model
-
-            if self._hf is None:
-                self._hf = build_model(self.scenario.transformers, self.cfg, self.device)
-            return HFEngine(kv, self._hf, pools, self._prefill, timeout_s=CLIENT_TIMEOUT_S,
-                            before_retrieve=before_retrieve)
-        return SimEngine(kv, pools, self._prefill, timeout_s=CLIENT_TIMEOUT_S,
-                         before_retrieve=before_retrieve)
 
     def _prefill(self, new: int, cached: int) -> float:
         return prefill_seconds(self.scenario.prefill, self.cfg, self.scenario.model.tp, new, cached)

@@ -12,24 +12,29 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 from hybridkv.layout import ModelLayout
 from hybridkv.policy import Policy
 from hybridkv.presets import HybridModelConfig, hybrid_layout, model_config
-from hybridkv.wire_formats import TRAITS, WireFormat
+from hybridkv.wire_formats import DEFAULT_FORMAT, TRAITS, WireFormat
 from hybridkv_kernels.engines import CopyEngine
 
 from hybridkv_bench.engines.hf.spec import TransformersSpec
+from hybridkv_bench.engines.registry import ENGINE_KINDS, EngineKind
 from hybridkv_bench.scenario.strict import Strict
 from hybridkv_bench.workloads.registry import Workload
 
+if TYPE_CHECKING:
+    from hybridkv.engine.config import TransferConfig
+
 GIB = 1 << 30
 
+# hybridkv.engine.config.Streams is the canonical one, but that module imports torch (through the engine's
+# wire formats) and a scenario is read without torch; test_scenario checks that the two list the same values.
 Streams = Literal["single", "per_group"]
 Device = Literal["auto", "cpu", "cuda"]
-EngineKind = Literal["sim", "transformers", "vllm"]  # sim: pages derived from keys; transformers: hf_spec.py
 # How the engines of a workload that runs several at once run: threads of the runner's process, or a
 # process each (as vLLM runs its TP ranks); auto: processes for the sim engine on CUDA (see engines_in_processes)
 EnginesAs = Literal["auto", "threads", "processes"]
@@ -155,14 +160,15 @@ class Exclude(Strict, frozen=True, omit_defaults=True):
         if all(v is None for v in msgspec.structs.astuple(self)):
             raise ValueError("an exclude entry needs at least one axis")
 
-    def matches(self, axes: dict[str, str]) -> bool:
-        return all(v is None or axes[k] == v for k, v in msgspec.structs.asdict(self).items())
+    def matches(self, axes: TransferAxes) -> bool:
+        values = msgspec.structs.asdict(axes)
+        return all(v is None or values[k] == v for k, v in msgspec.structs.asdict(self).items())
 
 
 class Matrix(Strict, frozen=True):
     """Lists of values per axis; the cases are their product minus the `exclude` entries."""
 
-    wire_format: tuple[WireFormat, ...] = ("shm",)
+    wire_format: tuple[WireFormat, ...] = (DEFAULT_FORMAT,)
     copy_engine: tuple[CopyEngine, ...] = ("auto",)
     streams: tuple[Streams, ...] = ("single",)
     retrieve_policy: tuple[Policy, ...] = ("boundary",)
@@ -210,7 +216,7 @@ class Scenario(Strict, frozen=True):
         labels = [w.label for w in self.workloads]
         if len(set(labels)) != len(labels):
             raise ValueError(f"workload names must be unique (set `name` to tell them apart): {labels}")
-        if self.engines_as == "processes" and self.engine != "sim":
+        if self.engines_as == "processes" and not ENGINE_KINDS[self.engine].processes:
             raise ValueError(f"engines_as = 'processes' runs engines of the sim kind only; engine = {self.engine!r} "
                              "runs its engines in threads (set engines_as = 'threads' or 'auto')")
 
@@ -225,14 +231,36 @@ class Scenario(Strict, frozen=True):
             return False
         if self.engines_as != "auto":
             return self.engines_as == "processes"
-        return self.engine == "sim" and device_type == "cuda"
+        return ENGINE_KINDS[self.engine].processes and device_type == "cuda"
+
+
+class TransferAxes(msgspec.Struct, frozen=True, kw_only=True):
+    """The transfer settings one case of the matrix fixes, typed as `TransferConfig` types them."""
+
+    wire_format: WireFormat
+    copy_engine: CopyEngine
+    streams: Streams
+    retrieve_policy: Policy
+    store_policy: Policy
 
 
 class Case(msgspec.Struct, frozen=True, kw_only=True):
-    """One point of the matrix: a stable name and its axis values."""
+    """One point of the matrix: a stable name and its transfer settings."""
 
     name: str
-    axes: dict[str, str]
+    settings: TransferAxes
+
+    @property
+    def transfer(self) -> TransferConfig:
+        """The case's `TransferConfig` (rank, chunk, salt and name at their defaults: each engine sets its own)."""
+        from hybridkv.engine.config import TransferConfig  # imports the engine (torch): only a runner asks
+
+        return TransferConfig(**msgspec.structs.asdict(self.settings))
+
+    @property
+    def axes(self) -> dict[str, str]:
+        """The settings by axis name, in AXES order: what run.json, requests.csv and the report's tables show."""
+        return {a: str(v) for a, v in msgspec.structs.asdict(self.settings).items()}
 
 
 def expand_matrix(scenario: Scenario) -> list[Case]:
@@ -241,12 +269,12 @@ def expand_matrix(scenario: Scenario) -> list[Case]:
     cases = []
     used = [False] * len(m.exclude)
     for values in itertools.product(*(getattr(m, a) for a in AXES)):
-        axes = dict(zip(AXES, values, strict=True))
+        axes = msgspec.convert(dict(zip(AXES, values, strict=True)), TransferAxes)
         hits = [i for i, ex in enumerate(m.exclude) if ex.matches(axes)]
         for i in hits:
             used[i] = True
         if not hits:
-            cases.append(Case(name="-".join(values), axes=axes))
+            cases.append(Case(name="-".join(values), settings=axes))
     for i, u in enumerate(used):
         if not u:
             raise ScenarioError(f"{scenario.name}: exclude entry {msgspec.to_builtins(m.exclude[i])} "

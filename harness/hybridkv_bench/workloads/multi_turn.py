@@ -9,6 +9,7 @@ from typing import Literal
 import msgspec
 import numpy as np
 
+from hybridkv_bench.engines.registry import ENGINE_KINDS
 from hybridkv_bench.scenario.strict import positive
 from hybridkv_bench.workloads.base import GIB, Plan, Request, Shrink, Sizing, WorkloadKind, cat, stream
 
@@ -105,7 +106,7 @@ class MultiTurn(WorkloadKind, frozen=True, tag="multi_turn", kw_only=True):
             return ""
         if scenario.server.l2_gib <= 0:
             return f"prefetch = {self.prefetch!r} brings prefixes back from L2, and server.l2_gib is 0"
-        if scenario.engine == "vllm":
+        if not ENGINE_KINDS[scenario.engine].sends_prefetch:
             return "prefetch hints are sent by the sim and transformers engines; the vllm engine sends none"
         if self.prefetch != "compare":
             return ""

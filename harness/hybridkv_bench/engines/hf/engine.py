@@ -27,7 +27,6 @@ import copy
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,10 +34,11 @@ import torch
 from hybridkv.engine.transfer import Hit, KVTransfer
 from hybridkv.policy import chunk_objects
 
-from hybridkv_bench.engines.hf.model import HFModel
+from hybridkv_bench.engines.base import EngineSite, RequestResult, refuse_gate
+from hybridkv_bench.engines.hf.model import HFModel, build_model
 from hybridkv_bench.engines.hf.oracle import Control, OracleVerdict, judge
 from hybridkv_bench.engines.hf.pages import PageCodec
-from hybridkv_bench.engines.sim import EnginePools, RequestResult, timed_store
+from hybridkv_bench.engines.sim import EnginePools, sim_transfer, timed_store
 
 # In-memory caches kept for the oracle, one per stored state (a later request may resume at any of them):
 # under `all` that is a deep copy per chunk, so on a GPU the reference costs memory and time, not the TTFT.
@@ -47,24 +47,6 @@ SNAPSHOTS = 4
 
 class OracleError(RuntimeError):
     """The oracle could not run: no in-memory cache at the split the server's hit ends at."""
-
-
-@dataclass(frozen=True, slots=True)
-class HFRequestResult(RequestResult):
-    """What one request measured: the simulated engine's fields plus the real model's."""
-
-    prefill_measured_s: float = 0.0    # the model's forwards
-    adapter_s: float = 0.0             # transformers cache <-> pages copies (not in any TTFT)
-    logits_max_abs_diff: float | None = None    # warm: |restored - full prefill|
-    logits_bitwise_equal: bool | None = None    # warm: restored == in-memory split
-    oracle_pass: bool | None = None
-
-    @property
-    def ttft_measured_s(self) -> float:
-        """Cold: the full prefill; warm: lookup + load + continuation; all measured."""
-        if not self.hit_tokens:
-            return self.prefill_measured_s
-        return self.lookup_s + self.load_s + self.prefill_measured_s
 
 
 class HFEngine:
@@ -111,8 +93,17 @@ class HFEngine:
             return logits, time.perf_counter() - t0
         return self.hf.prefill(ids, cache, start, ends, keep_from, at_boundary)
 
-    def run(self, request_id: str, tokens: np.ndarray) -> HFRequestResult:
+    @property
+    def gpu(self) -> int:
+        device = self.pools.device
+        return device.index if device.type == "cuda" and device.index is not None else -1
+
+    def close(self) -> None:
+        self.kv.close()
+
+    def run(self, request_id: str, tokens: np.ndarray, gate: Callable[[str], None] | None = None) -> RequestResult:
         """One request from allocation to free; see the module doc for what is timed and checked."""
+        refuse_gate("transformers", gate)
         kv, hf, C = self.kv, self.hf, self.chunk_tokens
         ids = torch.as_tensor(np.asarray(tokens) % hf.spec.vocab_size, dtype=torch.long, device=hf.device)
         S = len(ids)
@@ -180,7 +171,7 @@ class HFEngine:
             for b in blocks:
                 self.pools.allocator.free(b)
         ok = verdict.passed if verdict else None
-        return HFRequestResult(
+        return RequestResult(
             hit_tokens=h, lookup_s=lookup_s, load_s=load_s, prefill_s=self.prefill(S - h, h),
             prefill_measured_s=prefill_measured_s, adapter_s=adapter_s,
             load_copy_s=load_copy_s, store_s=stored.store_s, store_done_s=stored.store_done_s,
@@ -200,3 +191,15 @@ class HFEngine:
         if h >= S:  # the full-prompt-hit control: its one row stands for the prompt's last position
             full = full[-1:]
         return judge(restored, split, full, self.tolerance)
+
+
+def build(site: EngineSite) -> HFEngine:
+    """The `transformers` engine kind: an HFEngine on the runner's pools; the model is built once per run."""
+    client = site.client()
+    pools = site.pools()
+    kv = sim_transfer(site.endpoint, site.layout, pools.pages, site.transfer, site.chunk, site.rank, site.salt,
+                      site.name, client)
+    if "transformers" not in site.shared:
+        site.shared["transformers"] = build_model(site.scenario.transformers, site.cfg, site.run_device)
+    return HFEngine(kv, site.shared["transformers"], pools, site.prefill, timeout_s=site.timeout_s,
+                    before_retrieve=site.before_retrieve)
