@@ -20,8 +20,9 @@ import socket
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -163,15 +164,156 @@ def _disk_ceilings(l2_dir: Path, nbytes: int, object_bytes: int) -> dict:
             "disk_object_read_gbps": obj.disk_read_gbps}
 
 
+@dataclass
+class _Target:
+    """Where the workload's L2 lives: its directory (fs) or store (redis), and the server flags naming it."""
+
+    l2_dir: Path
+    url: str
+    prefix: str
+    flags: list[str]
+
+
+def _l2_target(b: L2Bench, work: Path, total: int, object_bytes: int, adapter_count: int, result: dict,
+               started: list[_RedisServer]) -> _Target:
+    """Make the L2 (a directory, or a Redis: the given one or one started for the run, appended to `started`)
+    and measure its ceilings and the adapter's own rates into `result`."""
+    if b.l2 == "fs":
+        base = Path(b.l2_dir) if b.l2_dir else work
+        base.mkdir(parents=True, exist_ok=True)
+        l2_dir = Path(tempfile.mkdtemp(prefix="l2-", dir=base))
+        df = subprocess.run(["df", "-h", str(l2_dir)], capture_output=True, text=True).stdout.splitlines()[-1:]
+        result["l2_where"] = " ".join(df)
+        result.update(_disk_ceilings(l2_dir, b.probe_mib * MIB, object_bytes))
+        flags = ["--l2-dir", str(l2_dir), "--l2-gib", f"{2 * total / GIB + 0.01:.4f}"]
+        flags += ["--l2-fsync"] if b.fsync else []
+        from hybridkv.server.l2_fs import FilesystemL2
+
+        with FilesystemL2(work / "adapter", 4 * adapter_count * object_bytes + GIB, fsync=b.fsync) as fs:
+            result.update(adapter_rates(fs, object_bytes, adapter_count, b.io_threads))
+        return _Target(l2_dir, "", "", flags)
+    target = _Target(work, b.redis_url, f"hkv-l2bench-{os.getpid()}-{int(time.time())}:", [])
+    if not target.url:
+        started.append(srv := _RedisServer(2 * total + 2 * b.probe_mib * MIB + 256 * MIB, work))
+        target.url = srv.url
+    result["l2_where"] = target.url
+    result.update(redis_ceiling(target.url, b.probe_mib * MIB).as_dict())
+    spec = {"type": "redis", "url": target.url, "prefix": target.prefix, "chunk_mb": b.redis_chunk_mib,
+            "timeout_s": 60.0, "meta_timeout_s": 1.0}
+    target.flags = ["--l2-adapter", json.dumps(spec)]
+    from hybridkv.server.l2 import RedisL2Spec, parse_l2_adapter
+    from hybridkv.server.l2_redis import RedisL2
+
+    rspec = parse_l2_adapter(json.dumps({**spec, "prefix": target.prefix + "adapter:"}))
+    assert isinstance(rspec, RedisL2Spec)
+    with RedisL2(rspec) as rl2:
+        result.update(adapter_rates(rl2, object_bytes, adapter_count, b.io_threads))
+    return target
+
+
+@dataclass
+class _Rig:
+    """The engine side of both hosts: pools, the source and destination blocks, the documents' tokens."""
+
+    layout: Any
+    pools: Any
+    bpc: list[int]
+    src: list[list[int]]
+    dst: list[list[int]]
+    cfg: Any
+    docs: list
+    logs: Path
+    flags: list[str]
+    work: Path
+    total: int
+
+
+def _spill(b: L2Bench, rig: _Rig, target: _Target, result: dict) -> None:
+    """Host A stores everything in an L1 that holds it, then flushes every object on SIGTERM."""
+    from hybridkv import protocol as P
+    from hybridkv.engine.transfer import KVTransfer
+    from hybridkv.server.launch import start_server
+
+    layout, pools, cfg, src, docs, logs, flags, work, total = (rig.layout, rig.pools, rig.cfg, rig.src, rig.docs,
+                                                               rig.logs, rig.flags, rig.work, rig.total)
+    with open(logs / "a.log", "w") as log:
+        a = start_server(f"ipc://{work}/a.sock", *flags, "--admin", "--flush-on-exit", "--spill-watermark", "0",
+                         l1_gib=1.2 * total / GIB + 0.05, client_timeout=120, stderr=log)
+    try:
+        with KVTransfer(a.endpoint, layout, pools, cfg) as kv:
+            for d, tokens in enumerate(docs):
+                kv.store(f"d{d}", tokens, src).wait_committed(600)
+            stored = kv.client.call(P.Stats())[0].counters["bytes_committed"]
+        objects = b.docs * b.chunks * len(layout.groups)
+        watch = (DirWatch(target.l2_dir, objects) if b.l2 == "fs"
+                 else Watch(redis_counter(target.url, target.prefix), objects))
+        t0 = time.perf_counter()
+        rc = a.stop(timeout=600)
+        exit_s = time.perf_counter() - t0
+        spill_s = watch.done_at(t0)
+    finally:
+        a.close()
+    if rc != 0:
+        raise L2BenchError(f"server A exited with {rc} while flushing to L2 (see {logs / 'a.log'})")
+    if spill_s is None:
+        raise L2BenchError(f"only {watch.seen} of {objects} objects reached L2 when server A exited")
+    result.update(spill_bytes=stored, spill_s=spill_s, l2_spill_gbps=stored / spill_s / 1e9,
+                  spill_with_exit_s=exit_s, l2_spill_with_exit_gbps=stored / exit_s / 1e9)
+
+
+def _reload(b: L2Bench, rig: _Rig, result: dict) -> None:
+    """Host B (own arena, an L1 of a third) looks every document up; every page is verified."""
+    from hybridkv import protocol as P
+    from hybridkv.engine.transfer import KVTransfer
+    from hybridkv.server.launch import start_server
+
+    layout, pools, cfg, bpc, src, dst, docs, logs, flags, work, total = (
+        rig.layout, rig.pools, rig.cfg, rig.bpc, rig.src, rig.dst, rig.docs, rig.logs, rig.flags, rig.work, rig.total)
+    result["page_cache_dropped"] = drop_page_cache() if b.l2 == "fs" else False
+    with open(logs / "b.log", "w") as log:
+        bsrv = start_server(f"ipc://{work}/b.sock", *flags, "--admin",
+                            l1_gib=max(total / 3, 2 * total / b.docs) / GIB + 0.05, client_timeout=120, stderr=log)
+    bad = hit_chunks = 0
+    lookup_s = 0.0
+    try:
+        with KVTransfer(bsrv.endpoint, layout, pools, cfg) as kv:
+            for d, tokens in enumerate(docs):
+                t = time.perf_counter()
+                hit = kv.lookup(f"r{d}", tokens)
+                lookup_s += time.perf_counter() - t
+                hit_chunks += hit.hit_chunks
+                if hit.hit_chunks:
+                    kv.retrieve(hit, dst).wait(600)
+                for g in range(len(layout.groups)):
+                    n = hit.hit_chunks * bpc[g]
+                    for t_ in pools[g]:
+                        bad += int((t_[src[g][:n]] != t_[dst[g][:n]]).any(dim=1).sum())
+                kv.end_session(f"r{d}")
+            reloaded = kv.client.call(P.Stats())[0].counters["l2_prefetch_bytes"]
+    finally:
+        bsrv.stop()
+        bsrv.close()
+    result["load_avg_1m_at_end"] = os.getloadavg()[0]
+    result.update(reload_bytes=reloaded, reload_s=lookup_s,
+                  l2_reload_gbps=reloaded / lookup_s / 1e9 if lookup_s else 0.0,
+                  hit_chunks=hit_chunks, expected_hit_chunks=b.docs * b.chunks, corrupt_pages=bad)
+    if b.l2 == "fs":
+        result["spill_ceiling_ratio"] = result["l2_spill_gbps"] / result["disk_write_gbps"]
+        result["reload_ceiling_ratio"] = result["l2_reload_gbps"] / result["disk_read_gbps"]
+    else:
+        result["spill_ceiling_ratio"] = result["l2_spill_gbps"] / result["redis_set_gbps"]
+        result["reload_ceiling_ratio"] = result["l2_reload_gbps"] / result["redis_get_gbps"]
+        result["cross_host_hit"] = hit_chunks == b.docs * b.chunks
+
+
 def run_l2_bench(b: L2Bench, out: Path) -> dict:
     """Run the workload into `out` (l2.json, server logs); returns the result, ceilings included."""
     import numpy as np
     import torch
-    from hybridkv import protocol as P
-    from hybridkv.engine.transfer import KVTransfer, TransferConfig
+    from hybridkv.engine.transfer import TransferConfig
     from hybridkv.presets import preset_layout
     from hybridkv.server.l2 import CRC32_IMPL
-    from hybridkv.server.launch import start_server
+    from hybridkv.wire_formats import DEFAULT_FORMAT
 
     from hybridkv_bench.pools import BlockAllocator, fill_random, vllm_pools
 
@@ -181,7 +323,7 @@ def run_l2_bench(b: L2Bench, out: Path) -> dict:
     ct = layout.default_chunk_tokens()
     total = b.docs * b.chunks * layout.chunk_bytes(ct)
     work = Path(tempfile.mkdtemp(prefix="hkv-l2w-", dir="/tmp"))
-    redis_srv: _RedisServer | None = None
+    redis_srvs: list[_RedisServer] = []
     shm_dirs: list[Path] = []
     result: dict = {"name": b.name, "l2": b.l2, "preset": b.preset, "docs": b.docs, "chunks": b.chunks,
                     "stored_bytes": total, "device": device, "io_threads": b.io_threads,
@@ -189,43 +331,11 @@ def run_l2_bench(b: L2Bench, out: Path) -> dict:
     object_bytes = layout.chunk_bytes(ct) // len(layout.groups)
     adapter_count = max(4, min(b.docs * b.chunks * len(layout.groups), (b.probe_mib * MIB) // object_bytes))
     try:
-        if b.l2 == "fs":
-            base = Path(b.l2_dir) if b.l2_dir else work
-            base.mkdir(parents=True, exist_ok=True)
-            l2_dir = Path(tempfile.mkdtemp(prefix="l2-", dir=base))
-            url = prefix = ""
-            df = subprocess.run(["df", "-h", str(l2_dir)], capture_output=True, text=True).stdout.splitlines()[-1:]
-            result["l2_where"] = " ".join(df)
-            result.update(_disk_ceilings(l2_dir, b.probe_mib * MIB, object_bytes))
-            flags = ["--l2-dir", str(l2_dir), "--l2-gib", f"{2 * total / GIB + 0.01:.4f}"]
-            flags += ["--l2-fsync"] if b.fsync else []
-            from hybridkv.server.l2_fs import FilesystemL2
-
-            with FilesystemL2(work / "adapter", 4 * adapter_count * object_bytes + GIB, fsync=b.fsync) as fs:
-                result.update(adapter_rates(fs, object_bytes, adapter_count, b.io_threads))
-        else:
-            url = b.redis_url
-            if not url:
-                redis_srv = _RedisServer(2 * total + 2 * b.probe_mib * MIB + 256 * MIB, work)
-                url = redis_srv.url
-            result["l2_where"] = url
-            l2_dir = work
-            result.update(redis_ceiling(url, b.probe_mib * MIB).as_dict())
-            prefix = f"hkv-l2bench-{os.getpid()}-{int(time.time())}:"
-            spec = {"type": "redis", "url": url, "prefix": prefix, "chunk_mb": b.redis_chunk_mib,
-                    "timeout_s": 60.0, "meta_timeout_s": 1.0}
-            flags = ["--l2-adapter", json.dumps(spec)]
-            from hybridkv.server.l2 import RedisL2Spec, parse_l2_adapter
-            from hybridkv.server.l2_redis import RedisL2
-
-            rspec = parse_l2_adapter(json.dumps({**spec, "prefix": prefix + "adapter:"}))
-            assert isinstance(rspec, RedisL2Spec)
-            with RedisL2(rspec) as rl2:
-                result.update(adapter_rates(rl2, object_bytes, adapter_count, b.io_threads))
+        target = _l2_target(b, work, total, object_bytes, adapter_count, result, redis_srvs)
         # Each run's arenas in a private folder of /dev/shm: nothing else sweeping /dev/shm touches them.
         shm = Path(tempfile.mkdtemp(prefix="hkv-l2w-", dir="/dev/shm"))
         shm_dirs.append(shm)
-        flags += ["--io-threads", str(b.io_threads), "--l1-dir", str(shm)]
+        flags = [*target.flags, "--io-threads", str(b.io_threads), "--l1-dir", str(shm)]
 
         bpc = [ct // g.block_tokens for g in layout.groups]
         num_blocks = 2 * b.chunks * sum(bpc) + 8  # a block id belongs to one group at a time
@@ -234,74 +344,16 @@ def run_l2_bench(b: L2Bench, out: Path) -> dict:
         alloc = BlockAllocator(num_blocks)
         src = [alloc.allocate(b.chunks * n) for n in bpc]
         dst = [alloc.allocate(b.chunks * n) for n in bpc]
-        cfg = TransferConfig(wire_format="shm", store_policy="all", retrieve_policy="all", timeout_s=600)
+        cfg = TransferConfig(wire_format=DEFAULT_FORMAT, store_policy="all", retrieve_policy="all", timeout_s=600)
         docs = [np.random.default_rng([7, d]).integers(0, 150_000, b.chunks * ct) for d in range(b.docs)]
         logs = out / "server-logs"
         logs.mkdir(exist_ok=True)
-
-        # 1. Spill: host A stores everything in an L1 that holds it, then flushes every object on SIGTERM.
-        with open(logs / "a.log", "w") as log:
-            a = start_server(f"ipc://{work}/a.sock", *flags, "--admin", "--flush-on-exit", "--spill-watermark", "0",
-                             l1_gib=1.2 * total / GIB + 0.05, client_timeout=120, stderr=log)
-        try:
-            with KVTransfer(a.endpoint, layout, pools, cfg) as kv:
-                for d, tokens in enumerate(docs):
-                    kv.store(f"d{d}", tokens, src).wait_committed(600)
-                stored = kv.client.call(P.Stats())[0].counters["bytes_committed"]
-            objects = b.docs * b.chunks * len(layout.groups)
-            watch = DirWatch(l2_dir, objects) if b.l2 == "fs" else Watch(redis_counter(url, prefix), objects)
-            t0 = time.perf_counter()
-            rc = a.stop(timeout=600)
-            exit_s = time.perf_counter() - t0
-            spill_s = watch.done_at(t0)
-        finally:
-            a.close()
-        if rc != 0:
-            raise L2BenchError(f"server A exited with {rc} while flushing to L2 (see {logs / 'a.log'})")
-        if spill_s is None:
-            raise L2BenchError(f"only {watch.seen} of {objects} objects reached L2 when server A exited")
-        result.update(spill_bytes=stored, spill_s=spill_s, l2_spill_gbps=stored / spill_s / 1e9,
-                      spill_with_exit_s=exit_s, l2_spill_with_exit_gbps=stored / exit_s / 1e9)
-
-        # 2. Reload: host B (own arena, an L1 of a third) looks every document up; every page is verified.
-        result["page_cache_dropped"] = drop_page_cache() if b.l2 == "fs" else False
-        with open(logs / "b.log", "w") as log:
-            bsrv = start_server(f"ipc://{work}/b.sock", *flags, "--admin",
-                                l1_gib=max(total / 3, 2 * total / b.docs) / GIB + 0.05, client_timeout=120, stderr=log)
-        bad = hit_chunks = 0
-        lookup_s = 0.0
-        try:
-            with KVTransfer(bsrv.endpoint, layout, pools, cfg) as kv:
-                for d, tokens in enumerate(docs):
-                    t = time.perf_counter()
-                    hit = kv.lookup(f"r{d}", tokens)
-                    lookup_s += time.perf_counter() - t
-                    hit_chunks += hit.hit_chunks
-                    if hit.hit_chunks:
-                        kv.retrieve(hit, dst).wait(600)
-                    for g in range(len(layout.groups)):
-                        n = hit.hit_chunks * bpc[g]
-                        for t_ in pools[g]:
-                            bad += int((t_[src[g][:n]] != t_[dst[g][:n]]).any(dim=1).sum())
-                    kv.end_session(f"r{d}")
-                reloaded = kv.client.call(P.Stats())[0].counters["l2_prefetch_bytes"]
-        finally:
-            bsrv.stop()
-            bsrv.close()
-        result["load_avg_1m_at_end"] = os.getloadavg()[0]
-        result.update(reload_bytes=reloaded, reload_s=lookup_s,
-                      l2_reload_gbps=reloaded / lookup_s / 1e9 if lookup_s else 0.0,
-                      hit_chunks=hit_chunks, expected_hit_chunks=b.docs * b.chunks, corrupt_pages=bad)
-        if b.l2 == "fs":
-            result["spill_ceiling_ratio"] = result["l2_spill_gbps"] / result["disk_write_gbps"]
-            result["reload_ceiling_ratio"] = result["l2_reload_gbps"] / result["disk_read_gbps"]
-        else:
-            result["spill_ceiling_ratio"] = result["l2_spill_gbps"] / result["redis_set_gbps"]
-            result["reload_ceiling_ratio"] = result["l2_reload_gbps"] / result["redis_get_gbps"]
-            result["cross_host_hit"] = hit_chunks == b.docs * b.chunks
+        rig = _Rig(layout, pools, bpc, src, dst, cfg, docs, logs, flags, work, total)
+        _spill(b, rig, target, result)
+        _reload(b, rig, result)
     finally:
-        if redis_srv is not None:
-            redis_srv.close()
+        for srv in redis_srvs:
+            srv.close()
         for tmp in [work, *shm_dirs]:
             shutil.rmtree(tmp, ignore_errors=True)
     (out / "l2.json").write_text(json.dumps(result, indent=1) + "\n")

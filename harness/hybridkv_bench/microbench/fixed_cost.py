@@ -1,4 +1,4 @@
-"""The fixed cost of a store and of a load, step by step, against a real server (issue 15).
+"""The fixed cost of a store and of a load, step by step, against a real server.
 
 Layouts keep a preset's groups, layers and block size but pages of `page_bytes` (64 B by default), so
 the copy is negligible and what is left is what every store and load pays whatever its size: hashing
@@ -78,6 +78,98 @@ def _store_steps(h, t0: float, t1: float) -> tuple[float, ...]:
             h.t_commit_sent - h.t_done, h.t_committed - h.t_commit_sent, t1 - h.t_committed)
 
 
+def _step_costs(kv: KVTransfer, layout: ModelLayout, src: list[list[int]], tok: np.ndarray, rounds: int,
+                device: str) -> tuple[dict[str, float], int]:
+    """p50 microseconds of each step of a store on its own; and how many objects the store moves."""
+    out: dict[str, float] = {}
+    out["keys"] = _p50_us(lambda: kv.keys(tok), rounds)
+    keys = kv.keys(tok)
+    objects = chunk_objects(layout, kv.config.store_policy, 0, len(keys))
+
+    def prepare_abort() -> P.Prepared:
+        prep, _ = kv.client.call(P.PrepareStore(engine=kv.engine_id, request="p", keys=keys, objects=objects))
+        return prep
+
+    spans: list[float] = []
+    for _ in range(rounds):  # the same objects each round: abort (untimed) before the next prepare
+        t0 = time.perf_counter()
+        prep = prepare_abort()
+        spans.append(time.perf_counter() - t0)
+        kv.client.call(P.AbortStore(engine=kv.engine_id, reservation=prep.reservation))
+    out["prepare_rt"] = statistics.median(spans) * 1e6
+    prep = prepare_abort()
+    out["object_blocks"] = _p50_us(lambda: kv._object_blocks(prep.slots, src), rounds)
+    jobs = kv._object_blocks(prep.slots, src)
+    triples = kv.wire.slots(jobs)
+    transfers = [(kv.groups[o.group], ids, host) for o, ids, host in triples]
+    out["build_plan"] = _p50_us(lambda: build_plan("gather", transfers), rounds)
+    plan = build_plan("gather", transfers)
+
+    def copy() -> None:
+        run_plan(plan, kv.impl, None)
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    out["run_plan"] = _p50_us(copy, rounds)
+    commit = P.CommitStore(engine=kv.engine_id, reservation=prep.reservation)
+    out["commit_rt"] = _p50_us(lambda: kv.client.call(commit), 1)  # a reservation commits once
+    out["end_session_rt"] = _p50_us(lambda: kv.end_session("p"), rounds)
+    return out, len(objects)
+
+
+def _whole_stores(kv: KVTransfer, src: list[list[int]], tokens: Callable[[], np.ndarray], fresh, objects: int,
+                  rounds: int) -> dict[str, float]:
+    """p50 microseconds of a whole store, unprepared and prepared, and of each of its STORE_STEPS."""
+    out: dict[str, float] = {}
+    for name, prepared in (("store", False), ("store_prepared", True)):
+        spans: list[float] = []
+        steps: list[tuple[float, ...]] = []
+
+        def run(prepared: bool = prepared, spans: list[float] = spans, steps: list[tuple[float, ...]] = steps) -> None:
+            t = tokens()
+            rid = f"s{next(fresh)}"
+            prep = kv.prepare_store(rid, t, block_ids=src) if prepared else None
+            if prep is not None:
+                prep.wait(30)
+            t0 = time.perf_counter()
+            h = kv.store(rid, t, src, prepared=prep).wait_committed(30)
+            t1 = time.perf_counter()
+            spans.append(t1 - t0)
+            steps.append(_store_steps(h, t0, t1))
+            assert h.objects == objects, (h.objects, objects)
+            kv.end_session(rid)
+
+        _p50_us(run, rounds)
+        out[name] = statistics.median(spans) * 1e6
+        for i, part in enumerate(STORE_STEPS):
+            out[f"{name}.{part}"] = statistics.median(s[i] for s in steps) * 1e6
+    return out
+
+
+def _loads(kv: KVTransfer, stored: np.ndarray, dst: list[list[int]], rounds: int) -> dict[str, float]:
+    """p50 microseconds of a lookup, a whole load and each of its LOAD_STEPS, for `stored` (already stored)."""
+    out: dict[str, float] = {}
+    lookups: list[float] = []
+    loads: list[float] = []
+    load_steps: list[tuple[float, ...]] = []
+    for _ in range(rounds):  # each timed alone; the session's end (untimed) drops the pins
+        t0 = time.perf_counter()
+        hit = kv.lookup("l", stored)
+        t1 = time.perf_counter()
+        h = kv.retrieve(hit, dst).wait(30)
+        t2 = time.perf_counter()
+        loads.append(t2 - t0)
+        lookups.append(t1 - t0)
+        load_steps.append((h.t_copy_start - t1, h.t_copy_issued - h.t_copy_start, h.t_done - h.t_copy_issued,
+                           t2 - h.t_done))
+        kv.end_session("l")
+    out["lookup_rt"] = statistics.median(lookups) * 1e6
+    out["load"] = statistics.median(loads) * 1e6
+    for i, part in enumerate(LOAD_STEPS):
+        out[f"load.{part}"] = statistics.median(s[i] for s in load_steps) * 1e6
+    return out
+
+
 def profile(endpoint: str, layout: ModelLayout, chunks: int, rounds: int, device: str = "cpu") -> dict[str, float]:
     """p50 microseconds of each step of a `chunks`-chunk store and load, and of the whole calls."""
     blocks_per_group = chunks + 1
@@ -88,7 +180,6 @@ def profile(endpoint: str, layout: ModelLayout, chunks: int, rounds: int, device
     src = [alloc.allocate(blocks_per_group) for _ in layout.groups]
     dst = [alloc.allocate(blocks_per_group) for _ in layout.groups]
     rng = np.random.default_rng(chunks)
-    out: dict[str, float] = {}
     with KVTransfer(endpoint, layout, pools) as kv:
         ct = kv.chunk_tokens
         fresh = iter(range(1 << 30))
@@ -98,84 +189,12 @@ def profile(endpoint: str, layout: ModelLayout, chunks: int, rounds: int, device
             t[0] = next(fresh)
             return t
 
-        tok = tokens()
-        out["keys"] = _p50_us(lambda: kv.keys(tok), rounds)
-        keys = kv.keys(tok)
-        objects = chunk_objects(layout, kv.config.store_policy, 0, len(keys))
-
-        def prepare_abort() -> P.Prepared:
-            prep, _ = kv.client.call(P.PrepareStore(engine=kv.engine_id, request="p", keys=keys, objects=objects))
-            return prep
-
-        spans: list[float] = []
-        for _ in range(rounds):  # the same objects each round: abort (untimed) before the next prepare
-            t0 = time.perf_counter()
-            prep = prepare_abort()
-            spans.append(time.perf_counter() - t0)
-            kv.client.call(P.AbortStore(engine=kv.engine_id, reservation=prep.reservation))
-        out["prepare_rt"] = statistics.median(spans) * 1e6
-        prep = prepare_abort()
-        out["object_blocks"] = _p50_us(lambda: kv._object_blocks(prep.slots, src), rounds)
-        jobs = kv._object_blocks(prep.slots, src)
-        triples = kv.wire.slots(jobs)
-        transfers = [(kv.groups[o.group], ids, host) for o, ids, host in triples]
-        out["build_plan"] = _p50_us(lambda: build_plan("gather", transfers), rounds)
-        plan = build_plan("gather", transfers)
-        def copy() -> None:
-            run_plan(plan, kv.impl, None)
-            if device == "cuda":
-                torch.cuda.synchronize()
-
-        out["run_plan"] = _p50_us(copy, rounds)
-        commit = P.CommitStore(engine=kv.engine_id, reservation=prep.reservation)
-        out["commit_rt"] = _p50_us(lambda: kv.client.call(commit), 1)  # a reservation commits once
-        out["end_session_rt"] = _p50_us(lambda: kv.end_session("p"), rounds)
-
-        def whole(prepared: bool) -> Callable[[], None]:
-            def run() -> None:
-                t = tokens()
-                rid = f"s{next(fresh)}"
-                prep = kv.prepare_store(rid, t, block_ids=src) if prepared else None
-                if prep is not None:
-                    prep.wait(30)
-                t0 = time.perf_counter()
-                h = kv.store(rid, t, src, prepared=prep).wait_committed(30)
-                t1 = time.perf_counter()
-                spans.append(t1 - t0)
-                steps.append(_store_steps(h, t0, t1))
-                assert h.objects == len(objects), (h.objects, len(objects))
-                kv.end_session(rid)
-            return run
-
-        for name, prepared in (("store", False), ("store_prepared", True)):
-            spans = []
-            steps: list[tuple[float, ...]] = []
-            _p50_us(whole(prepared), rounds)
-            out[name] = statistics.median(spans) * 1e6
-            for i, part in enumerate(STORE_STEPS):
-                out[f"{name}.{part}"] = statistics.median(s[i] for s in steps) * 1e6
+        out, objects = _step_costs(kv, layout, src, tokens(), rounds, device)
+        out.update(_whole_stores(kv, src, tokens, fresh, objects, rounds))
         stored = tokens()
         kv.store("L", stored, src).wait_committed(30)
         kv.end_session("L")
-
-        lookups: list[float] = []
-        loads: list[float] = []
-        load_steps: list[tuple[float, ...]] = []
-        for _ in range(rounds):  # each timed alone; the session's end (untimed) drops the pins
-            t0 = time.perf_counter()
-            hit = kv.lookup("l", stored)
-            t1 = time.perf_counter()
-            h = kv.retrieve(hit, dst).wait(30)
-            t2 = time.perf_counter()
-            loads.append(t2 - t0)
-            lookups.append(t1 - t0)
-            load_steps.append((h.t_copy_start - t1, h.t_copy_issued - h.t_copy_start, h.t_done - h.t_copy_issued,
-                               t2 - h.t_done))
-            kv.end_session("l")
-        out["lookup_rt"] = statistics.median(lookups) * 1e6
-        out["load"] = statistics.median(loads) * 1e6
-        for i, part in enumerate(LOAD_STEPS):
-            out[f"load.{part}"] = statistics.median(s[i] for s in load_steps) * 1e6
+        out.update(_loads(kv, stored, dst, rounds))
     return out
 
 
