@@ -1,9 +1,9 @@
 """Engines of a multi-engine workload as processes of their own; each runs its requests with the request step
 that engines in threads run too (`engines.step.run_request`).
 
-Threads of one Python process serialise on its GIL: on the H200, eight rank engines in threads took 16-18 ms
-from a store's submit to its first copy, their loads started 15-18 ms apart, and together they reached
-0.77-0.90 of the link's ceiling. vLLM runs its TP ranks as processes; with `engines_as = "processes"` (the
+Threads of one Python process serialise on its GIL: rank engines in threads wait for it between a store's
+submit and its first copy, their loads start apart, and together they stay below the link's ceiling (the
+H200 figures are in harness/README.md). vLLM runs its TP ranks as processes; with `engines_as = "processes"` (the
 default for the sim engine on CUDA, `Scenario.engines_in_processes`) so does the runner. Each engine is a
 child started with `spawn` (CUDA cannot fork) that builds its own CacheClient, KVTransfer, pools (on the
 device the runner places it on) and SimEngine, then says it is ready: start-up (importing torch, mapping and

@@ -6,7 +6,7 @@ match at least one case; one that matches none fails (the run lost a case the ba
 Invariants hold whatever the baseline says (CASE_INVARIANTS): the run is complete, no case failed, a
 real model's logits oracle passed wherever it ran, no chunk came back corrupt, the server held no VRAM
 and mapped no CUDA library. The last two are relaxed only where the wire format needs it
-(scenario.SERVER_HOLDS_CUDA_CONTEXT, scenario.SERVER_IMPORTS_TORCH): such cases show the figure as `info`.
+(scenario.spec.SERVER_HOLDS_CUDA_CONTEXT, scenario.spec.SERVER_IMPORTS_TORCH): such cases show the figure as `info`.
 """
 
 from __future__ import annotations

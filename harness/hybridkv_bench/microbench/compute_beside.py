@@ -1,4 +1,4 @@
-"""Compute beside offload (issue 26): what stores and loads cost the engine's own compute, in one run.
+"""Compute beside offload: what stores and loads cost the engine's own compute, in one run.
 
 A compute load runs on the engine's stream (the stream a model's forward uses), of one of two kinds:
 
@@ -62,7 +62,7 @@ from hybridkv_bench.results.host import collect_context, utc_now
 
 Priority = Literal["default", "high"]
 Launch = Literal["eager", "graph"]
-# Page sizes of the presets the issue names: 64 KiB blocks, Qwen3-Next TP8 / TP4 ranks, Qwen3.6-27B TP8 rank
+# Page sizes of the presets: 64 KiB blocks, Qwen3-Next TP8 / TP4 ranks, Qwen3.6-27B TP8 rank
 # and TP1 (hybridkv.presets).
 H200_PAGES = (65_536, 147_456, 278_528, 409_600, 3_211_264)
 

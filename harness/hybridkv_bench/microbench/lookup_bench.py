@@ -1,4 +1,4 @@
-"""The lookup the latency benchmarks time (issue 15's 71-chunk lookup, on CPU-sized objects): 71 chunks of
+"""The lookup the latency benchmarks time (a 71-chunk lookup, on CPU-sized objects): 71 chunks of
 tiny-hybrid, every group of every chunk stored, so a lookup of them is a full hit."""
 
 from __future__ import annotations

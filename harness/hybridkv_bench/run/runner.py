@@ -1,8 +1,9 @@
 """The scenario runner behind `hybridkv bench`: every (matrix case, workload) against a fresh cache server.
 
 For each case: start a server process (its own L1 arena, an L2 directory under the run's temp area when
-the scenario has an L2), connect one `SimEngine` per engine of the workload (several at once: threads of
-this process, or a process each, `engine_procs`: `Scenario.engines_in_processes`), run the warm-up and measured
+the scenario has an L2), build one engine of the scenario's kind per engine of the workload (`engines.registry`;
+several at once: threads of this process, `run.threads`, or a process each, `engines.procs`:
+`Scenario.engines_in_processes`), run the warm-up and measured
 repeats (each starts from an empty namespace: the engines `Clear` theirs), check every hit against
 `ExpectedHits`, sample the server (VRAM by NVML, CUDA libraries mapped, RSS, CPU time, counters), stop it.
 A case that raises, or whose server dies (a watchdog closes the engines' sockets at once instead of

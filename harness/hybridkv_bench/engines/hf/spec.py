@@ -19,7 +19,7 @@ WeightDtype = Literal["float32", "bfloat16"]
 Attention = Literal["sdpa", "eager"]
 STATE_DTYPE = "float32"  # transformers' gated-delta-rule state, torch path and fla alike
 # Workload kinds whose every warm request keeps at least one uncached token after the hit, so the
-# oracle always has continuation logits to compare (see engine_hf's module doc).
+# oracle always has continuation logits to compare (see engines.hf.engine's module doc).
 HF_WORKLOADS = ("long_doc_qa", "multi_turn")
 
 
