@@ -116,6 +116,11 @@ class EngineSite:
     shared: dict[str, Any] = field(default_factory=dict)  # per run: what a kind builds once (a model)
 
 
+def gpu_of(device: torch.device) -> int:
+    """The CUDA device index of `device`; -1 on the CPU."""
+    return device.index if device.type == "cuda" and device.index is not None else -1
+
+
 def refuse_gate(kind: str, gate: Callable[[str], None] | None) -> None:
     """Raise for an aligned request on an engine kind that cannot align its transfers."""
     if gate is not None:

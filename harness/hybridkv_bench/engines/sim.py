@@ -34,7 +34,7 @@ from hybridkv.layout import ModelLayout
 from hybridkv.policy import chunk_objects, object_blocks
 from hybridkv.protocol import ObjectLoc
 
-from hybridkv_bench.engines.base import CLIENT_TIMEOUT_S, EngineSite, RequestResult
+from hybridkv_bench.engines.base import CLIENT_TIMEOUT_S, EngineSite, RequestResult, gpu_of
 from hybridkv_bench.pools import BlockAllocator, vllm_pools
 
 _M64 = (1 << 64) - 1
@@ -141,8 +141,7 @@ class SimEngine:
 
     @property
     def gpu(self) -> int:
-        device = self.pools.device
-        return device.index if device.type == "cuda" and device.index is not None else -1
+        return gpu_of(self.pools.device)
 
     def close(self) -> None:
         self.kv.close()

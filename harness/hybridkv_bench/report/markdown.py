@@ -142,7 +142,7 @@ def render_markdown(run: Run, df: pd.DataFrame, findings: list[str], figures: li
     if not run.complete:
         lines += ["> **INCOMPLETE RUN.** " + run.incomplete_detail() + ". The figures below cover only the "
                   "cases that finished; do not compare them with a complete run.", ""]
-    lines += verdict_lines(run, df, baseline, markdown_table)
+    lines += verdict_lines(run, df, baseline)
     lines += ["## Run", ""]
     lines += [f"{sc.get('description', '')}", "",
               markdown_table(["", ""], [

@@ -15,6 +15,7 @@ import pandas as pd
 from hybridkv_bench.gate.baseline import Baseline, load_baseline
 from hybridkv_bench.gate.checks import GateResult, gate
 from hybridkv_bench.report.plots import AXIS_ORDER, WIRE_LABELS
+from hybridkv_bench.report.tables import markdown_table
 from hybridkv_bench.results.folder import Run
 
 
@@ -70,14 +71,14 @@ def judge(run: Run, baseline_path: str | Path | None) -> tuple[GateResult, str]:
     return gate(run, baseline), against
 
 
-def verdict_lines(run: Run, df: pd.DataFrame, baseline_path: str | Path | None, table) -> list[str]:
-    """The report's first section. `table` is report.markdown_table (passed in: report imports this module)."""
+def verdict_lines(run: Run, df: pd.DataFrame, baseline_path: str | Path | None) -> list[str]:
+    """The report's first section."""
     result, against = judge(run, baseline_path)
     failed = result.failed
     lines = ["## Verdict", "", f"**{result.verdict()}**, {against}."]
     if failed:
-        lines += ["", table(["workload", "case", "check", "actual", "expected"],
-                            [[c.workload, c.case, c.check, c.actual, c.expected] for c in failed[:20]])]
+        lines += ["", markdown_table(["workload", "case", "check", "actual", "expected"],
+                                     [[c.workload, c.case, c.check, c.actual, c.expected] for c in failed[:20]])]
         if len(failed) > 20:
             lines.append(f"... and {len(failed) - 20} more (`hybridkv gate RUN --baseline FILE --verbose`).")
     cal = run.record.calibration
@@ -94,5 +95,6 @@ def verdict_lines(run: Run, df: pd.DataFrame, baseline_path: str | Path | None, 
                       "are memcpy and round-trip figures, not PCIe ones."]
     for wl, rows in headline_rows(df).items():
         lines += ["", f"Headline, {wl} (per wire format, its case with the lowest warm TTFT):", "",
-                  table(["path: case", *(h for h, _ in HEADLINE_COLUMNS)], rows, "l" + "r" * len(HEADLINE_COLUMNS))]
+                  markdown_table(["path: case", *(h for h, _ in HEADLINE_COLUMNS)], rows,
+                                 "l" + "r" * len(HEADLINE_COLUMNS))]
     return lines + [""]

@@ -34,7 +34,7 @@ import torch
 from hybridkv.engine.transfer import Hit, KVTransfer
 from hybridkv.policy import chunk_objects
 
-from hybridkv_bench.engines.base import EngineSite, RequestResult, refuse_gate
+from hybridkv_bench.engines.base import EngineSite, RequestResult, gpu_of, refuse_gate
 from hybridkv_bench.engines.hf.model import HFModel, build_model
 from hybridkv_bench.engines.hf.oracle import Control, OracleVerdict, judge
 from hybridkv_bench.engines.hf.pages import PageCodec
@@ -95,8 +95,7 @@ class HFEngine:
 
     @property
     def gpu(self) -> int:
-        device = self.pools.device
-        return device.index if device.type == "cuda" and device.index is not None else -1
+        return gpu_of(self.pools.device)
 
     def close(self) -> None:
         self.kv.close()
