@@ -87,7 +87,7 @@ def _oracle_passed(c: CaseResult) -> list[GateCheck]:
 
 
 def _no_server_vram(c: CaseResult) -> list[GateCheck]:
-    wire = c.axes.get("wire_format", "?")
+    wire = c.wire_format
     vram = c.metrics.get("server_vram_mib")
     if vram is None:
         return [_row(c, "server_vram_mib", "not measurable", "0", "info")]
@@ -97,7 +97,7 @@ def _no_server_vram(c: CaseResult) -> list[GateCheck]:
 
 
 def _no_server_cuda(c: CaseResult) -> list[GateCheck]:
-    wire = c.axes.get("wire_format", "?")
+    wire = c.wire_format
     mapped = c.metrics.get("server_cuda_mapped")
     if mapped is True and wire in SERVER_IMPORTS_TORCH:
         return [_row(c, "server_cuda_mapped", "true", f"any ({wire}: server imports torch)", "info")]

@@ -53,6 +53,11 @@ class CaseResult(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Evidence behind a metric that is not a number, e.g. which CUDA libraries the server mapped.
     details: dict[str, Any] = {}
 
+    @property
+    def wire_format(self) -> str:
+        """The case's wire format as run.json names it ("?" for a record without one)."""
+        return self.axes.get("wire_format", "?")
+
     def __post_init__(self) -> None:
         if self.status == "failed" and not self.error:
             raise ValueError(f"case {self.name}/{self.workload} failed without an error message")
