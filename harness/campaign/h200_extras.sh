@@ -38,9 +38,9 @@ case "$part" in
       > "$out/$part/transfer-tests.log" 2>&1 || status=1
     tail -3 "$out/$part/transfer-tests.log"
     # every step of a store and a load on the presets' real pages, then where the queueing of copies goes
-    "$py" -m hybridkv_bench.fixed_cost --device cuda --page-bytes 0 --l1-gib 24 --chunks 2 71 --rounds 30 --json \
+    "$py" -m hybridkv_bench.microbench.fixed_cost --device cuda --page-bytes 0 --l1-gib 24 --chunks 2 71 --rounds 30 --json \
       > "$out/$part/fixed_cost.jsonl" 2>&1 || status=1
-    "$py" -m hybridkv_bench.fixed_cost --device cuda --page-bytes 0 --l1-gib 24 --chunks 2 --rounds 30 --cprofile 25 \
+    "$py" -m hybridkv_bench.microbench.fixed_cost --device cuda --page-bytes 0 --l1-gib 24 --chunks 2 --rounds 30 --cprofile 25 \
       > "$out/$part/issue_cprofile.txt" 2>&1 || status=1
     exit $status
     ;;
@@ -48,10 +48,10 @@ case "$part" in
     # issue 26: matmuls and decode attention on the engine's stream while pages are stored / loaded, every copy
     # engine and preset page size; then the engine's stream at high priority, and the compute as graph replays
     # (no launch gaps from a busy Python process), on the pages where the choice matters
-    "$py" -m hybridkv_bench.compute_beside --device cuda --out "$out/$part/eager" | tee "$out/$part/eager.log"
-    "$py" -m hybridkv_bench.compute_beside --device cuda --priorities high --pages 147456 409600 3211264 \
+    "$py" -m hybridkv_bench.microbench.compute_beside --device cuda --out "$out/$part/eager" | tee "$out/$part/eager.log"
+    "$py" -m hybridkv_bench.microbench.compute_beside --device cuda --priorities high --pages 147456 409600 3211264 \
       --out "$out/$part/high" | tee "$out/$part/high.log"
-    "$py" -m hybridkv_bench.compute_beside --device cuda --launch graph --computes matmul \
+    "$py" -m hybridkv_bench.microbench.compute_beside --device cuda --launch graph --computes matmul \
       --pages 147456 409600 3211264 --out "$out/$part/graph" | tee "$out/$part/graph.log"
     ;;
   *)

@@ -42,7 +42,7 @@ brought back by a prefetch hint sent at the start of the think time):
 - ttft_warm_l1_s / ttft_warm_l2_s / ttft_warm_l2_prefetch_s: p50 of ttft_s per tier.
 - restore_l1_s / restore_l2_s / restore_l2_prefetch_s: p50 of lookup_s + load_s per tier (the TTFT
   without its modeled prefill: what the tiers differ in).
-- prefetch_ttft_ratio = ttft_warm_l2_prefetch_s / ttft_warm_l1_s (issue 15's target: <= 1.1);
+- prefetch_ttft_ratio = ttft_warm_l2_prefetch_s / ttft_warm_l1_s (the target: <= 1.1);
   prefetch_restore_ratio the same for restore; l2_ttft_ratio = ttft_warm_l2_s / ttft_warm_l1_s (without
   the hint, the reference).
 A metric that cannot be computed (no warm rows, no NVML) is None, written as null: never 0.

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from hybridkv.presets import HybridModelConfig
 
-from .scenario import PrefillModel, RatePrefill, RooflinePrefill
+from hybridkv_bench.scenario.spec import PrefillModel, RatePrefill, RooflinePrefill
 
 
 def _tri(n: int) -> int:

@@ -211,8 +211,8 @@ def run_ttft(sc: TTFTScenario, out: Path, scenario_text: str) -> tuple[Path, lis
     from hybridkv.server.config import GIB, ServerConfig
     from hybridkv.server.launch import start_server
 
-    from .context import collect_context
-    from .results import CaseResult, RunWriter
+    from hybridkv_bench.results.folder import CaseResult, RunWriter
+    from hybridkv_bench.results.host import collect_context
 
     work = Path(tempfile.mkdtemp(prefix="hkv-vllm-real-"))
     shm = Path(tempfile.mkdtemp(prefix="hkv-vllm-real-", dir="/dev/shm"))

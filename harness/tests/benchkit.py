@@ -8,8 +8,10 @@ from pathlib import Path
 
 from hybridkv_bench.metrics import RequestRow, case_metrics
 from hybridkv_bench.prefill import prefill_seconds
-from hybridkv_bench.results import CaseResult, RunWriter
-from hybridkv_bench.scenario import ScenarioFile, expand_matrix, prefix_bytes
+from hybridkv_bench.results.folder import CaseResult, RunWriter
+from hybridkv_bench.scenario.load import ScenarioFile
+from hybridkv_bench.scenario.sizes import prefix_bytes
+from hybridkv_bench.scenario.spec import expand_matrix
 
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = REPO / "scenarios"

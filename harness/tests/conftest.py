@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from benchkit import SCENARIOS, write_fake_run
-from hybridkv_bench.scenario import ScenarioFile, load_scenario
+from hybridkv_bench.scenario.load import ScenarioFile, load_scenario
 
 
 @pytest.fixture(scope="session")

@@ -11,8 +11,11 @@ from pathlib import Path
 
 import pytest
 from benchkit import REPO, SCENARIOS
-from hybridkv_bench.results import load_run
-from hybridkv_bench.scenario import MultiEngine, StoreWhileLoad, expand_matrix, load_scenario
+from hybridkv_bench.results.folder import load_run
+from hybridkv_bench.scenario.load import load_scenario
+from hybridkv_bench.scenario.spec import expand_matrix
+from hybridkv_bench.workloads.multi_engine import MultiEngine
+from hybridkv_bench.workloads.store_while_load import StoreWhileLoad
 
 SCRIPT = REPO / "harness" / "campaign" / "h200_coverage.sh"
 

@@ -90,8 +90,9 @@ def test_list_shows_a_broken_scenario(tmp_path: Path, capsys):
     assert re.search(r"\n  bad +INVALID: ", capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("module", ["cli_report", "cli_gate", "cli_list", "cli_calibrate", "report", "gate",
-                                    "results", "scenario", "probes", "context"])
+@pytest.mark.parametrize("module", ["cli.report", "cli.gate", "cli.list", "cli.calibrate", "report.markdown",
+                                    "gate.checks", "results.folder", "scenario.spec", "run.probes",
+                                    "results.host"])
 def test_light_commands_do_not_import_torch(module: str):
     code = f"import sys, hybridkv_bench.{module}; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ}, cwd=REPO)

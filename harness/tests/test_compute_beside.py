@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from hybridkv_bench.compute_beside import (
+from hybridkv_bench.microbench.compute_beside import (
     BenchConfig,
     compute_windows,
     main,

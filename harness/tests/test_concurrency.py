@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import pytest
 from hybridkv_bench.metrics import RequestRow, case_metrics
-from hybridkv_bench.scenario import (
-    MultiEngine,
-    ScenarioError,
-    StoreWhileLoad,
-    decode_scenario,
-    engine_gpus,
-)
-from hybridkv_bench.workloads import build_plan
+from hybridkv_bench.scenario.load import decode_scenario
+from hybridkv_bench.scenario.spec import ScenarioError
+from hybridkv_bench.workloads.base import build_plan, engine_gpus
+from hybridkv_bench.workloads.multi_engine import MultiEngine
+from hybridkv_bench.workloads.store_while_load import StoreWhileLoad
 
 TP8_EIGHT_ENGINES = """
 name = "t"

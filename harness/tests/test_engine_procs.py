@@ -13,11 +13,13 @@ import msgspec
 import numpy as np
 import psutil
 import pytest
-from hybridkv_bench.engine_procs import rank_overlap
-from hybridkv_bench.results import load_run
-from hybridkv_bench.runner import BenchOptions, run_bench
-from hybridkv_bench.scenario import ScenarioError, ScenarioFile, load_scenario
-from hybridkv_bench.workloads import Plan, Request
+from hybridkv_bench.engines.step import rank_overlap
+from hybridkv_bench.results.folder import load_run
+from hybridkv_bench.run.options import BenchOptions
+from hybridkv_bench.run.runner import run_bench
+from hybridkv_bench.scenario.load import ScenarioFile, load_scenario
+from hybridkv_bench.scenario.spec import ScenarioError
+from hybridkv_bench.workloads.base import Plan, Request
 
 SCENARIO = """
 name = "{name}"

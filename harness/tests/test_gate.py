@@ -5,18 +5,10 @@ from pathlib import Path
 
 import pytest
 from benchkit import write_fake_run
-from hybridkv_bench.gate import (
-    Baseline,
-    BaselineCheck,
-    BaselineError,
-    OrderCheck,
-    baseline_from_run,
-    format_table,
-    gate,
-    load_baseline,
-    repeat_spread,
-)
-from hybridkv_bench.results import load_run
+from hybridkv_bench.gate.baseline import Baseline, BaselineCheck, BaselineError, OrderCheck, load_baseline
+from hybridkv_bench.gate.checks import format_table, gate, repeat_spread
+from hybridkv_bench.gate.write import baseline_from_run
+from hybridkv_bench.results.folder import load_run
 
 
 def fails(result) -> set[tuple[str, str]]:

@@ -17,12 +17,13 @@ from hybridkv.engine.transfer import KVTransfer, TransferConfig  # noqa: E402
 from hybridkv.presets import TINY_HYBRID, hybrid_layout  # noqa: E402
 from hybridkv.server.config import GIB, ServerConfig  # noqa: E402
 from hybridkv.server.launch import start_server  # noqa: E402
-from hybridkv_bench.engine_hf import HFEngine  # noqa: E402
-from hybridkv_bench.engine_sim import EnginePools  # noqa: E402
-from hybridkv_bench.hf_model import HFModelError, build_model  # noqa: E402
-from hybridkv_bench.hf_spec import TransformersSpec  # noqa: E402
-from hybridkv_bench.oracle import CONTROLS, judge  # noqa: E402
-from hybridkv_bench.scenario import ScenarioError, decode_scenario  # noqa: E402
+from hybridkv_bench.engines.hf.engine import HFEngine  # noqa: E402
+from hybridkv_bench.engines.hf.model import HFModelError, build_model  # noqa: E402
+from hybridkv_bench.engines.hf.oracle import CONTROLS, judge  # noqa: E402
+from hybridkv_bench.engines.hf.spec import TransformersSpec  # noqa: E402
+from hybridkv_bench.engines.sim import EnginePools  # noqa: E402
+from hybridkv_bench.scenario.load import decode_scenario
+from hybridkv_bench.scenario.spec import ScenarioError  # noqa: E402
 
 CFG = dataclasses.replace(TINY_HYBRID, kv_dtype="float32", conv_dtype="float32")
 LAYOUT = hybrid_layout(CFG)
@@ -158,9 +159,9 @@ def test_model_and_layout_dtypes_must_agree():
 
 def test_hf_oracle_scenario_runs_through_the_runner(tmp_path: Path, capsys):
     from hybridkv.cli import main
-    from hybridkv_bench.gate import gate
-    from hybridkv_bench.report import write_report
-    from hybridkv_bench.results import load_run
+    from hybridkv_bench.gate.checks import gate
+    from hybridkv_bench.report.markdown import write_report
+    from hybridkv_bench.results.folder import load_run
 
     out = tmp_path / "run"
     assert main(["bench", str(SCENARIOS / "hf_oracle.toml"), "--out", str(out), "--no-report",

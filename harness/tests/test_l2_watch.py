@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from hybridkv_bench.l2_watch import DirWatch
+from hybridkv_bench.l2.watch import DirWatch
 
 
 def wait_until_seen(w: DirWatch, n: int) -> None:

@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from hybridkv_bench.l2_workload import L2BenchError, load_l2_bench, run_l2_bench, summary
+from hybridkv_bench.l2.workload import L2BenchError, load_l2_bench, run_l2_bench, summary
 
 REPO = Path(__file__).resolve().parents[2]
 

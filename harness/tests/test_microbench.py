@@ -18,7 +18,7 @@ from hybridkv.baselines.codec import decode_tensor, encode_tensor
 from hybridkv.engine.client import CacheClient
 from hybridkv.keys import chunk_keys, namespace
 from hybridkv.presets import preset_layout
-from hybridkv_bench.lookup_bench import store_chunks
+from hybridkv_bench.microbench.lookup_bench import store_chunks
 from hybridkv_kernels import PagedLayers, build_plan, run_plan
 
 pytestmark = pytest.mark.benchmark

@@ -4,7 +4,7 @@ Pages of 64 B in the Qwen3.6-27B TP8 rank's shape (4 groups x 16 layers, one blo
 is negligible and what is timed is what every store pays whatever its size: the hand-offs, the plan, the
 round trips. `store_unprepared` pays the prepare round trip on its critical path; `store_prepared` had
 its reservation (and its plan's engine half) made ahead, as an engine does when it schedules a request.
-`python -m hybridkv_bench.fixed_cost` prints the step-by-step breakdown for every preset.
+`python -m hybridkv_bench.microbench.fixed_cost` prints the step-by-step breakdown for every preset.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from hybridkv.engine.transfer import KVTransfer
 from hybridkv.presets import preset_layout
 from hybridkv.server.config import GIB, ServerConfig
 from hybridkv.server.launch import start_server
-from hybridkv_bench.fixed_cost import LOAD_STEPS, STORE_STEPS, profile, small_pages
+from hybridkv_bench.microbench.fixed_cost import LOAD_STEPS, STORE_STEPS, profile, small_pages
 from hybridkv_bench.pools import BlockAllocator, fill_random, vllm_pools
 from hybridkv_kernels import PagedLayers, build_plan, plan_pages
 
@@ -138,7 +138,7 @@ def test_fixed_cost_profile_times_every_step(endpoint):
 
 def test_idle_round_trips_time_every_gap(endpoint):
     """The idle-gap probe (why a commit after its copies costs more than a round trip in a loop) runs for real."""
-    from hybridkv_bench.fixed_cost import IDLE_GAPS_S, idle_round_trips
+    from hybridkv_bench.microbench.fixed_cost import IDLE_GAPS_S, idle_round_trips
 
     row = idle_round_trips(endpoint, rounds=2)
     assert len(row) == len(IDLE_GAPS_S) and all(v > 0 for v in row.values()), row
@@ -146,7 +146,7 @@ def test_idle_round_trips_time_every_gap(endpoint):
 
 def test_issue_profile_profiles_the_library_s_queueing(endpoint):
     """--cprofile runs PageCopies.issue for a prepared store and a load, and reports it."""
-    from hybridkv_bench.fixed_cost import profile_issue
+    from hybridkv_bench.microbench.fixed_cost import profile_issue
 
     out = profile_issue(endpoint, small_pages(preset_layout("qwen3-next-80b-a3b"), 64), chunks=1, rounds=1,
                         device="cpu", top=40)

@@ -9,10 +9,13 @@ import msgspec
 import pytest
 from benchkit import SCENARIOS
 from hybridkv_bench.metrics import PREFETCH_METRICS, PREFETCH_TIERS, case_metrics
-from hybridkv_bench.results import load_run
-from hybridkv_bench.runner import BenchOptions, run_bench
-from hybridkv_bench.scenario import MultiTurn, ScenarioError, ScenarioFile, decode_scenario, load_scenario
-from hybridkv_bench.workloads import build_plan
+from hybridkv_bench.results.folder import load_run
+from hybridkv_bench.run.options import BenchOptions
+from hybridkv_bench.run.runner import run_bench
+from hybridkv_bench.scenario.load import ScenarioFile, decode_scenario, load_scenario
+from hybridkv_bench.scenario.spec import ScenarioError
+from hybridkv_bench.workloads.base import build_plan
+from hybridkv_bench.workloads.multi_turn import MultiTurn
 
 TEXT = (SCENARIOS / "prefetch.toml").read_text()
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 from hybridkv.presets import model_config
 from hybridkv_bench.prefill import prefill_flops, prefill_seconds
-from hybridkv_bench.scenario import RatePrefill, RooflinePrefill
+from hybridkv_bench.scenario.spec import RatePrefill, RooflinePrefill
 
 H200 = RooflinePrefill(device_tflops=790.0, efficiency=0.6)
 

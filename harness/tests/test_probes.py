@@ -8,8 +8,8 @@ import types
 from pathlib import Path
 
 import pytest
-from hybridkv_bench import probes
-from hybridkv_bench.context import collect_context, git_revision, sysfs_pcie_links
+from hybridkv_bench.results.host import collect_context, git_revision, sysfs_pcie_links
+from hybridkv_bench.run import probes
 
 CUDART = "/opt/venv/lib/python3.12/site-packages/nvidia/cuda_runtime/lib/libcudart.so.12"
 MAPS = f"""\
@@ -96,7 +96,7 @@ def test_sample_server_metrics_names():
 
 
 def test_context_is_collected_without_torch(tmp_path: Path):
-    code = ("import sys, json; from hybridkv_bench.context import collect_context; "
+    code = ("import sys, json; from hybridkv_bench.results.host import collect_context; "
             "c = collect_context(['x']); assert 'torch' not in sys.modules; print(json.dumps(c))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ}, cwd=Path(__file__).parents[2])

@@ -4,9 +4,10 @@ from pathlib import Path
 
 import pytest
 from benchkit import write_fake_run
-from hybridkv_bench.gate import baseline_from_run
-from hybridkv_bench.report import case_table, markdown_table, write_report
-from hybridkv_bench.results import NotARunFolder, load_run
+from hybridkv_bench.gate.write import baseline_from_run
+from hybridkv_bench.report.markdown import case_table, write_report
+from hybridkv_bench.report.tables import markdown_table
+from hybridkv_bench.results.folder import NotARunFolder, load_run
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -115,7 +116,7 @@ def test_report_opens_with_the_verdict_and_keeps_tables_narrow(run_folder: Path,
 
 
 def test_plots_choose_log_axes_and_readable_units():
-    from hybridkv_bench import plots
+    from hybridkv_bench.report import plots
 
     plt = plots._pyplot()
     fig, ax = plt.subplots()

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 from benchkit import write_fake_run
-from hybridkv_bench.compare import compare
-from hybridkv_bench.report import write_report
+from hybridkv_bench.report.compare import compare
+from hybridkv_bench.report.markdown import write_report
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs headless Chromium: apt-get install -y chromium")

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from benchkit import CALIBRATION, write_fake_run
 from hybridkv_bench.metrics import METRICS, REQUEST_COLUMNS, RequestRow, case_metrics
-from hybridkv_bench.results import (
+from hybridkv_bench.results.folder import (
     SCHEMA,
     CaseResult,
     IncompleteRunError,

@@ -20,10 +20,12 @@ from benchkit import REPO, SCENARIOS
 from hybridkv.cli import main
 from hybridkv.server.config import GIB, ServerConfig
 from hybridkv.server.launch import start_server
-from hybridkv_bench.gate import gate
-from hybridkv_bench.results import load_run
-from hybridkv_bench.runner import BenchOptions, run_bench
-from hybridkv_bench.scenario import SERVER_IMPORTS_TORCH, load_scenario
+from hybridkv_bench.gate.checks import gate
+from hybridkv_bench.results.folder import load_run
+from hybridkv_bench.run.options import BenchOptions
+from hybridkv_bench.run.runner import run_bench
+from hybridkv_bench.scenario.load import load_scenario
+from hybridkv_bench.scenario.spec import SERVER_IMPORTS_TORCH
 
 # scenario -> (--quick factor, --cases glob): one or two cases each keeps the module to a few minutes on
 # 2 cores; the smoke scenario runs whole in `nox -s bench`.
@@ -262,7 +264,7 @@ def test_interrupt_stops_servers_and_leaves_an_incomplete_run(tmp_path: Path):
 
 def test_page_contents_differ_per_page_and_are_never_constant():
     import torch
-    from hybridkv_bench.engine_sim import PagePattern, page_seed
+    from hybridkv_bench.engines.sim import PagePattern, page_seed
 
     key_a, key_b = bytes(range(16)), bytes(range(1, 17))
     seeds = [page_seed(k, g, layer, j)

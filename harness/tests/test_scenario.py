@@ -7,21 +7,11 @@ import msgspec
 import pytest
 from benchkit import SCENARIOS
 from hybridkv.presets import HybridModelConfig, preset_layout
-from hybridkv_bench.scenario import (
-    AXES,
-    L1Pressure,
-    ModelOverrides,
-    MultiTurn,
-    ScenarioError,
-    decode_scenario,
-    expand_matrix,
-    find_scenarios,
-    load_scenario,
-    prefix_bytes,
-    request_prefix_tokens,
-    scaled,
-    working_set_bytes,
-)
+from hybridkv_bench.scenario.load import decode_scenario, find_scenarios, load_scenario
+from hybridkv_bench.scenario.sizes import prefix_bytes, request_prefix_tokens, scaled, working_set_bytes
+from hybridkv_bench.scenario.spec import AXES, ModelOverrides, ScenarioError, expand_matrix
+from hybridkv_bench.workloads.l1_pressure import L1Pressure
+from hybridkv_bench.workloads.multi_turn import MultiTurn
 
 BASE = """
 name = "t"
@@ -213,3 +203,16 @@ def test_scaling_keeps_chunk_multiples_pressure_and_rejects_bad_factors():
         scaled(sf.scenario, 0)
     mt = scaled(load_scenario(SCENARIOS / "multi_turn.toml").scenario, 0.01).workloads[0]
     assert mt.turns >= 3 and mt.turn_tokens == 784 and request_prefix_tokens(mt) == mt.system_tokens + 2 * 784
+
+
+def test_the_matrix_axes_are_typed_as_the_transfer_config_types_them():
+    from typing import get_args
+
+    from hybridkv.engine.config import Streams, TransferConfig
+    from hybridkv_bench.scenario import spec
+
+    assert get_args(spec.Streams) == get_args(Streams)
+    assert spec.TransferAxes.__struct_fields__ == AXES
+    case = expand_matrix(decode_scenario(BASE))[0]
+    assert isinstance(case.transfer, TransferConfig)
+    assert {a: getattr(case.transfer, a) for a in AXES} == case.axes

@@ -12,6 +12,7 @@ client built from a preset shares the vLLM connector's namespace (`tests/vllm/te
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from math import ceil
 
@@ -50,7 +51,7 @@ class HybridModelConfig:
             if getattr(self, f) not in DTYPE_BYTES:
                 raise LayoutError(f"{self.name}: unknown {f} {getattr(self, f)!r}")
 
-    def layer_kinds(self) -> list[str | None]:
+    def layer_kinds(self) -> list[str]:
         return ["attention" if (i + 1) % self.full_attention_interval == 0 else "recurrent"
                 for i in range(self.num_layers)]
 
@@ -138,7 +139,7 @@ def vllm_group_size(layer_counts: list[int]) -> int:
     return hi if hi < lo * 1.5 else lo
 
 
-def vllm_groups(layer_kinds: list[str | None]) -> list[tuple[str, list[int]]]:
+def vllm_groups(layer_kinds: Sequence[str | None]) -> list[tuple[str, list[int]]]:
     """(kind, layer indices) of each KV-cache group, in vLLM's order: buckets by first appearance, each split
     into ceil(len / size) groups, group i taking the bucket's layers i::groups (vLLM pads the last ones).
     Layers of kind None (MLP, MoE) keep no cache and join no group."""

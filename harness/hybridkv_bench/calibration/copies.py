@@ -206,6 +206,6 @@ def calibrate(device: str = "auto", nbytes: int | None = None, iterations: int =
 
 
 def _cpu_name() -> str:
-    from ..context import cpu_model
+    from hybridkv_bench.results.host import cpu_model
 
     return cpu_model() or "cpu"

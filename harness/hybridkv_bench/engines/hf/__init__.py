@@ -1,0 +1,1 @@
+"""The `transformers` engine: a real random-weight hybrid model, its cache as vLLM pages, the logits oracle."""

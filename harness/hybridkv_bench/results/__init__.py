@@ -1,0 +1,1 @@
+"""Run folders (`run.json` + `requests.csv`) and where a run happened (`host`)."""

@@ -1,0 +1,284 @@
+"""Scenario files: a model, a server, a prefill model, workloads and a matrix of transfer axes.
+
+A scenario is TOML decoded strictly (`scenario.load`) into the structs below and the workload kinds of
+`workloads.registry` (an unknown or misspelt key is an error naming the key path and the file), then
+checked against the model's layout (`scenario.sizes.validate`: chunk size against the block sizes, L1
+against one request, every workload's working set against L1 + L2). `expand_matrix` turns the matrix
+into the list of cases a runner executes; `scenario.sizes.scaled` shrinks a scenario for quick CPU runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+from typing import TYPE_CHECKING, Literal
+
+import msgspec
+from hybridkv.layout import ModelLayout
+from hybridkv.policy import Policy
+from hybridkv.presets import HybridModelConfig, hybrid_layout, model_config
+from hybridkv.wire_formats import DEFAULT_FORMAT, TRAITS, WireFormat
+from hybridkv_kernels.engines import CopyEngine
+
+from hybridkv_bench.engines.hf.spec import TransformersSpec
+from hybridkv_bench.engines.registry import ENGINE_KINDS, EngineKind
+from hybridkv_bench.scenario.strict import Strict
+from hybridkv_bench.workloads.registry import Workload
+
+if TYPE_CHECKING:
+    from hybridkv.engine.config import TransferConfig
+
+GIB = 1 << 30
+
+# hybridkv.engine.config.Streams is the canonical one, but that module imports torch (through the engine's
+# wire formats) and a scenario is read without torch; test_scenario checks that the two list the same values.
+Streams = Literal["single", "per_group"]
+Device = Literal["auto", "cpu", "cuda"]
+# How the engines of a workload that runs several at once run: threads of the runner's process, or a
+# process each (as vLLM runs its TP ranks); auto: processes for the sim engine on CUDA (see engines_in_processes)
+EnginesAs = Literal["auto", "threads", "processes"]
+
+# Matrix axes in case-name order: `shm-kernel-single-boundary-all`.
+AXES = ("wire_format", "copy_engine", "streams", "retrieve_policy", "store_policy")
+
+# What a wire format needs inside the cache server (hybridkv.wire_formats' traits): the gate reads these two
+# sets; nothing else may decide which invariant applies to which format.
+SERVER_IMPORTS_TORCH: frozenset[str] = frozenset(f for f, t in TRAITS.items() if t.server_imports_torch)
+SERVER_HOLDS_CUDA_CONTEXT: frozenset[str] = frozenset(f for f, t in TRAITS.items() if t.server_holds_cuda)
+
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
+
+
+class ScenarioError(ValueError):
+    """A scenario file that cannot be run as written; the message names the file and the value."""
+
+
+class ModelOverrides(Strict, frozen=True, omit_defaults=True):
+    """Optional replacements for fields of the preset's HybridModelConfig (None keeps the preset's)."""
+
+    num_layers: int | None = None
+    full_attention_interval: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    linear_num_key_heads: int | None = None
+    linear_num_value_heads: int | None = None
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
+    linear_conv_kernel_dim: int | None = None
+    num_attention_heads: int | None = None
+    hidden_size: int | None = None
+    kv_dtype: str | None = None
+    conv_dtype: str | None = None
+    ssm_dtype: str | None = None
+    active_params: float | None = None
+
+
+class ModelSpec(Strict, frozen=True):
+    """Which model's cache to move: a preset, its tensor-parallel size, the chunk size."""
+
+    preset: str
+    tp: int = 1
+    chunk_tokens: int = 0  # 0: the layout's unified block size
+    overrides: ModelOverrides = ModelOverrides()
+
+    def config(self) -> HybridModelConfig:
+        """The preset's config with the overrides applied (raises LayoutError on a bad preset/value)."""
+        changes = {k: v for k, v in msgspec.structs.asdict(self.overrides).items() if v is not None}
+        return dataclasses.replace(model_config(self.preset), **changes)
+
+    def layout(self) -> ModelLayout:
+        """The layout of one tensor-parallel rank."""
+        return hybrid_layout(self.config(), self.tp)
+
+    def resolved_chunk_tokens(self, layout: ModelLayout | None = None) -> int:
+        layout = layout or self.layout()
+        return self.chunk_tokens or layout.default_chunk_tokens()
+
+
+class ServerSpec(Strict, frozen=True):
+    """Cache-server capacities. GiB = 2**30 bytes."""
+
+    l1_gib: float
+    l2_gib: float = 0.0  # 0: no L2
+    l2_dir: str = ""  # "": a temporary directory made by the runner
+    client_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.l1_gib > 0:
+            raise ValueError(f"l1_gib must be positive, got {self.l1_gib}")
+        if self.l2_gib < 0:
+            raise ValueError(f"l2_gib must be >= 0, got {self.l2_gib}")
+        if not self.client_timeout_s > 0:
+            raise ValueError(f"client_timeout_s must be positive, got {self.client_timeout_s}")
+
+    @property
+    def l1_bytes(self) -> int:
+        return int(self.l1_gib * GIB)
+
+    @property
+    def l2_bytes(self) -> int:
+        return int(self.l2_gib * GIB)
+
+
+class RooflinePrefill(Strict, frozen=True, tag_field="kind", tag="roofline"):
+    """Prefill time = FLOPs / (device_tflops * efficiency); see hybridkv_bench.prefill."""
+
+    device_tflops: float
+    efficiency: float
+
+    def __post_init__(self) -> None:
+        if not self.device_tflops > 0:
+            raise ValueError(f"device_tflops must be positive, got {self.device_tflops}")
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"efficiency must lie in (0, 1], got {self.efficiency}")
+
+
+class RatePrefill(Strict, frozen=True, tag_field="kind", tag="tokens_per_s"):
+    """Prefill time = uncached tokens / rate (the whole engine, all TP ranks together)."""
+
+    rate: float
+
+    def __post_init__(self) -> None:
+        if not self.rate > 0:
+            raise ValueError(f"rate must be positive, got {self.rate}")
+
+
+PrefillModel = RooflinePrefill | RatePrefill
+
+
+class Exclude(Strict, frozen=True, omit_defaults=True):
+    """A partial assignment of axes; every case that matches all its given axes is left out."""
+
+    wire_format: WireFormat | None = None
+    copy_engine: CopyEngine | None = None
+    streams: Streams | None = None
+    retrieve_policy: Policy | None = None
+    store_policy: Policy | None = None
+
+    def __post_init__(self) -> None:
+        if all(v is None for v in msgspec.structs.astuple(self)):
+            raise ValueError("an exclude entry needs at least one axis")
+
+    def matches(self, axes: TransferAxes) -> bool:
+        values = msgspec.structs.asdict(axes)
+        return all(v is None or values[k] == v for k, v in msgspec.structs.asdict(self).items())
+
+
+class Matrix(Strict, frozen=True):
+    """Lists of values per axis; the cases are their product minus the `exclude` entries."""
+
+    wire_format: tuple[WireFormat, ...] = (DEFAULT_FORMAT,)
+    copy_engine: tuple[CopyEngine, ...] = ("auto",)
+    streams: tuple[Streams, ...] = ("single",)
+    retrieve_policy: tuple[Policy, ...] = ("boundary",)
+    store_policy: tuple[Policy, ...] = ("all",)
+    exclude: tuple[Exclude, ...] = ()
+
+    def __post_init__(self) -> None:
+        for axis in AXES:
+            values = getattr(self, axis)
+            if not values:
+                raise ValueError(f"axis {axis} needs at least one value")
+            if len(set(values)) != len(values):
+                raise ValueError(f"axis {axis} lists a value twice: {list(values)}")
+
+
+class Scenario(Strict, frozen=True):
+    """One scenario file, decoded. Build with `load_scenario` or `decode_scenario`, which validate it."""
+
+    name: str
+    model: ModelSpec
+    server: ServerSpec
+    prefill: PrefillModel
+    workloads: tuple[Workload, ...]
+    description: str = ""
+    seed: int = 0
+    repeats: int = 1
+    warmup: int = 0
+    device: Device = "auto"
+    matrix: Matrix = Matrix()
+    engine: EngineKind = "sim"
+    transformers: TransformersSpec = TransformersSpec()  # read when engine = "transformers"
+    engines_as: EnginesAs = "auto"
+
+    def __post_init__(self) -> None:
+        if not _NAME_RE.match(self.name):
+            raise ValueError(f"name must match {_NAME_RE.pattern}, got {self.name!r}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if not self.workloads:
+            raise ValueError("a scenario needs at least one workload")
+        labels = [w.label for w in self.workloads]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"workload names must be unique (set `name` to tell them apart): {labels}")
+        if self.engines_as == "processes" and not ENGINE_KINDS[self.engine].processes:
+            raise ValueError(f"engines_as = 'processes' runs engines of the sim kind only; engine = {self.engine!r} "
+                             "runs its engines in threads (set engines_as = 'threads' or 'auto')")
+
+    def engines_in_processes(self, device_type: str, engines: int) -> bool:
+        """Whether each of a workload's `engines` engines runs in a process of its own on `device_type`.
+
+        One engine runs in the runner's process. Several: as `engines_as` says; `auto` gives processes to
+        the sim engine on CUDA (vLLM runs its TP ranks as processes: in threads of one process the engines
+        serialise on its GIL, and their aggregate rate is the GIL's) and threads elsewhere (CPU runs, the
+        transformers and vllm engines), which start in no time."""
+        if engines < 2:
+            return False
+        if self.engines_as != "auto":
+            return self.engines_as == "processes"
+        return ENGINE_KINDS[self.engine].processes and device_type == "cuda"
+
+
+class TransferAxes(msgspec.Struct, frozen=True, kw_only=True):
+    """The transfer settings one case of the matrix fixes, typed as `TransferConfig` types them."""
+
+    wire_format: WireFormat
+    copy_engine: CopyEngine
+    streams: Streams
+    retrieve_policy: Policy
+    store_policy: Policy
+
+
+class Case(msgspec.Struct, frozen=True, kw_only=True):
+    """One point of the matrix: a stable name and its transfer settings."""
+
+    name: str
+    settings: TransferAxes
+
+    @property
+    def transfer(self) -> TransferConfig:
+        """The case's `TransferConfig` (rank, chunk, salt and name at their defaults: each engine sets its own)."""
+        from hybridkv.engine.config import TransferConfig  # imports the engine (torch): only a runner asks
+
+        return TransferConfig(**msgspec.structs.asdict(self.settings))
+
+    @property
+    def axes(self) -> dict[str, str]:
+        """The settings by axis name, in AXES order: what run.json, requests.csv and the report's tables show."""
+        return {a: str(v) for a, v in msgspec.structs.asdict(self.settings).items()}
+
+
+def expand_matrix(scenario: Scenario) -> list[Case]:
+    """Every combination of the matrix's axes, in file order, minus the excluded ones."""
+    m = scenario.matrix
+    cases = []
+    used = [False] * len(m.exclude)
+    for values in itertools.product(*(getattr(m, a) for a in AXES)):
+        axes = msgspec.convert(dict(zip(AXES, values, strict=True)), TransferAxes)
+        hits = [i for i, ex in enumerate(m.exclude) if ex.matches(axes)]
+        for i in hits:
+            used[i] = True
+        if not hits:
+            cases.append(Case(name="-".join(values), settings=axes))
+    for i, u in enumerate(used):
+        if not u:
+            raise ScenarioError(f"{scenario.name}: exclude entry {msgspec.to_builtins(m.exclude[i])} "
+                                "matches no case of the matrix")
+    if not cases:
+        raise ScenarioError(f"{scenario.name}: the exclude list removes every case of the matrix")
+    return cases

@@ -1,0 +1,184 @@
+"""The code's shape, checked: no import cycles, the engine never imports the server, the harness's top package
+stays small, no source file over 400 lines, and the wire formats are named in few modules (the rest read
+`hybridkv.wire_formats`). Imports are read from the source (ast), the ones under `if TYPE_CHECKING:` left out.
+
+    python reference_impl/tests/test_structure.py   # prints the figures these tests hold to
+"""
+
+from __future__ import annotations
+
+import ast
+from functools import cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = {"hybridkv": ROOT / "reference_impl" / "hybridkv", "hybridkv_kernels": ROOT / "kernels" / "hybridkv_kernels",
+            "hybridkv_bench": ROOT / "harness" / "hybridkv_bench"}
+MAX_LINES = 400
+MAX_HARNESS_TOP = 12
+MAX_FORMAT_MODULES = 4
+
+
+@cache
+def modules() -> dict[str, Path]:
+    out = {}
+    for base in PACKAGES.values():
+        for p in sorted(base.rglob("*.py")):
+            parts = list(p.relative_to(base.parent).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = p
+    return out
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    skip: set[int] = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test):
+            skip.update(id(c) for c in ast.walk(n))
+    return skip
+
+
+@cache
+def import_graph() -> dict[str, frozenset[str]]:
+    """Module -> the project modules it imports (the deepest existing module each import names)."""
+    mods = modules()
+    graph = {}
+    for name, path in mods.items():
+        tree = ast.parse(path.read_text())
+        skip = _type_checking_nodes(tree)
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        edges = set()
+        for n in ast.walk(tree):
+            if id(n) in skip:
+                continue
+            if isinstance(n, ast.Import):
+                targets = [a.name for a in n.names]
+            elif isinstance(n, ast.ImportFrom):
+                base = n.module or ""
+                if n.level:
+                    up = package[: len(package) - (n.level - 1)]
+                    base = ".".join([*up, base] if base else up)
+                targets = [f"{base}.{a.name}" for a in n.names] + [base]
+            else:
+                continue
+            for t in targets:
+                while t and t not in mods:
+                    t = t.rpartition(".")[0]
+                if t and t != name:
+                    edges.add(t)
+                    break
+        graph[name] = frozenset(edges)
+    return graph
+
+
+def import_cycles() -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan, iterative)."""
+    graph = import_graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            for w in it:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                    break
+                if w in on:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        w = stack.pop()
+                        on.discard(w)
+                        comp.append(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1:
+                        out.append(sorted(comp))
+    return out
+
+
+def format_literal_modules() -> dict[str, list[str]]:
+    """Modules that spell a wire format's name as a string constant (docstrings aside)."""
+    from hybridkv.wire_formats import FORMATS
+
+    names = set(FORMATS)
+    out = {}
+    for name, path in modules().items():
+        tree = ast.parse(path.read_text())
+        docs = {id(b.body[0].value) for b in ast.walk(tree)
+                if isinstance(b, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and b.body and isinstance(b.body[0], ast.Expr) and isinstance(b.body[0].value, ast.Constant)}
+        hits = sorted({n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in names
+                       and id(n) not in docs})
+        if hits:
+            out[name] = hits
+    return out
+
+
+def long_files() -> list[tuple[int, str]]:
+    return sorted((n, str(p.relative_to(ROOT))) for p in modules().values()
+                  if (n := len(p.read_text().splitlines())) > MAX_LINES)
+
+
+def harness_top_modules() -> list[str]:
+    return sorted(p.name for p in PACKAGES["hybridkv_bench"].glob("*.py") if p.name != "__init__.py")
+
+
+def test_no_import_cycles():
+    assert import_cycles() == []
+
+
+def test_the_engine_never_imports_the_server():
+    bad = [(a, b) for a, bs in import_graph().items() if a.startswith("hybridkv.engine") for b in bs
+           if b.startswith("hybridkv.server")]
+    assert bad == []
+
+
+def test_the_core_never_imports_the_harness():
+    bad = [(a, b) for a, bs in import_graph().items() if not a.startswith("hybridkv_bench") for b in bs
+           if b.startswith("hybridkv_bench")]
+    assert bad == []
+
+
+def test_the_harness_top_package_is_small():
+    top = harness_top_modules()
+    assert len(top) <= MAX_HARNESS_TOP, top
+
+
+def test_no_source_file_is_over_400_lines():
+    assert long_files() == []
+
+
+def test_wire_formats_are_named_in_few_modules():
+    mods = format_literal_modules()
+    assert len(mods) <= MAX_FORMAT_MODULES, mods
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.path[:0] = [str(ROOT / "reference_impl"), str(ROOT / "kernels"), str(ROOT / "harness")]
+    print("import cycles:", import_cycles() or "none")
+    print("harness top modules:", len(harness_top_modules()))
+    print("files over", MAX_LINES, "lines:", long_files() or "none")
+    fm = format_literal_modules()
+    print("modules naming wire formats:", len(fm), fm)
+    print("import edges:", sum(len(v) for v in import_graph().values()), "between", len(modules()), "modules")
