@@ -234,10 +234,8 @@ def _spill(b: L2Bench, rig: _Rig, target: _Target, result: dict) -> None:
     from hybridkv.engine.transfer import KVTransfer
     from hybridkv.server.launch import start_server
 
-    layout, pools, cfg, src, docs, logs, work = (rig.layout, rig.pools, rig.cfg, rig.src, rig.docs, rig.logs,
-                                                 rig.work)
-    with open(logs / "a.log", "w") as log:
-        # an L1 that holds everything (the shared settings' size), flushed to L2 on exit
+    layout, pools, cfg, src, docs, logs, work = rig.layout, rig.pools, rig.cfg, rig.src, rig.docs, rig.logs, rig.work
+    with open(logs / "a.log", "w") as log:  # an L1 that holds everything (the shared settings'), flushed on exit
         a = start_server(replace(rig.server, endpoint=f"ipc://{work}/a.sock", flush_on_exit=True,
                                  spill_watermark=0.0), stderr=log)
     try:
