@@ -186,11 +186,13 @@ class Route(ABC):
         except BaseException:
             self._release(hit.lease)
             raise
+        # The pages are written and every copy has finished reading the slots. The release goes on the socket
+        # before the handle resolves and is not awaited: the engine need not wait for its round trip, and an
+        # end_session the engine sends once it sees the load done comes after it (the other order would make
+        # the server answer the release with an unknown lease).
+        self._release(hit.lease, wait=False)
         self._resolve_done(h)
         h.committed.set_result(h)
-        # The pages are written and every copy has finished reading the slots: the engine need not wait
-        # for the release round trip (one fixed cost fewer per retrieve).
-        self._release(hit.lease)
 
     def _release(self, lease: int, wait: bool = True) -> None:
         try:

@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from hybridkv import protocol as P
 from hybridkv.engine.client import ServerError, ServerTimeout
 from hybridkv.engine.transfer import KVTransfer, TransferConfig
 from hybridkv.layout import LayoutError
@@ -139,6 +140,30 @@ def test_get_finished_reports_completed_requests(endpoint):
         stores, loads = kv.get_finished()
         assert stores == {"s1"} and loads == {"l1"}
         assert kv.get_finished() == (set(), set())
+
+
+@pytest.mark.parametrize("wire_format", ["shm", "raw"])
+def test_a_load_s_release_is_sent_before_the_load_resolves(endpoint, wire_format, monkeypatch):
+    """An engine ends a request's session as soon as its load is done (vLLM's connector does). The load's own
+    release must already be on the socket by then, or the server would answer it with an unknown lease (an
+    error on every dashboard). Checked as the order of the two steps, and as the server's error count."""
+    layout = preset_layout("tiny-hybrid")
+    pools = vllm_pools(layout, NUM_BLOCKS, DEVICE)
+    fill_random(pools, 3)
+    with KVTransfer(endpoint, layout, pools, TransferConfig(wire_format=wire_format, salt=f"end-{wire_format}")) as kv:
+        tokens = np.arange(2 * kv.chunk_tokens)
+        kv.store("s", tokens, [[g * 2, g * 2 + 1] for g in range(4)]).wait_committed(30)
+        steps: list[str] = []
+        release, resolve = kv.route._release, kv.route._resolve_done
+        monkeypatch.setattr(kv.route, "_release", lambda *a, **k: (steps.append("release"), release(*a, **k)))
+        monkeypatch.setattr(kv.route, "_resolve_done", lambda h: (steps.append(f"resolve {h.kind}"), resolve(h)))
+        before = kv.client.call(P.Status())[0].errors.get("unknown_lease", 0)
+        for i in range(20):
+            hit = kv.lookup(f"r{i}", tokens)
+            kv.retrieve(hit, [[20 + g * 2, 21 + g * 2] for g in range(4)]).wait(30)
+            kv.end_session(f"r{i}")
+        assert steps == ["release", "resolve load"] * 20
+        assert kv.client.call(P.Status())[0].errors.get("unknown_lease", 0) == before
 
 
 def test_bad_layouts_and_block_ids_are_refused_before_any_byte_moves(endpoint):
