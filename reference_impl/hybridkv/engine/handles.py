@@ -79,11 +79,25 @@ class TransferHandle:
     objects: int = 0
     skipped: int = 0
     refused: int = 0
+    # A store on CUDA whose copies the caller's thread queued: the events recorded after them, one per copy
+    # stream. An engine that makes its own stream wait on these (`order_after_copies`) may reuse the blocks
+    # at once without waiting for `done`: whatever it queues next on that stream runs after the pages are read.
+    queued: list[Any] | None = None
     # cancel() against the point of no return (a load's first write into the engine's pages, a store's
     # commit after its pages were read): whichever comes first wins, under the lock
     _gate: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _cancelled: bool = False
     _passed: bool = False
+
+    def order_after_copies(self, stream: Any) -> bool:
+        """Make CUDA `stream` wait for this store's copies (on the GPU, not in this thread). True when that
+        orders everything later on `stream` after the pages are read; False when the copies are not queued
+        yet (the reservation's answer was not in when the store was asked for): the caller waits for `done`."""
+        if not self.queued:
+            return False
+        for ev in self.queued:
+            stream.wait_event(ev)
+        return True
 
     def cancel(self) -> bool:
         """Give the transfer up: True when it will never write the engine's pages (a load) or commit (a

@@ -215,6 +215,7 @@ class DirectRoute(Route):
         if self._in_caller and reply.done() and reply.exception() is None:
             answer = reply.result()[0]
             if (issued := self._issue_store(h, answer, jobs, pages, ready)) is not None:
+                h.queued = [ev for ev, _ in issued if ev is not None]
                 self._store_q.put((h, self._finish_store, (answer, issued)))
         else:
             self._store_q.put((h, self._do_store, (prepared, jobs, pages, ready)))

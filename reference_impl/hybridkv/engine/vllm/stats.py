@@ -24,6 +24,7 @@ COUNTERS = {
     "stores": "stores committed to the cache server",
     "store_failures": "stores that failed: later misses, never lost requests",
     "stores_cancelled": "stores not copied within step_timeout_s (a hung server): cancelled, never committed",
+    "stores_ordered": "stores (CUDA) whose copies vLLM's stream was made to wait for on the GPU: no step wait",
     "stored_bytes": "bytes stored",
     "store_seconds": "seconds the steps' store copies took, summed",
 }
@@ -32,7 +33,8 @@ SCHEDULER_FIELDS = {k: k for k in ("lookups", "lookup_failures", "hit_tokens_l1"
                                    "hit_tokens_unknown")}
 WORKER_FIELDS = {"loads": "loads", "load_failures": "load_failures", "loaded_bytes": "loaded_bytes",
                  "load_seconds": "load_s", "stores": "stores", "store_failures": "store_failures",
-                 "stores_cancelled": "stores_cancelled", "stored_bytes": "stored_bytes", "store_seconds": "store_s"}
+                 "stores_cancelled": "stores_cancelled", "stores_ordered": "stores_ordered",
+                 "stored_bytes": "stored_bytes", "store_seconds": "store_s"}
 
 
 @dataclass

@@ -12,14 +12,17 @@ Nothing here makes vLLM's step wait on the cache server longer than `lookup_time
   there when vLLM's mamba preprocessing copies it into the request's running block.
 - Copies start after the work the engine queued on its current stream before `start_load` (vLLM zeroes
   new blocks there).
-- A store's reservation is asked for before the forward (`prepare_store` with vLLM's block ids), its copy
-  awaited in `save` for at most `step_timeout_s` (vLLM may reuse the blocks afterwards): one that is not
-  done by then is cancelled and never commits.
+- A store's reservation is asked for before the forward (`prepare_store` with vLLM's block ids). On CUDA,
+  when its answer is in by `save`, the copies are queued and vLLM's stream is made to wait for them on the
+  GPU: the step does not wait, and nothing vLLM queues later reads or writes the blocks first. Otherwise
+  (a CPU engine, a late answer, a payload wire) the copy is awaited in `save` for at most `step_timeout_s`;
+  one not done by then is cancelled and never commits.
 - Reconnecting to the server (Register) happens on a thread of its own, never in the step.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -53,6 +56,7 @@ class WorkerStats:
     stores: int = 0
     store_failures: int = 0
     stores_cancelled: int = 0  # copy not done within step_timeout_s: never committed
+    stores_ordered: int = 0  # CUDA: vLLM's stream ordered after the copies, the step never waited for them
     stored_bytes: int = 0
     load_s: float = 0.0
     store_s: float = 0.0
@@ -265,8 +269,12 @@ class WorkerSide:
                             job.request_id, e)
 
     def save(self, meta: HybridKVMetadata) -> None:
-        """Copy every planned store out of vLLM's blocks (at most `step_timeout_s` for the step); commits
-        finish in the background. A store not copied in time is cancelled: it never commits."""
+        """Copy every planned store out of vLLM's blocks; commits finish in the background. On CUDA, a store
+        whose copies are queued when it is asked for (its reservation came back during the forward) costs the
+        step nothing: vLLM's stream is made to wait for the copies on the GPU, so nothing vLLM queues later
+        (zeroing a reused block, the next forward) runs before the pages are read. Any other store is waited
+        for here, at most `step_timeout_s` for the step; one not copied in time is cancelled: it never
+        commits."""
         if not meta.stores:
             return
         t = self.transfer
@@ -285,7 +293,13 @@ class WorkerSide:
             except Exception as e:
                 self.stats.store_failures += 1
                 log.warning("hybridkv: store of %s failed (%s); a later request misses it", job.request_id, e)
+        stream = self._engine_stream()
         for h in handles:
+            if stream is not None and h.order_after_copies(stream):
+                self.stats.stores_ordered += 1
+                h.committed.add_done_callback(functools.partial(self._counted, h))
+                self._in_flight.setdefault(h.request_id, []).append(h)
+                continue
             try:
                 h.wait(max(0.0, until - time.monotonic()))  # pages read: vLLM may reuse the blocks
             except TimeoutError:
@@ -297,8 +311,7 @@ class WorkerSide:
                 self.stats.store_failures += 1
                 log.warning("hybridkv: store of %s failed (%s); a later request misses it", h.request_id, e)
                 continue
-            self.stats.stores += 1
-            self.stats.stored_bytes += h.nbytes
+            self._count_store(h)
             self._in_flight.setdefault(h.request_id, []).append(h)
         self.stats.store_s += time.perf_counter() - t0
         if cancelled:
@@ -307,6 +320,25 @@ class WorkerSide:
             self.stats.stores_cancelled += cancelled
             self._drop(t, TimeoutError(f"{cancelled} stores not copied in {self.settings.step_timeout_s:g} s; "
                                        "cancelled, never committed"))
+
+    def _engine_stream(self):
+        """vLLM's current CUDA stream (its forward's), or None on a CPU engine (copies there run on threads:
+        only waiting orders them before vLLM's next writes)."""
+        if self._pages is None or self._pages[0][0].device.type != "cuda":
+            return None
+        import torch
+
+        return torch.cuda.current_stream(self._pages[0][0].device)
+
+    def _counted(self, h: TransferHandle, _: Future) -> None:
+        self._count_store(h)
+
+    def _count_store(self, h: TransferHandle) -> None:
+        """A store whose pages were read (a failed commit is counted when its request ends)."""
+        if h.committed.done() and h.committed.exception() is not None:
+            return
+        self.stats.stores += 1
+        self.stats.stored_bytes += h.nbytes
 
     def request_finished(self, finished: set[str]) -> None:
         """End the server sessions of finished requests once their commits are in (without waiting)."""
