@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from hybridkv import protocol as P
 from hybridkv.engine.client import ServerError
+from hybridkv.engine.paged import engine_pages
 from hybridkv.engine.transfer import KVTransfer, PreparedStore, TransferConfig, TransferHandle
 from hybridkv.engine.vllm.plan import HybridKVMetadata, LoadJob
 from hybridkv.engine.vllm.settings import ConnectorSettings
@@ -102,15 +103,7 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Page views of vLLM's cache tensors, checked against the layout, then the server connection (at
         start-up a layout the server refuses is an error; later it is a miss)."""
-        from hybridkv_kernels import page_view
-
-        missing = [n for g in self.layout.groups for n in g.layer_names if n not in kv_caches]
-        if missing:
-            raise LayoutError(f"vLLM registered no cache tensor for layers {missing[:4]}")
-        try:
-            self._pages = [[page_view(kv_caches[n], g.page_bytes) for n in g.layer_names] for g in self.layout.groups]
-        except ValueError as e:
-            raise LayoutError(f"vLLM's cache tensors do not hold the layout's pages: {e}") from None
+        self._pages = engine_pages(self.layout, kv_caches)
         self._connect(at_start=True)
 
     # ---- the server connection (the loader thread's, after start-up) ------------------------------
