@@ -15,6 +15,7 @@ import re
 from typing import TYPE_CHECKING, Literal
 
 import msgspec
+from hybridkv.engine.config import Streams
 from hybridkv.layout import ModelLayout
 from hybridkv.policy import Policy
 from hybridkv.presets import HybridModelConfig, hybrid_layout, model_config
@@ -31,9 +32,6 @@ if TYPE_CHECKING:
 
 GIB = 1 << 30
 
-# hybridkv.engine.config.Streams is the canonical one, but that module imports torch (through the engine's
-# wire formats) and a scenario is read without torch; test_scenario checks that the two list the same values.
-Streams = Literal["single", "per_group"]
 Device = Literal["auto", "cpu", "cuda"]
 # How the engines of a workload that runs several at once run: threads of the runner's process, or a
 # process each (as vLLM runs its TP ranks); auto: processes for the sim engine on CUDA (see engines_in_processes)
