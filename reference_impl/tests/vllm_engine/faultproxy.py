@@ -58,7 +58,7 @@ class FaultProxy:
                     ident, *frames = self._router.recv_multipart()
                     try:
                         msg = P.decode_request(frames[0])
-                        if isinstance(msg, P.Register) and msg.name == "vllm-scheduler":
+                        if isinstance(msg, P.Register) and msg.name.startswith("vllm-scheduler"):
                             self._scheduler.add(ident)
                     except Exception:
                         pass  # not ours to judge: the server answers it
