@@ -215,6 +215,9 @@ def check_supported(vllm_config: VllmConfig) -> None:
     if vllm_config.parallel_config.pipeline_parallel_size != 1:
         raise ValueError("HybridKVConnector does not support pipeline parallelism: set --pipeline-parallel-size 1 "
                          f"(got {vllm_config.parallel_config.pipeline_parallel_size})")
+    if vllm_config.model_config.enable_sleep_mode:
+        raise ValueError("HybridKVConnector does not support sleep mode: sleeping frees the KV cache that the "
+                         "connector's copies read and write; start vLLM without --enable-sleep-mode")
     if vllm_config.speculative_config is not None:
         raise ValueError("HybridKVConnector does not support speculative decoding (its extra state blocks are not "
                          "cached): remove --speculative-config")
