@@ -70,6 +70,25 @@ def test_symlinked_object_file_is_neither_followed_nor_served(tmp_path):
     assert outside.read_bytes()[DATA_OFFSET:] == b"y" * 3000
 
 
+def test_object_file_swapped_for_a_fifo_while_open_is_a_miss_at_once(tmp_path):
+    """A FIFO in place of an indexed object file (no writer): the read neither blocks nor serves; it is a
+    miss in well under a second, so the I/O threads and the server's shutdown never hang on it."""
+    l2_dir = tmp_path / "l2"
+    key = key_with_first_byte(0x3C)
+    with FilesystemL2(l2_dir, MB) as l2:
+        l2.put(key, 0, NS, b"y" * 5000)
+        (path,) = [p for p in (l2_dir / "3c").iterdir() if p.suffix == ".obj"]
+        path.unlink()
+        os.mkfifo(path)
+        got: list[bool] = []
+        reader = threading.Thread(target=lambda: got.append(l2.get_into(key, 0, memoryview(bytearray(5000)))),
+                                  daemon=True)
+        reader.start()
+        reader.join(timeout=5)
+        assert not reader.is_alive(), "the read blocked on the FIFO"
+        assert got == [False]
+
+
 def test_symlinked_lock_file_is_refused(tmp_path):
     l2_dir, outside = tmp_path / "l2", tmp_path / "elsewhere.lock"
     l2_dir.mkdir()

@@ -207,8 +207,7 @@ class ObjectDir:
     def read_into(self, key: bytes, group: int, out: memoryview, stamp: int) -> int:
         """Fill `out` with the object's payload; raises BadObject or OSError when it cannot be trusted.
         Returns the payload bytes read with O_DIRECT."""
-        sub = self._fds[key[0]]
-        fd = os.open(self.name(key, group), os.O_RDONLY | _NOFOLLOW, dir_fd=sub)
+        fd = _open_object(self.name(key, group), self._fds[key[0]])
         try:
             raw = os.pread(fd, DATA_OFFSET, 0)
             hdr = ObjectHeader.unpack(raw, DATA_OFFSET)
@@ -253,11 +252,9 @@ class ObjectDir:
 
     def read_header(self, sub_index: int, name: str) -> tuple[ObjectHeader, int, int]:
         """(header, file size, mtime ns) of one object file, for the index rebuild."""
-        fd = os.open(name, os.O_RDONLY | _NOFOLLOW, dir_fd=self._fds[sub_index])
+        fd = _open_object(name, self._fds[sub_index])
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise BadObject("not a regular file")
             return ObjectHeader.unpack(os.pread(fd, DATA_OFFSET, 0), DATA_OFFSET), st.st_size, st.st_mtime_ns
         finally:
             os.close(fd)
@@ -355,6 +352,17 @@ def _syncfs_or_sync(fd: int) -> None:
 def _crc_after(prev: Future[int] | None, piece: memoryview) -> int:
     """crc32 of `piece` continuing the crc of everything before it (chained futures keep the order)."""
     return crc32(piece, prev.result() if prev is not None else 0)
+
+
+def _open_object(name: str, dir_fd: int) -> int:
+    """A read-only fd on object file `name`, BadObject when it is not a regular file: opened non-blocking and
+    checked before any read, as a FIFO in an object's place would block the thread (its L2 reads, shutdown)."""
+    fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW, dir_fd=dir_fd)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise BadObject("not a regular file")
+    os.set_blocking(fd, True)
+    return fd
 
 
 def _address(buf: memoryview) -> int:
