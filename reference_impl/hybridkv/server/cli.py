@@ -219,14 +219,24 @@ def server_argv(config: ServerConfig) -> list[str]:
     import json
 
     defaults = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
-    argv = ["--endpoint", config.endpoint, "--l1-gib", repr(config.l1_bytes / GIB)]
+    # sizes travel in GiB: one that would come back as another byte count is refused, never changed
+    if int(float(repr(config.l1_bytes / GIB)) * GIB) != config.l1_bytes:
+        raise ConfigError(f"L1 size {config.l1_bytes} B does not survive --l1-gib exactly; give a round size")
+    l2_cap = getattr(config.l2, "capacity_bytes", 0)
+    if l2_cap and int(float(repr(l2_cap / GIB)) * GIB) != l2_cap:
+        raise ConfigError(f"L2 capacity {l2_cap} B does not survive max_capacity_gb exactly; give a round size")
+    # --flag=value: a value that starts with '-' stays the flag's value
+    argv = [f"--endpoint={config.endpoint}", f"--l1-gib={config.l1_bytes / GIB!r}"]
     for flag in FIELD_FLAGS:
         field = FIELD_OF.get(flag, _dest(flag))
         value = getattr(config, field)
-        if value != defaults[field]:
-            argv += [flag] if isinstance(value, bool) else [flag, str(value)]
+        if value == defaults[field] and type(value) is type(defaults[field]):
+            continue
+        if isinstance(defaults[field], bool) != isinstance(value, bool):
+            raise ConfigError(f"{field} must be {type(defaults[field]).__name__}, got {value!r}")
+        argv += [flag] if isinstance(value, bool) else [f"{flag}={value}"]
     if config.l2 is not None:
-        argv += ["--l2-adapter", json.dumps(config.l2.to_json())]
+        argv.append(f"--l2-adapter={json.dumps(config.l2.to_json())}")
     if config.parent_pid:
         argv.append("--exit-with-parent")
     return argv

@@ -6,7 +6,7 @@ import os
 
 import pytest
 from hybridkv.server.cli import parse, server_argv
-from hybridkv.server.config import GIB, ServerConfig
+from hybridkv.server.config import GIB, ConfigError, ServerConfig
 from hybridkv.server.l2.specs import FsL2Spec, L2ConfigError, RedisL2Spec
 
 MIB = 1 << 20
@@ -71,4 +71,19 @@ def test_a_secret_given_by_value_never_goes_on_a_command_line():
 
 def test_an_unchanged_default_is_not_written():
     assert server_argv(ServerConfig(l1_bytes=GIB, endpoint="ipc:///tmp/x/s.sock")) == [
-        "--endpoint", "ipc:///tmp/x/s.sock", "--l1-gib", "1.0"]
+        "--endpoint=ipc:///tmp/x/s.sock", "--l1-gib=1.0"]
+
+
+@pytest.mark.parametrize("l1_dir", ["-x", "--admin", "--admin=1", "a=b c", "ü/dir"])
+def test_a_value_that_looks_like_a_flag_stays_a_value(l1_dir):
+    config = ServerConfig(l1_bytes=GIB, endpoint="ipc:///tmp/x/s.sock", l1_dir=l1_dir)
+    assert parse(server_argv(config)) == config
+
+
+@pytest.mark.parametrize("config,says", [
+    (lambda: ServerConfig(l1_bytes=(1 << 60) + 12345, endpoint="ipc:///tmp/x/s.sock"), "does not survive --l1-gib"),
+    (lambda: ServerConfig(l1_bytes=GIB, endpoint="ipc:///tmp/x/s.sock", chunk_tokens=True), "chunk_tokens must be int"),
+])
+def test_a_config_the_flags_cannot_carry_is_refused_not_changed(config, says):
+    with pytest.raises(ConfigError, match=says):
+        server_argv(config())
