@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent / "server"))  # fuzz_server, the server tests' helper
+sys.path.insert(0, str(Path(__file__).parents[1] / "server"))  # fuzz_server, the server tests' helper
 
 GOOD = 13
 
