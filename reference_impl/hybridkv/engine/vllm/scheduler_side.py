@@ -183,8 +183,6 @@ class SchedulerSide:
         skip = num_computed_tokens // self.chunk_tokens
         extras = chunk_extras(request, limit // self.chunk_tokens, self.chunk_tokens)
         p: P.Prefetching | None = None
-        client = self._client
-        results: list[P.LookupResult] = []
         try:
             keys = [(engine, chunk_keys(ns, tokens, self.chunk_tokens, extras)) for engine, ns in self._ranks]
             if (p := self._prefetch(track, keys, policy, skip)) is not None:
@@ -194,12 +192,9 @@ class SchedulerSide:
                     track.l2_since = track.l2_since or time.monotonic()
                     self.stats.lookups_deferred += 1
                     return None, False
-            # every rank's lookup in flight at once: one round trip whatever the TP size
-            futs = [client.submit(P.Lookup(engine=engine, request=rid, keys=k, policy=policy, skip_chunks=skip))
-                    for engine, k in keys]
-            until = time.monotonic() + self.settings.lookup_timeout_s
-            for f in futs:
-                results.append(f.result(timeout=max(0.0, until - time.monotonic()))[0])
+            results: list[P.LookupResult] = self._ask_ranks(
+                [P.Lookup(engine=engine, request=rid, keys=k, policy=policy, skip_chunks=skip) for engine, k in keys],
+                self.settings.lookup_timeout_s)
         except Exception as e:  # slow or gone: a miss
             self.stats.lookup_failures += 1
             self._drop_connection(e)
@@ -218,6 +213,16 @@ class SchedulerSide:
             return 0, False
         self._pending[rid] = pending
         return hit - num_computed_tokens, False
+
+    def _ask_ranks(self, msgs: list, timeout: float) -> list:
+        """One request per rank, all in flight at once (one round trip whatever the TP size), and their
+        replies in rank order within `timeout`. Rank 0's is answered on this thread (`call`, no hand-off from
+        the client's I/O thread: the single-rank case stays one plain call); the others are sent first."""
+        assert self._client is not None
+        until = time.monotonic() + timeout
+        others = [self._client.submit(m) for m in msgs[1:]]
+        first, _ = self._client.call(msgs[0], timeout=timeout)
+        return [first, *(f.result(timeout=max(0.0, until - time.monotonic()))[0] for f in others)]
 
     def _release(self, pending: _Pending) -> None:
         """Drop a hit's pins on every rank without waiting (vLLM did not take it, or asks again from another
@@ -241,14 +246,10 @@ class SchedulerSide:
         if not (self._l2 and self.settings.l2_wait_s) or (
                 track.l2_since and time.monotonic() - track.l2_since >= self.settings.l2_wait_s):
             return None
-        assert self._client is not None
-        futs = [self._client.submit(P.Prefetch(engine=engine, keys=k, policy=policy, skip_chunks=skip))
-                for engine, k in keys]
-        until = time.monotonic() + self.settings.lookup_timeout_s
-        answers: list[P.Prefetching] = []
         try:
-            for f in futs:
-                answers.append(f.result(timeout=max(0.0, until - time.monotonic()))[0])
+            answers: list[P.Prefetching] = self._ask_ranks(
+                [P.Prefetch(engine=engine, keys=k, policy=policy, skip_chunks=skip) for engine, k in keys],
+                self.settings.lookup_timeout_s)
         except ServerError as e:
             if e.code != P.ErrorCode.LIMIT:
                 raise
@@ -368,12 +369,9 @@ class SchedulerSide:
         still finish the drop)."""
         if not self._connect(at_start=True):
             return False
-        client = self._client
-        assert client is not None
         try:
-            futs = [client.submit(P.Clear(engine=engine)) for engine, _ in self._ranks]
-            until = time.monotonic() + RESET_TIMEOUT_S
-            dropped = sum(f.result(timeout=max(0.0, until - time.monotonic()))[0].count for f in futs)
+            dropped = sum(d.count for d in self._ask_ranks([P.Clear(engine=e) for e, _ in self._ranks],
+                                                            RESET_TIMEOUT_S))
         except Exception as e:
             log.warning("hybridkv: the cache server did not confirm the reset (%s)", e)
             self._drop_connection(e)
