@@ -19,6 +19,16 @@ from math import ceil
 from hybridkv.layout import DTYPE_BYTES, GroupLayout, LayoutError, ModelLayout
 
 
+def _check_config(cfg, positive: tuple[str, ...]) -> None:
+    """LayoutError naming the config and the field: a size that is not positive, a dtype not known."""
+    for f in positive:
+        if getattr(cfg, f) <= 0:
+            raise LayoutError(f"{cfg.name}: {f} must be positive, got {getattr(cfg, f)}")
+    for f in ("kv_dtype", "conv_dtype", "ssm_dtype"):
+        if getattr(cfg, f) not in DTYPE_BYTES:
+            raise LayoutError(f"{cfg.name}: unknown {f} {getattr(cfg, f)!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class HybridModelConfig:
     """The fields of a Qwen3.5 / Qwen3-Next style config that decide the KV-cache layout."""
@@ -42,14 +52,9 @@ class HybridModelConfig:
     active_params: float = 0.0
 
     def __post_init__(self) -> None:
-        for f in ("num_layers", "full_attention_interval", "num_kv_heads", "head_dim",
-                  "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                  "linear_value_head_dim", "linear_conv_kernel_dim"):
-            if getattr(self, f) <= 0:
-                raise LayoutError(f"{self.name}: {f} must be positive, got {getattr(self, f)}")
-        for f in ("kv_dtype", "conv_dtype", "ssm_dtype"):
-            if getattr(self, f) not in DTYPE_BYTES:
-                raise LayoutError(f"{self.name}: unknown {f} {getattr(self, f)!r}")
+        _check_config(self, ("num_layers", "full_attention_interval", "num_kv_heads", "head_dim",
+                             "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                             "linear_value_head_dim", "linear_conv_kernel_dim"))
 
     def layer_kinds(self) -> list[str]:
         return ["attention" if (i + 1) % self.full_attention_interval == 0 else "recurrent"
@@ -101,13 +106,8 @@ class Mamba2HybridConfig:
         if not self.pattern or set(self.pattern) - set("M*-E") or "M" not in self.pattern or "*" not in self.pattern:
             raise LayoutError(f"{self.name}: pattern must hold M (Mamba-2) and * (attention) layers among - and E, "
                               f"got {self.pattern!r}")
-        for f in ("num_kv_heads", "head_dim", "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups",
-                  "conv_kernel"):
-            if getattr(self, f) <= 0:
-                raise LayoutError(f"{self.name}: {f} must be positive, got {getattr(self, f)}")
-        for f in ("kv_dtype", "conv_dtype", "ssm_dtype"):
-            if getattr(self, f) not in DTYPE_BYTES:
-                raise LayoutError(f"{self.name}: unknown {f} {getattr(self, f)!r}")
+        _check_config(self, ("num_kv_heads", "head_dim", "mamba_num_heads", "mamba_head_dim", "ssm_state_size",
+                             "n_groups", "conv_kernel"))
 
     @property
     def num_layers(self) -> int:

@@ -190,12 +190,12 @@ class WorkerSide:
 
     def _ready_event(self) -> torch.cuda.Event | None:
         """An event after the engine's queued work (CUDA), or None (CPU: that work is done already)."""
-        if self._pages is None or self._pages[0][0].device.type != "cuda":
+        if (stream := self._engine_stream()) is None:
             return None
         import torch
 
         ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self._pages[0][0].device))
+        ev.record(stream)
         return ev
 
     def _start_load(self, job: LoadJob, ready: torch.cuda.Event | None) -> TransferHandle:
