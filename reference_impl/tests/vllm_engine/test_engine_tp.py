@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from enginekit import close_llm, engine_args, external_hits, forget_local, generate, prompt
+from enginekit import _connector_layout, close_llm, engine_args, external_hits, forget_local, generate, prompt
 
 TP = 2
 # This model's GDN heads split over two ranks (the default tiny model has one key head); its state makes vLLM
@@ -27,14 +27,6 @@ def _stats(worker) -> tuple[int, int, int]:
 
     ws = get_kv_transfer_group().worker_side
     return ws.tp_rank, ws.stats.loads, ws.stats.load_failures
-
-
-def _layout(worker):
-    import msgspec
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    c = get_kv_transfer_group()
-    return msgspec.msgpack.encode(c.layout), c.chunk_tokens
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +59,7 @@ def test_tp2_warm_equals_cold_each_rank_loading_its_shard(llm):
     prompts = [prompt(n, seed=100 + i) for i, n in enumerate(LENGTHS)]
     cold = generate(llm, prompts)
     assert all(g.cached == 0 for g in cold)
-    assert llm.collective_rpc(_layout)[0][1] == TP_BLOCK  # the chunk is vLLM's block here
+    assert llm.collective_rpc(_connector_layout)[0][1] == TP_BLOCK  # the chunk is vLLM's block here
     forget_local(llm)
     before, hits = _loads(llm), external_hits(llm)
     warm = generate(llm, prompts)
@@ -94,7 +86,7 @@ def test_tp2_a_prefix_one_rank_lacks_is_no_hit(llm, server):
     cold = generate(llm, prompts)
     forget_local(llm)
     # drop rank 1's shards only: the server keeps rank 0's
-    (encoded, chunk), *_ = llm.collective_rpc(_layout)
+    (encoded, chunk), *_ = llm.collective_rpc(_connector_layout)
     layout = msgspec.msgpack.decode(encoded, type=ModelLayout)
     with CacheClient(server.endpoint, timeout_s=10) as c:
         reg, _ = c.call(P.Register(layout=layout, chunk_tokens=chunk, tp_rank=1, name="rank1-dropper"))
