@@ -109,6 +109,8 @@ class RequestRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     prefill_measured_s: float | None = None  # the model's forwards (cold: whole prompt; warm: continuation)
     ttft_measured_s: float | None = None     # cold: prefill_measured_s; warm: lookup + load + prefill_measured_s
     adapter_s: float | None = None           # copies between transformers' cache and the pages (in no TTFT)
+    forward_alone_s: float | None = None     # warm: the continuation from an in-memory cache, no load
+    warm_pipeline_ratio: float | None = None  # warm: ttft_measured_s / max(load_s, forward_alone_s)
     logits_max_abs_diff: float | None = None
     logits_bitwise_equal: bool | None = None
     oracle_pass: bool | None = None
@@ -127,7 +129,8 @@ class RequestRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
 
 # Columns a real-model engine's result carries beyond the simulated engine's (the runner copies them).
-MODEL_COLUMNS = ("prefill_measured_s", "ttft_measured_s", "adapter_s", "logits_max_abs_diff",
+MODEL_COLUMNS = ("prefill_measured_s", "ttft_measured_s", "adapter_s", "forward_alone_s", "warm_pipeline_ratio",
+                 "logits_max_abs_diff",
                  "logits_bitwise_equal", "oracle_pass")
 REQUEST_COLUMNS: tuple[str, ...] = RequestRow.__struct_fields__
 

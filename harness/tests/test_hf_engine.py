@@ -191,3 +191,46 @@ def msgspec_replace_metrics(run, **metrics):
     cases = [msgspec.structs.replace(c, metrics={**c.metrics, **metrics}) for c in run.record.cases]
     record = msgspec.structs.replace(run.record, cases=cases)
     return dataclasses.replace(run, record=record)
+
+
+def test_a_layerwise_warm_start_passes_the_oracle_and_times_its_overlap(server, model):
+    eng = _engine(server, model, "shm", "boundary", f"layerwise-{model.spec.arch}")
+    eng.layerwise = True
+    try:
+        doc = _doc(5)
+        eng.run("cold", np.concatenate([doc, _tail(5, 7)]))
+        warm = eng.run("warm", np.concatenate([doc, _tail(6, 9)]))
+        assert warm.hit_tokens == 3 * CHUNK and warm.bytes_loaded > 0
+        assert warm.oracle_pass is True and warm.logits_bitwise_equal is True
+        assert warm.warm_span_s is not None and warm.forward_alone_s is not None and warm.forward_alone_s > 0
+        assert warm.ttft_measured_s == pytest.approx(warm.lookup_s + warm.warm_span_s)
+        assert warm.warm_pipeline_ratio == pytest.approx(warm.ttft_measured_s / max(warm.load_s, warm.forward_alone_s))
+    finally:
+        eng.kv.close()
+
+
+def test_a_layerwise_cache_whose_layers_are_never_filled_fails_the_oracle(server, model, monkeypatch):
+    """The control: the cache's attention tensors are allocated up front and filled by the layers' hooks;
+    without the hooks the continuation reads unfilled K/V, and the oracle must say so."""
+    eng = _engine(server, model, "shm", "boundary", f"layerwise-control-{model.spec.arch}")
+    eng.layerwise = True
+    read = eng.codec.read_cache_layerwise
+
+    def without_hooks(*args, **kw):
+        cache, hooks = read(*args, **kw)
+        for hook in hooks:
+            hook.remove()
+        for layer in cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys.zero_()
+        return cache, hooks
+
+    monkeypatch.setattr(eng.codec, "read_cache_layerwise", without_hooks)
+    try:
+        doc = _doc(6)
+        eng.run("cold", np.concatenate([doc, _tail(7, 7)]))
+        warm = eng.run("warm", np.concatenate([doc, _tail(8, 9)]))
+        assert warm.hit_tokens == 3 * CHUNK
+        assert warm.oracle_pass is False and warm.logits_bitwise_equal is False
+    finally:
+        eng.kv.close()

@@ -119,3 +119,14 @@ def test_sysfs_pcie_links(tmp_path: Path):
         (d / "current_link_width").write_text("16\n")
     assert sysfs_pcie_links(tmp_path) == ["0000:01:00.0: 32.0 GT/s PCIe x16"]
     assert sysfs_pcie_links(tmp_path / "none") is None
+
+
+def test_a_tree_file_names_the_tree_a_copy_was_made_from(tmp_path: Path):
+    """A GPU host runs a copy of the working tree whose .git may be missing or stale: the tree file wins."""
+    from hybridkv_bench.results.host import TREE_FILE
+
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    (tmp_path / TREE_FILE).write_text(f"{sha} dirty\n")
+    assert git_revision(tmp_path) == (sha, True)
+    (tmp_path / TREE_FILE).write_text("not a tree\n")
+    assert git_revision(tmp_path) == (None, None)  # malformed: ignored, and no checkout here

@@ -51,6 +51,7 @@ SHIPPED = {
     "h200_seed_formats": (0.05, "torch_save-dma-per_group-all-all"),
     "hf_oracle": (1.0, "long_doc_qa/pickle-*"),  # test_hf_engine runs its shm case
     "h200_hf_oracle": (0.05, "*"),  # a 27B-parameter model: skipped without CUDA
+    "h200_hf_layerwise": (0.05, "*"),
     "vllm_connector": (1.0, "shm-*"),  # needs vLLM: runs in `nox -s vllm`, skipped elsewhere
 }
 

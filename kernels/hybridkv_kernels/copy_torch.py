@@ -24,6 +24,9 @@ def _device_block_ids(plan: PageCopyPlan) -> list[torch.Tensor]:
 
 def copy_pages_torch(plan: PageCopyPlan) -> None:
     """Run `plan` on the current stream with torch indexing ops, one per layer of each object."""
+    if plan.num_pages != sum(t.layers.num_layers * len(t.block_ids) for t in plan.transfers):
+        _copy_part(plan)
+        return
     gather = plan.direction == "gather"
     for (layers, ids, obj), idx in zip(plan.transfers, _device_block_ids(plan), strict=True):
         n = len(ids)
@@ -38,3 +41,24 @@ def copy_pages_torch(plan: PageCopyPlan) -> None:
                 row.copy_(view.index_select(0, idx), non_blocking=True)
             else:
                 view.index_copy_(0, idx, row.to(view.device, non_blocking=True))
+
+
+def _copy_part(plan: PageCopyPlan) -> None:
+    """A part of a plan (`PageCopyPlan.take`: e.g. one layer of a layer-wise load): one op per (object,
+    layer) it holds pages of, over those pages alone."""
+    gather = plan.direction == "gather"
+    pb = plan.page_bytes
+    obj_ptr = np.array([t.obj.data_ptr() for t in plan.transfers], dtype=np.int64)[plan.page_transfer]
+    k = ((plan.dst_addr if gather else plan.src_addr) - obj_ptr) // pb  # page index inside its object
+    for tr, layer in sorted(set(zip(plan.page_transfer.tolist(), plan.page_layer.tolist(), strict=True))):
+        layers, ids, obj = plan.transfers[tr]
+        n = len(ids)
+        sel = (plan.page_transfer == tr) & (plan.page_layer == layer)
+        j = k[sel] - layer * n
+        view, row = layers.views[layer], obj.view(layers.num_layers, n, pb)[layer]
+        idx = torch.from_numpy(np.asarray(ids)[j]).to(view.device)
+        jj = torch.from_numpy(j).to(row.device)
+        if gather:
+            row.index_copy_(0, jj, view.index_select(0, idx).to(row.device))
+        else:
+            view.index_copy_(0, idx, row.index_select(0, jj).to(view.device))

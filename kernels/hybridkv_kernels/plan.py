@@ -8,6 +8,7 @@ Everything is checked here, before any byte moves: a plan that exists is safe to
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
@@ -51,6 +52,16 @@ class PageCopyPlan:
     @property
     def nbytes(self) -> int:
         return self.num_pages * self.page_bytes
+
+    def take(self, pages: np.ndarray) -> PageCopyPlan:
+        """The plan of pages `pages` (indices into this plan, in the order given): e.g. one layer's copies, so
+        that a reader of that layer waits for those alone. Every check of the whole plan holds for a part."""
+        pages = np.asarray(pages, dtype=np.int64)
+        if pages.ndim != 1 or (pages.size and (pages.min() < 0 or pages.max() >= self.num_pages)):
+            raise ValueError(f"page indices must be a 1-d selection of this plan's {self.num_pages} pages")
+        return dataclasses.replace(self, src_addr=self.src_addr[pages], dst_addr=self.dst_addr[pages],
+                                   page_transfer=self.page_transfer[pages], page_layer=self.page_layer[pages],
+                                   engine_storage=self.engine_storage[pages])
 
 
 def _block_ids(ids: Sequence[int] | np.ndarray | torch.Tensor, index: int) -> np.ndarray:

@@ -179,3 +179,25 @@ def test_engine_half_bound_later_equals_a_plan_of_the_bound_transfers(gen, direc
     wrong[2] = wrong[2][:-1]  # one byte short: refused, named by its index among all transfers
     with pytest.raises(ValueError, match="transfer 2: object has"):
         half.bind(wrong)
+
+
+@pytest.mark.parametrize("impl", ["torch", "dma"])
+def test_a_part_of_a_plan_moves_its_pages_alone_and_refuses_indices_outside_it(gen, impl):
+    from hybridkv_kernels import run_plan
+
+    pool = POOLS["dense_bf16"](gen)
+    layers = pool.layers()
+    ids = [4, 5, 6, 9]
+    _, obj = guarded(layers.object_bytes(len(ids)))
+    obj.zero_()
+    plan = plan_gather([(layers, ids, obj)])
+    part = plan.take(np.flatnonzero(plan.page_layer == 1))  # one layer's pages, as a layer-wise load cuts them
+    assert part.num_pages == len(ids) and set(part.page_layer.tolist()) == {1}
+    run_plan(part, impl)
+    pb = layers.page_bytes
+    per_layer = obj.view(pool.num_layers, len(ids), pb)
+    for j, b in enumerate(ids):
+        assert torch.equal(per_layer[1, j], layers.views[1][b][:pb])
+    assert not per_layer[0].any() and not per_layer[2].any()  # the other layers' pages were not copied
+    with pytest.raises(ValueError, match="1-d selection"):
+        plan.take(np.array([plan.num_pages]))

@@ -68,7 +68,8 @@ def run_request(eng: Engine, oracle: ExpectedHits, req: Request, step: int, inde
                       load_start_s=since(res.load_start, info.origin),
                       store_start_s=since(res.store_start, info.origin), tier=req.tier,
                       prefill_measured_s=res.prefill_measured_s, ttft_measured_s=res.ttft_measured_s,
-                      adapter_s=res.adapter_s, logits_max_abs_diff=res.logits_max_abs_diff,
+                      adapter_s=res.adapter_s, forward_alone_s=res.forward_alone_s,
+                      warm_pipeline_ratio=res.warm_pipeline_ratio, logits_max_abs_diff=res.logits_max_abs_diff,
                       logits_bitwise_equal=res.logits_bitwise_equal, oracle_pass=res.oracle_pass)
 
 

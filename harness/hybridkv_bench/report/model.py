@@ -27,7 +27,8 @@ def model_section(run: Run, df: pd.DataFrame) -> list[str]:
     rows = []
     for (wl, case, phase), g in req.groupby(["workload", "case", "phase"], sort=False):
         rows.append([wl, case, phase, _mean(g.lookup_s), _mean(g.load_s), _mean(g.prefill_s),
-                     _mean(g.prefill_measured_s), _mean(g.ttft_s), _mean(g.ttft_measured_s), _mean(g.adapter_s)])
+                     _mean(g.prefill_measured_s), _mean(g.ttft_s), _mean(g.ttft_measured_s), _mean(g.adapter_s),
+                     _mean(g.forward_alone_s), _mean(g.warm_pipeline_ratio)])
     verdicts = []
     for r in df[df.status == "ok"].to_dict("records"):
         ok = r.get("oracle_pass")
@@ -41,9 +42,13 @@ def model_section(run: Run, df: pd.DataFrame) -> list[str]:
         "forwards (cold: the whole prompt; warm: the tokens after the hit). Modeled = the prefill model above. "
         "Adapter = copies between transformers' cache tensors and the pages, which vLLM does not pay (its kernels "
         "use the pages directly): in neither TTFT. A measured warm TTFT above the modeled one is transformers' "
-        "eager forward (no CUDA graphs, no paged kernels), not the cache.", "",
+        "eager forward (no CUDA graphs, no paged kernels), not the cache. Forward alone = the warm continuation "
+        "from an in-memory cache (no load); pipeline ratio = measured warm TTFT / max(load, forward alone): 1.0 "
+        "when a layer-wise load hides behind the forward (`[transformers] load = \"layerwise\"`), about 2 when "
+        "they take as long and run one after the other.", "",
         markdown_table(["workload", "case", "phase", "lookup s", "load s", "prefill modeled s", "prefill measured s",
-                        "TTFT modeled s", "TTFT measured s", "adapter s"], rows, "lllrrrrrrr"), "",
+                        "TTFT modeled s", "TTFT measured s", "adapter s", "forward alone s", "pipeline ratio"], rows,
+                       "lllrrrrrrrrr"), "",
         "Oracle: the warm continuation from the restored cache against the in-memory cache at the same split "
         "(bitwise) and one full prefill (max |diff|; judged in float32, reported in bfloat16). Speed-up = the "
         "smaller of measured and modeled cold TTFT over the measured warm TTFT.", "",

@@ -54,8 +54,20 @@ def _head_from_files(repo: Path) -> str | None:
     return None
 
 
+# Written beside a copy of a checkout sent to another machine (a GPU host gets the tree, not its .git, or a
+# stale one): "<sha> clean|dirty", the tree the copy was made from. It wins over git where it is present.
+TREE_FILE = ".tree-commit"
+
+
 def git_revision(cwd: str | Path = ".") -> tuple[str | None, bool | None]:
-    """(commit sha, whether tracked files differ from it); (None, None) outside a checkout."""
+    """(commit sha, whether tracked files differ from it); (None, None) outside a checkout. A `TREE_FILE` in
+    `cwd` names the tree instead."""
+    try:
+        named = (Path(cwd) / TREE_FILE).read_text().split()
+    except OSError:
+        named = []
+    if len(named) == 2 and named[1] in ("clean", "dirty") and len(named[0]) == 40:
+        return named[0], named[1] == "dirty"
     sha = _run(["git", "rev-parse", "HEAD"], cwd)
     if sha is None:
         top = Path(cwd).resolve()

@@ -18,12 +18,34 @@ from hybridkv_kernels import PagedLayers, build_plan, plan_pages, run_plan
 from hybridkv import protocol as P
 from hybridkv.engine.handles import TransferHandle
 from hybridkv.engine.wire import ObjectJob
+from hybridkv.layout import ModelLayout, layer_index
 
 Direction = Literal["gather", "scatter"]
 # What `issue` queued: per stream, the event recorded after its copies and the plan (it holds the tensors).
 Issued = list[tuple["torch.cuda.Event | None", Any]]
 # Per stream: the engine half of a plan, and the (chunk, group) objects it lists in order.
 PlannedPages = dict[int, tuple[Any, list[tuple[int, int]]]]
+# A layer-wise load's order: steps of (layer names, their (group, layer within group) pairs), queued one
+# after another, each step's copies followed by an event its layers' readers wait for (`layer_steps`).
+LayerSteps = list[tuple[tuple[str, ...], frozenset[tuple[int, int]]]]
+
+
+def layer_steps(layout: ModelLayout) -> LayerSteps:
+    """The order a forward pass reads a layout's layers in: every recurrent state first (small, and read by
+    the first layers), then the other groups' layers by decoder-layer index, one step per index."""
+    states = [(g, j) for g in layout.recurrent_groups for j in range(layout.groups[g].num_layers)]
+    by_index: dict[int | str, list[tuple[int, int]]] = {}
+    for g, grp in enumerate(layout.groups):
+        if g not in layout.recurrent_groups:
+            for j, name in enumerate(grp.layer_names):
+                by_index.setdefault(layer_index(name), []).append((g, j))
+    steps: LayerSteps = []
+    if states:
+        steps.append((tuple(layout.groups[g].layer_names[j] for g, j in states), frozenset(states)))
+    for index in sorted(by_index, key=lambda i: (isinstance(i, str), str(i) if isinstance(i, str) else i)):
+        pairs = by_index[index]
+        steps.append((tuple(layout.groups[g].layer_names[j] for g, j in pairs), frozenset(pairs)))
+    return steps
 
 
 class PageCopies:
@@ -52,34 +74,70 @@ class PageCopies:
         return lambda items: self.wait(h, self.issue(h, direction, items, ready, pages))
 
     def issue(self, h: TransferHandle, direction: Direction, items: list[tuple[P.ObjectLoc, np.ndarray, torch.Tensor]],
-              ready: torch.cuda.Event | None = None, pages: PlannedPages | None = None) -> Issued:
+              ready: torch.cuda.Event | None = None, pages: PlannedPages | None = None,
+              steps: LayerSteps | None = None) -> Issued:
         """Queue the page copies of (object, blocks, host bytes) `items`, grouped per stream, after `ready`;
         timed into `h`. With `pages` (from `plan_pages`) the plans' engine halves exist: only the objects
-        are bound. On a CPU the copies are done when this returns."""
+        are bound. With `steps` (CUDA only) the copies go layer by layer in that order, and `h.layer_ready`
+        holds each layer's event: a reader of a layer waits for its own pages alone. On a CPU the copies are
+        done when this returns."""
         if not h.t_copy_start:
             h.t_copy_start = time.perf_counter()
         streams = self.streams[h.kind]
         if pages is not None:
             hosts = {(o.chunk, o.group): host for o, _, host in items}
-            plans = [(i, half.bind([hosts.get(k) for k in order])) for i, (half, order) in pages.items()
-                     if any(k in hosts for k in order)]
+            plans = [(i, half.bind([hosts.get(k) for k in order]), [k[1] for k in order if k in hosts])
+                     for i, (half, order) in pages.items() if any(k in hosts for k in order)]
         else:
             by_stream: dict[int, list] = {}
             for o, ids, host in items:
-                by_stream.setdefault(o.group % len(streams), []).append((self.groups[o.group], ids, host))
-            plans = [(i, build_plan(direction, transfers)) for i, transfers in by_stream.items()]
-        issued: Issued = []
-        for i, plan in plans:
+                by_stream.setdefault(o.group % len(streams), []).append((o.group, (self.groups[o.group], ids, host)))
+            plans = [(i, build_plan(direction, [t for _, t in ts]), [g for g, _ in ts]) for i, ts in by_stream.items()]
+        for i, _, _ in plans:
             s = streams[i]
             if s is not None and ready is not None:
                 s.wait_event(ready)
-            run_plan(plan, self.impl, s)
-            ev = None
-            if s is not None:
-                ev = torch.cuda.Event()
-                ev.record(s)
-            issued.append((ev, plan))
+        if steps is not None and self.device.type == "cuda":
+            issued = self._issue_steps(h, [(streams[i], plan, groups) for i, plan, groups in plans], steps)
+        else:
+            issued = [(self._run(plan, streams[i]), plan) for i, plan, _ in plans]
         h.t_copy_issued = time.perf_counter()
+        return issued
+
+    def _run(self, plan: Any, s: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+        """Queue `plan` on `s`; the event recorded after it (None on a CPU: the copies are done)."""
+        run_plan(plan, self.impl, s)
+        if s is None:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(s)
+        return ev
+
+    def _issue_steps(self, h: TransferHandle, plans: list[tuple[torch.cuda.Stream, Any, list[int]]],
+                     steps: LayerSteps) -> Issued:
+        """Each stream's plan cut into `steps`' parts, queued step after step; `h.layer_ready` names each
+        layer's events (one per stream that copies some of it)."""
+        step_of = np.full((len(self.groups), max(g.num_layers for g in self.groups)), len(steps), dtype=np.int64)
+        for k, (_, pairs) in enumerate(steps):
+            for g, j in pairs:
+                step_of[g, j] = k
+        parts = []
+        for s, plan, groups in plans:
+            step = step_of[np.asarray(groups, dtype=np.int64)[plan.page_transfer], plan.page_layer]
+            order = np.argsort(step, kind="stable")
+            bounds = np.searchsorted(step[order], np.arange(len(steps) + 2))
+            parts.append((s, plan, order, bounds))
+        ready: dict[str, list[Any]] = {}
+        issued: Issued = []
+        for k in range(len(steps) + 1):  # the last part: pages of layers no step names (none, for a layout's own)
+            for s, plan, order, bounds in parts:
+                if bounds[k + 1] > bounds[k]:
+                    part = plan.take(order[bounds[k]:bounds[k + 1]])
+                    ev = self._run(part, s)
+                    issued.append((ev, part))
+                    for name in steps[k][0] if k < len(steps) else ():
+                        ready.setdefault(name, []).append(ev)
+        h.layer_ready = ready
         return issued
 
     @staticmethod

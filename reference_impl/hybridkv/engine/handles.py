@@ -83,6 +83,9 @@ class TransferHandle:
     # stream. An engine that makes its own stream wait on these (`order_after_copies`) may reuse the blocks
     # at once without waiting for `done`: whatever it queues next on that stream runs after the pages are read.
     queued: list[Any] | None = None
+    # A layer-wise load on CUDA (`retrieve(layerwise=True)`): per layer name, the events recorded after that
+    # layer's copies; `wait_layer` orders a reader after them alone.
+    layer_ready: dict[str, list[Any]] | None = None
     # cancel() against the point of no return (a load's first write into the engine's pages, a store's
     # commit after its pages were read): whichever comes first wins, under the lock
     _gate: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -98,6 +101,23 @@ class TransferHandle:
         for ev in self.queued:
             stream.wait_event(ev)
         return True
+
+    def wait_layer(self, name: str, stream: Any = None, timeout: float | None = None) -> None:
+        """Order what comes next on CUDA `stream` (default: the current one) after layer `name`'s pages are
+        written, on the GPU: the calling thread does not wait. Without layer events (a CPU, a payload wire,
+        a load that is not layer-wise) it waits for the whole load in this thread, re-raising its failure."""
+        events = self.layer_ready.get(name) if self.layer_ready is not None else None
+        if events is None:
+            self.done.result(timeout)
+            return
+        if self.done.done() and self.done.exception() is not None:
+            raise self.done.exception()  # type: ignore[misc]
+        if stream is None:
+            import torch
+
+            stream = torch.cuda.current_stream()
+        for ev in events:
+            stream.wait_event(ev)
 
     def cancel(self) -> bool:
         """Give the transfer up: True when it will never write the engine's pages (a load) or commit (a

@@ -26,7 +26,7 @@ import torch
 
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
-from hybridkv.engine.copies import Issued, PageCopies, PlannedPages
+from hybridkv.engine.copies import Issued, LayerSteps, PageCopies, PlannedPages
 from hybridkv.engine.handles import Hit, PreparedStore, TransferHandle
 from hybridkv.engine.wire import CopyFn, DirectWire, ObjectJob, PayloadWire
 from hybridkv.wire_formats import traits
@@ -61,9 +61,11 @@ class Route(ABC):
         """Start a store of `prepared`'s objects from `jobs`' blocks (copies after `ready`); `h` tells the rest."""
 
     @abstractmethod
-    def load(self, h: TransferHandle, hit: Hit, jobs: list[ObjectJob], ready: torch.cuda.Event | None) -> None:
-        """Start a load of `hit`'s objects into `jobs`' blocks (copies after `ready`); `h` tells the rest, and
-        the lease is released once it is done or failed."""
+    def load(self, h: TransferHandle, hit: Hit, jobs: list[ObjectJob], ready: torch.cuda.Event | None,
+             steps: LayerSteps | None = None) -> None:
+        """Start a load of `hit`'s objects into `jobs`' blocks (copies after `ready`; layer by layer in
+        `steps`' order where the copies are queued by the caller); `h` tells the rest, and the lease is
+        released once it is done or failed."""
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """Request ids whose stores / retrieves completed since the last call."""
@@ -220,14 +222,14 @@ class DirectRoute(Route):
         else:
             self._store_q.put((h, self._do_store, (prepared, jobs, pages, ready)))
 
-    def load(self, h, hit, jobs, ready) -> None:
+    def load(self, h, hit, jobs, ready, steps=None) -> None:
         if not self._in_caller:
             copy = self._scatter(h, ready)
             self._load_q.put((h, self._do_load, (hit, lambda: copy(self.wire.slots(jobs)))))
             return
         try:
             h.proceed()
-            issued = self.copies.issue(h, "scatter", self.wire.slots(jobs), ready)
+            issued = self.copies.issue(h, "scatter", self.wire.slots(jobs), ready, steps=steps)
         except BaseException as e:
             self._fail(h, e)
             self._release(hit.lease, wait=False)
@@ -277,8 +279,8 @@ class PayloadRoute(Route):
     def store(self, h, prepared, jobs, pages, ready) -> None:
         self._store_q.put((h, self._do_store, (prepared, jobs, pages, ready)))
 
-    def load(self, h, hit, jobs, ready) -> None:
-        copy = self._scatter(h, ready)
+    def load(self, h, hit, jobs, ready, steps=None) -> None:
+        copy = self._scatter(h, ready)  # a whole load on a worker: readers wait for `done`
         self._load_q.put((h, self._do_load, (hit, lambda: self.wire.load(h, hit, jobs, copy))))
 
     def _do_store(self, h: TransferHandle, prep: PreparedStore, jobs: list[ObjectJob], pages: PlannedPages | None,

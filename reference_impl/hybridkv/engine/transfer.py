@@ -20,7 +20,7 @@ from hybridkv_kernels import choose_impl
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.engine.config import COPY_ENGINES, STREAM_MODES, Streams, TransferConfig
-from hybridkv.engine.copies import PageCopies
+from hybridkv.engine.copies import PageCopies, layer_steps
 from hybridkv.engine.handles import Hit, PreparedStore, TransferHandle
 from hybridkv.engine.paged import paged_groups, same_blocks
 from hybridkv.engine.routes import open_route
@@ -61,6 +61,7 @@ class KVTransfer:
             client=self.client, engine_id=self.engine_id, device=self.device, groups=self.groups,
             dtypes=[g.dtype for g in layout.groups], arena_path=reg.arena_path, arena_bytes=reg.arena_bytes))
         self.copies = PageCopies(self.groups, self.impl, len(self.groups) if config.streams == "per_group" else 1)
+        self._layer_steps = layer_steps(layout)
         # the format's route, chosen once: a direct wire's copies reach the arena, a payload wire sends frames
         self.route = open_route(self.wire, self.client, self.engine_id, self.copies, config.timeout_s)
 
@@ -103,11 +104,16 @@ class KVTransfer:
         return out
 
     def retrieve(self, hit: Hit, block_ids: Sequence[Sequence[int]],
-                 ready: torch.cuda.Event | None = None) -> TransferHandle:
+                 ready: torch.cuda.Event | None = None, layerwise: bool = False) -> TransferHandle:
         """Load a hit's objects into the engine's blocks (one list per group), asynchronously. On CUDA the
         copies start after `ready`, by default after the work already queued on the caller's current stream
         (an engine zeroes new blocks there before it loads into them). `cancel()` on the handle before the
-        first page is written means none will be."""
+        first page is written means none will be.
+
+        `layerwise`: the copies go in the order a forward reads the layers (every recurrent state, then the
+        other layers by index), and the handle's `wait_layer(name)` orders a reader of one layer after that
+        layer's pages alone, so layer i computes while later layers load. Where the copies are not queued by
+        this thread (a CPU, a payload wire) `wait_layer` waits for the whole load."""
         h = TransferHandle("load", hit.request_id)
         jobs = self._object_blocks(hit.objects, block_ids)  # validate in the caller's thread
         if not hit.objects:
@@ -118,7 +124,7 @@ class KVTransfer:
         if ready is None and self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
-        self.route.load(h, hit, jobs, ready)
+        self.route.load(h, hit, jobs, ready, self._layer_steps if layerwise else None)
         return h
 
     def prepare_store(self, request_id: str, token_ids: Sequence[int] | np.ndarray, start_chunk: int = 0,

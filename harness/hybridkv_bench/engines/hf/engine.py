@@ -64,6 +64,7 @@ class HFEngine:
         self.before_retrieve = before_retrieve
         self.control = control                  # test hook: breaks the retrieved pages (oracle.CONTROLS)
         self.reserve_last_token = reserve_last_token  # False only in the control that must fail
+        self.layerwise = hf.spec.load == "layerwise"
         self.tolerance = hf.spec.full_prefill_tolerance if hf.dtype == torch.float32 else None
         self._snapshots: OrderedDict[bytes, Any] = OrderedDict()
         self.last_verdict: OracleVerdict | None = None
@@ -119,22 +120,31 @@ class HFEngine:
             h = hit.hit_tokens
             load_s = load_copy_s = 0.0
             loaded = 0
-            reference = None
+            reference = rh = None
+            hooks: list[Any] = []
             if hit.hit_chunks:
                 reference = self._snapshots.get(hit.keys[hit.hit_chunks - 1])
                 if reference is None:
                     raise OracleError(f"{request_id}: the hit ends at token {h}, where this engine kept no "
                                       "in-memory cache to compare with")
                 hf.sync()
-                t0 = time.perf_counter()
-                rh = kv.retrieve(hit, blocks).wait(self.timeout_s)
-                load_s, load_copy_s, loaded = time.perf_counter() - t0, rh.copy_s, rh.nbytes
-                if self.control is not None:
-                    self.control(self.codec, blocks, hit)
-                t0 = time.perf_counter()
-                cache = self.codec.read_cache(blocks, hit.hit_chunks)
-                hf.sync()
-                adapter_s += time.perf_counter() - t0
+                t_load = time.perf_counter()
+                if self.layerwise:
+                    # the continuation starts now; each layer waits for its own pages (pages.read_cache_layerwise)
+                    rh = kv.retrieve(hit, blocks, layerwise=True)
+                    if self.control is not None:  # a test's damage needs the pages written first
+                        rh.wait(self.timeout_s)
+                        self.control(self.codec, blocks, hit)
+                    cache, hooks = self.codec.read_cache_layerwise(blocks, hit.hit_chunks, rh, hf.decoder_layers)
+                else:
+                    rh = kv.retrieve(hit, blocks).wait(self.timeout_s)
+                    load_s, load_copy_s, loaded = time.perf_counter() - t_load, rh.copy_s, rh.nbytes
+                    if self.control is not None:
+                        self.control(self.codec, blocks, hit)
+                    t0 = time.perf_counter()
+                    cache = self.codec.read_cache(blocks, hit.hit_chunks)
+                    hf.sync()
+                    adapter_s += time.perf_counter() - t0
             else:
                 cache = hf.new_cache()
             ends = self._state_ends(h, S)
@@ -152,7 +162,16 @@ class HFEngine:
                     adapter_s += time.perf_counter() - t
                     self._snapshot(keys[end // C - 1], c)
 
-            logits, prefill_measured_s = self._continue(ids, cache, h, ends, keep_from, at_boundary)
+            try:
+                logits, prefill_measured_s = self._continue(ids, cache, h, ends, keep_from, at_boundary)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            warm_span_s = None
+            if hooks and rh is not None:  # layer-wise: the load ran beside the forward
+                warm_span_s = time.perf_counter() - t_load
+                rh.wait(self.timeout_s)
+                load_s, load_copy_s, loaded = rh.t_done - t_load, rh.copy_s, rh.nbytes
             if S in state_ends:  # a chunk-aligned prompt: its last segment ends at a kept state
                 at_boundary(S, cache)
             t0 = time.perf_counter()
@@ -162,7 +181,8 @@ class HFEngine:
                 self.codec.write_attention(cache, blocks, first, len(keys) * bpc[0])
             hf.sync()
             adapter_s += time.perf_counter() - t0
-            verdict = self._oracle(ids, reference, h, ends, keep_from, logits) if reference is not None else None
+            verdict, forward_alone_s = (self._oracle(ids, reference, h, ends, keep_from, logits)
+                                        if reference is not None else (None, None))
             self.last_verdict = verdict
             del cache
             stored = timed_store(kv, request_id, tokens, blocks, self.timeout_s, prepared)
@@ -172,7 +192,8 @@ class HFEngine:
         ok = verdict.passed if verdict else None
         return RequestResult(
             hit_tokens=h, lookup_s=lookup_s, load_s=load_s, prefill_s=self.prefill(S - h, h),
-            prefill_measured_s=prefill_measured_s, adapter_s=adapter_s,
+            prefill_measured_s=prefill_measured_s, adapter_s=adapter_s, warm_span_s=warm_span_s,
+            forward_alone_s=forward_alone_s,
             load_copy_s=load_copy_s, store_s=stored.store_s, store_done_s=stored.store_done_s,
             store_copy_s=stored.store_copy_s, store_span_s=stored.store_span_s,
             bytes_stored=stored.bytes_stored, store_start=stored.start,
@@ -182,14 +203,15 @@ class HFEngine:
             logits_bitwise_equal=verdict.bitwise_equal if verdict else None, oracle_pass=ok)
 
     def _oracle(self, ids: torch.Tensor, reference: Any, h: int, ends: list[int], keep_from: int,
-                restored: torch.Tensor) -> OracleVerdict:
-        """Same continuation from the in-memory cache at the split, then one full prefill; judged."""
-        split, _ = self._continue(ids, copy.deepcopy(reference), h, ends, keep_from)
+                restored: torch.Tensor) -> tuple[OracleVerdict, float]:
+        """Same continuation from the in-memory cache at the split, then one full prefill; judged. Also the
+        seconds that continuation's forwards took: the warm forward with no load at all."""
+        split, forward_alone_s = self._continue(ids, copy.deepcopy(reference), h, ends, keep_from)
         S = len(ids)
         full, _ = self.hf.prefill(ids, self.hf.new_cache(), 0, [S], min(keep_from, S - 1))
         if h >= S:  # the full-prompt-hit control: its one row stands for the prompt's last position
             full = full[-1:]
-        return judge(restored, split, full, self.tolerance)
+        return judge(restored, split, full, self.tolerance), forward_alone_s
 
 
 def build(site: EngineSite) -> HFEngine:

@@ -66,9 +66,16 @@ class HFModel:
     def layer_kinds(self) -> list[str]:
         return self.cfg.layer_kinds()
 
+    @property
+    def decoder_layers(self) -> Any:
+        """The decoder layers by index (what a layer-wise load hooks)."""
+        return self.model.model.layers
+
     def sync(self) -> None:
+        """Wait for the model's stream (the current one), not the device: a layer-wise load's copies on their
+        own streams keep running while the timed forward waits for them layer by layer."""
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
 
     def new_cache(self) -> Any:
         from transformers import DynamicCache

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from hybridkv.engine.handles import TransferHandle
 from hybridkv.layout import DTYPE_BYTES, ModelLayout
 from hybridkv.policy import object_blocks
 
@@ -125,16 +126,61 @@ class PageCodec:
     def read_cache(self, blocks: Sequence[Sequence[int]], n_chunks: int) -> Any:
         """A fresh transformers cache holding the first `n_chunks` chunks: every attention block of them and
         the recurrent states after chunk n_chunks - 1."""
-        hf, s = self.hf, self.state
-        cache = hf.new_cache()
-        ssm_dtype = getattr(torch, STATE_DTYPE)
+        cache = self.hf.new_cache()
         for g in self.layout.attention_groups:
-            n_blocks = n_chunks * self.chunk_tokens // self.layout.groups[g].block_tokens
-            ids = torch.as_tensor(list(blocks[g][:n_blocks]), device=hf.device)
+            ids = self._attention_ids(blocks, g, n_chunks)
             for j, li in enumerate(self.layer_index[g]):
-                kv = self._kv_view(g, j).index_select(0, ids)  # (n, 2, B, kvh, hd)
-                kv = kv.permute(1, 3, 0, 2, 4).reshape(2, 1, self.kv_heads, -1, self.head_dim)
-                cache.update(kv[0].contiguous(), kv[1].contiguous(), li)
+                k, v = self._attention_kv(g, j, ids)
+                cache.update(k.contiguous(), v.contiguous(), li)
+        self._read_states(cache, blocks, n_chunks)
+        return cache
+
+    def read_cache_layerwise(self, blocks: Sequence[Sequence[int]], n_chunks: int, load: TransferHandle,
+                             layers: Sequence[torch.nn.Module]) -> tuple[Any, list[Any]]:
+        """The cache `read_cache` makes, filled as the forward reaches each layer: the recurrent states now
+        (after their pages, which a layer-wise load writes first), each attention layer's K/V by a pre-hook
+        on its decoder layer `layers[li]` that orders the fill after that layer's pages alone (`load`'s
+        `wait_layer`, on the GPU). Returns the cache and the hooks, which the caller removes after the forward."""
+        cache = self.hf.new_cache()
+        hooks: list[Any] = []
+        for g in self.layout.attention_groups:
+            ids = self._attention_ids(blocks, g, n_chunks)
+            names = self.layout.groups[g].layer_names
+            for j, li in enumerate(self.layer_index[g]):
+                # the right lengths from the start (masks and positions read them before layer 0 runs)
+                shape = (1, self.kv_heads, len(ids) * self.layout.groups[g].block_tokens, self.head_dim)
+                cache.update(torch.empty(shape, dtype=self.hf.dtype, device=self.hf.device),
+                             torch.empty(shape, dtype=self.hf.dtype, device=self.hf.device), li)
+
+                def fill(module: Any, args: Any, g: int = g, j: int = j, li: int = li, ids: torch.Tensor = ids,
+                         name: str = names[j], pos: int = len(hooks)) -> None:
+                    load.wait_layer(name)
+                    k, v = self._attention_kv(g, j, ids)
+                    cache.layers[li].keys.copy_(k)
+                    cache.layers[li].values.copy_(v)
+                    hooks[pos].remove()  # once: a later segment's forward finds the layer filled
+
+                hooks.append(layers[li].register_forward_pre_hook(fill))
+        for g in self.layout.recurrent_groups:
+            for name in self.layout.groups[g].layer_names:
+                load.wait_layer(name)
+        self._read_states(cache, blocks, n_chunks)
+        return cache, hooks
+
+    def _attention_ids(self, blocks: Sequence[Sequence[int]], g: int, n_chunks: int) -> torch.Tensor:
+        n_blocks = n_chunks * self.chunk_tokens // self.layout.groups[g].block_tokens
+        return torch.as_tensor(list(blocks[g][:n_blocks]), device=self.hf.device)
+
+    def _attention_kv(self, g: int, j: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer j of attention group g's K and V over blocks `ids`, shaped as transformers' cache holds them."""
+        kv = self._kv_view(g, j).index_select(0, ids)  # (n, 2, B, kvh, hd)
+        kv = kv.permute(1, 3, 0, 2, 4).reshape(2, 1, self.kv_heads, -1, self.head_dim)
+        return kv[0], kv[1]
+
+    def _read_states(self, cache: Any, blocks: Sequence[Sequence[int]], n_chunks: int) -> None:
+        """Every recurrent layer's state after chunk n_chunks - 1 from its state block into `cache`."""
+        hf, s = self.hf, self.state
+        ssm_dtype = getattr(torch, STATE_DTYPE)
         for g in self.layout.recurrent_groups:
             bid = self.state_block(blocks, g, n_chunks - 1)
             for j, li in enumerate(self.layer_index[g]):
@@ -144,4 +190,3 @@ class PageCodec:
                 ssm = sb[bid].clone().view(ssm_dtype).view(1, s.v_heads, s.k_dim, s.v_dim)
                 cache.update_conv_state(conv, li, conv_kernel_size=s.conv_cols + 1)
                 cache.update_recurrent_state(ssm, li)
-        return cache

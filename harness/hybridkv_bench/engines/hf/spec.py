@@ -17,6 +17,9 @@ from hybridkv.presets import HybridModelConfig
 Arch = Literal["qwen3_5", "qwen3_next"]
 WeightDtype = Literal["float32", "bfloat16"]
 Attention = Literal["sdpa", "eager"]
+# How a warm request's pages reach the model: `whole` loads every page, then runs the continuation;
+# `layerwise` starts the continuation at once, each layer waiting for its own pages (states first).
+LoadMode = Literal["whole", "layerwise"]
 STATE_DTYPE = "float32"  # transformers' gated-delta-rule state, torch path and fla alike
 # Workload kinds whose every warm request keeps at least one uncached token after the hit, so the
 # oracle always has continuation logits to compare (see engines.hf.engine's module doc).
@@ -35,6 +38,7 @@ class TransformersSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     moe_intermediate_size: int = 64
     seed: int = 0
     attn_implementation: Attention = "sdpa"
+    load: LoadMode = "whole"
     # CPU only: torch threads for the process (0 leaves torch's default). On a shared machine one thread is
     # 10-50x faster than two spinning OpenMP threads fighting other processes (measured on the CI host).
     cpu_threads: int = 0

@@ -1,0 +1,114 @@
+"""Layer-wise loads (`retrieve(layerwise=True)`): the copies go in the order a forward reads the layers, and
+`wait_layer(name)` orders a reader of one layer after that layer's pages alone. On CUDA the reader's stream
+waits on the GPU; elsewhere `wait_layer` waits for the whole load. The CUDA cases run on a GPU machine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hybridkv.engine.copies import layer_steps
+from hybridkv.engine.transfer import KVTransfer, TransferConfig
+from hybridkv.layout import layer_index
+from hybridkv.presets import preset_layout
+from hybridkv_bench.pools import BlockAllocator, fill_random, vllm_pools
+
+NUM_BLOCKS = 48
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_layer_steps_put_every_state_first_then_the_layers_in_forward_order():
+    layout = preset_layout("qwen3.6-27b", 1)
+    steps = layer_steps(layout)
+    recurrent = {n for g in layout.recurrent_groups for n in layout.groups[g].layer_names}
+    assert set(steps[0][0]) == recurrent
+    rest = [names for names, _ in steps[1:]]
+    assert all(len(names) == 1 for names in rest)  # one attention group: a step per attention layer
+    indices = [layer_index(names[0]) for names in rest]
+    assert indices == sorted(indices) and len(indices) == sum(
+        layout.groups[g].num_layers for g in layout.attention_groups)
+    named = [n for names, _ in steps for n in names]
+    assert sorted(named) == sorted(n for g in layout.groups for n in g.layer_names)  # each layer once
+
+
+def _store_and_look_up(kv: KVTransfer, alloc: BlockAllocator, chunks: int, seed: int):
+    ct = kv.chunk_tokens
+    bpc = [ct // g.block_tokens for g in kv.layout.groups]
+    tokens = np.random.default_rng(seed).integers(0, 150_000, chunks * ct)
+    src = [alloc.allocate(chunks * b) for b in bpc]
+    kv.store(f"store-{seed}", tokens, src).wait_committed(30)
+    kv.end_session(f"store-{seed}")
+    hit = kv.lookup(f"load-{seed}", tokens)
+    assert hit.hit_chunks == chunks
+    return hit, src, [alloc.allocate(chunks * b) for b in bpc], bpc
+
+
+def _pairs(layout, g: int, src: list[int], dst: list[int], bpc: int, chunks: int) -> list[tuple[int, int]]:
+    """(source block, loaded block) pairs whose pages must be equal after the load."""
+    if layout.groups[g].kind == "attention":
+        return list(zip(src, dst, strict=True))
+    return [(src[chunks * bpc - 1], dst[chunks * bpc - 1])]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[cuda, pytest.mark.cuda])])
+def test_a_layerwise_load_writes_what_was_stored_and_each_layer_can_be_awaited(server_factory, device):
+    srv = server_factory(l1_gib=1.0)
+    layout = preset_layout("tiny-hybrid", 1)
+    pools = vllm_pools(layout, NUM_BLOCKS, device)
+    fill_random(pools, 3)
+    alloc = BlockAllocator(NUM_BLOCKS)
+    with KVTransfer(srv.endpoint, layout, pools, TransferConfig(salt=f"lw-{device}")) as kv:
+        chunks = 2
+        hit, src, dst, bpc = _store_and_look_up(kv, alloc, chunks, 1)
+        for g, ids in enumerate(dst):
+            for t in pools[g]:
+                t[ids] = 0
+        h = kv.retrieve(hit, dst, layerwise=True)
+        assert (h.layer_ready is not None) == (device == "cuda")
+        for g, grp in enumerate(layout.groups):
+            for j, name in enumerate(grp.layer_names):
+                h.wait_layer(name)
+                t = pools[g][j]
+                for s, d in _pairs(layout, g, src[g], dst[g], bpc[g], chunks):
+                    assert torch.equal(t[s], t[d]), f"{name}: block {d} is not block {s} after wait_layer"
+        h.wait(30)
+        assert h.nbytes == hit.nbytes
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("preset,tp", [("tiny-hybrid", 1), ("qwen3.6-27b", 8)])
+def test_wait_layer_orders_a_reader_on_another_stream_after_that_layer_s_copies(server_factory, preset, tp):
+    """The load's copies start behind ~0.1 s of GPU work; a reader on its own stream that waits for one
+    layer reads the stored pages, and a reader that does not wait reads the zeroed blocks (the control that
+    shows the check can fail)."""
+    srv = server_factory(l1_gib=2.0)
+    layout = preset_layout(preset, tp)
+    pools = vllm_pools(layout, NUM_BLOCKS, "cuda")
+    fill_random(pools, 5)
+    alloc = BlockAllocator(NUM_BLOCKS)
+    with KVTransfer(srv.endpoint, layout, pools, TransferConfig(salt=f"lw-order-{preset}")) as kv:
+        chunks = 2
+        hit, src, dst, bpc = _store_and_look_up(kv, alloc, chunks, 2)
+        for g, ids in enumerate(dst):
+            for t in pools[g]:
+                t[ids] = 0
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # the copies start after this (retrieve's default `ready`)
+        h = kv.retrieve(hit, dst, layerwise=True)
+        reader, unordered = torch.cuda.Stream(), torch.cuda.Stream()
+        g = layout.attention_groups[0]
+        j = layout.groups[g].num_layers - 1  # the last attention layer: its copies come last
+        name = layout.groups[g].layer_names[j]
+        blocks = torch.as_tensor(dst[g], device="cuda")
+        with torch.cuda.stream(unordered):
+            early = pools[g][j].index_select(0, blocks)
+        h.wait_layer(name, reader)
+        with torch.cuda.stream(reader):
+            read = pools[g][j].index_select(0, blocks)
+        torch.cuda.synchronize()
+        h.wait(30)
+        want = pools[g][j].index_select(0, torch.as_tensor(src[g], device="cuda"))
+        assert torch.equal(read, want), "a reader ordered by wait_layer saw pages before they were loaded"
+        assert not torch.equal(early, want), "the unordered reader saw the loaded pages: the control proves nothing"
+        assert set(h.layer_ready) == {n for grp in layout.groups for n in grp.layer_names}
