@@ -14,7 +14,9 @@ cat $OUT/tree.txt
 timeout 120 python3 -m pytest -v -p no:cacheprovider reference_impl/tests/engine/test_layerwise.py \
   reference_impl/tests/engine/test_transfer_order.py kernels/tests/test_plan.py > $OUT/cuda.log 2>&1; echo "cuda tests rc=$?"
 tail -8 $OUT/cuda.log
+runs=$(mktemp -d)
 for s in h200_hf_layerwise h200_hf_oracle; do
-  timeout 230 python3 -m hybridkv.cli bench scenarios/$s.toml --out $OUT/$s > $OUT/$s.log 2>&1; echo "$s rc=$?"
+  timeout 230 python3 -m hybridkv.cli bench scenarios/$s.toml --out $runs/$s > $OUT/$s.log 2>&1; echo "$s rc=$?"
   grep -E "^\[1/1\]|Error|error" $OUT/$s.log | tail -5
 done
+tar czf $OUT/runs.tgz -C $runs .  # the run folders as one file (the device returns a bounded number of files)

@@ -91,10 +91,13 @@ class HFModel:
         return out.logits[0]
 
     def prefill(self, ids: torch.Tensor, cache: Any, start: int, ends: Sequence[int], keep_from: int,
-                at_boundary: Callable[[int, Any], None] | None = None) -> tuple[torch.Tensor, float]:
+                at_boundary: Callable[[int, Any], None] | None = None,
+                queue_at_once: bool = False) -> tuple[torch.Tensor, float]:
         """Run tokens start..ends[-1] of `ids` in segments ending at `ends`; returns the logits of positions
         keep_from..ends[-1]-1 (float32) and the seconds the forwards took. `at_boundary(end, cache)` runs after
-        every segment but the last, outside the timed region (it copies states out, or snapshots)."""
+        every segment but the last, outside the timed region (it copies states out, or snapshots).
+        `queue_at_once`: the first forward is queued behind the stream's work instead of after it (a layer-wise
+        warm start, whose layers wait for their pages on the GPU); its time then starts at the call."""
         if not ends or ends[0] <= start or list(ends) != sorted(set(ends)) or ends[-1] > len(ids):
             raise ValueError(f"segment ends {list(ends)} must rise from start {start} to at most {len(ids)}")
         if not start <= keep_from < ends[-1]:
@@ -102,7 +105,8 @@ class HFModel:
         logits, seconds, pos = [], 0.0, start
         for i, end in enumerate(ends):
             keep = end - max(pos, keep_from) if end > keep_from else 1
-            self.sync()
+            if not (queue_at_once and i == 0):
+                self.sync()
             t0 = time.perf_counter()
             out = self.forward(ids[pos:end], cache, keep)
             self.sync()
