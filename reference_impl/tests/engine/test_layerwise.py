@@ -93,14 +93,17 @@ def test_wait_layer_orders_a_reader_on_another_stream_after_that_layer_s_copies(
         for g, ids in enumerate(dst):
             for t in pools[g]:
                 t[ids] = 0
-        reader, unordered = torch.cuda.Stream(), torch.cuda.Stream()
+        busy, reader, unordered = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
         g = layout.attention_groups[0]
         j = layout.groups[g].num_layers - 1  # the last attention layer: its copies come last
         name = layout.groups[g].layer_names[j]
         blocks = torch.as_tensor(dst[g], device="cuda")  # before the sleep: a pageable upload would wait for it
         torch.cuda.synchronize()
-        torch.cuda._sleep(200_000_000)  # the copies start after this (retrieve's default `ready`)
-        h = kv.retrieve(hit, dst, layerwise=True)
+        with torch.cuda.stream(busy):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time; the copies start after it
+            ready = torch.cuda.Event()
+            ready.record(busy)
+        h = kv.retrieve(hit, dst, ready=ready, layerwise=True)
         with torch.cuda.stream(unordered):
             early = pools[g][j].index_select(0, blocks)
         h.wait_layer(name, reader)

@@ -146,24 +146,18 @@ class PageCodec:
         for g in self.layout.attention_groups:
             ids = self._attention_ids(blocks, g, n_chunks)
             names = self.layout.groups[g].layer_names
-            n, B = len(ids), self.layout.groups[g].block_tokens
             for j, li in enumerate(self.layer_index[g]):
-                # Tensors of the right length from the start (masks and positions read it before layer 0 runs),
-                # set as the layer's own: `update` would copy them once more.
-                shape = (1, self.kv_heads, n * B, self.head_dim)
-                k, v = (torch.empty(shape, dtype=self.hf.dtype, device=self.hf.device) for _ in range(2))
-                layer = cache.layers[li]
-                layer.lazy_initialization(k, v)
-                layer.keys, layer.values = k, v
+                # the right lengths from the start (masks and positions read them before layer 0 runs)
+                shape = (1, self.kv_heads, len(ids) * self.layout.groups[g].block_tokens, self.head_dim)
+                cache.update(torch.empty(shape, dtype=self.hf.dtype, device=self.hf.device),
+                             torch.empty(shape, dtype=self.hf.dtype, device=self.hf.device), li)
 
-                def fill(module: Any, args: Any, g: int = g, j: int = j, ids: torch.Tensor = ids,
-                         name: str = names[j], pos: int = len(hooks), k: torch.Tensor = k, v: torch.Tensor = v,
-                         n: int = n, B: int = B) -> None:
+                def fill(module: Any, args: Any, g: int = g, j: int = j, li: int = li, ids: torch.Tensor = ids,
+                         name: str = names[j], pos: int = len(hooks)) -> None:
                     load.wait_layer(name)
-                    pages = self._kv_view(g, j).index_select(0, ids)  # (n, 2, B, kvh, hd)
-                    # one strided copy each, straight into the cache's (kvh, n*B, hd) layout
-                    k.view(self.kv_heads, n, B, self.head_dim).permute(1, 2, 0, 3).copy_(pages[:, 0])
-                    v.view(self.kv_heads, n, B, self.head_dim).permute(1, 2, 0, 3).copy_(pages[:, 1])
+                    k, v = self._attention_kv(g, j, ids)
+                    cache.layers[li].keys.copy_(k)
+                    cache.layers[li].values.copy_(v)
                     hooks[pos].remove()  # once: a later segment's forward finds the layer filled
 
                 hooks.append(layers[li].register_forward_pre_hook(fill))
