@@ -98,6 +98,9 @@ def test_wait_layer_orders_a_reader_on_another_stream_after_that_layer_s_copies(
         j = layout.groups[g].num_layers - 1  # the last attention layer: its copies come last
         name = layout.groups[g].layer_names[j]
         blocks = torch.as_tensor(dst[g], device="cuda")  # before the sleep: a pageable upload would wait for it
+        for s in (reader, unordered):  # CUDA loads a kernel at its first use, waiting for the device: not later
+            with torch.cuda.stream(s):
+                pools[g][j].index_select(0, blocks)
         torch.cuda.synchronize()
         with torch.cuda.stream(busy):
             torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time; the copies start after it
