@@ -23,11 +23,11 @@ class RedisProcess:
     """One redis-server without persistence; `kill` and `start` again reuse the same port (a restart)."""
 
     def __init__(self, maxmemory: str = "0", policy: str = "allkeys-lru", password: str = "",
-                 certs: str = "", extra: tuple[str, ...] = ()) -> None:
+                 certs: str = "", extra: tuple[str, ...] = (), port: int = 0) -> None:
         """`certs`: a folder from make_certs(): TLS only (on our port), and clients must show a certificate.
-        `extra`: more redis-server arguments (an ACL `--user` line)."""
+        `extra`: more redis-server arguments (an ACL `--user` line). `port`: 0 for one the kernel picks."""
         assert REDIS_BIN is not None
-        self.port = free_port()
+        self.port = port or free_port()
         self.dir = tempfile.mkdtemp(prefix="hkv-redis-")
         self.maxmemory, self.policy, self.password, self.certs, self.extra = maxmemory, policy, password, certs, extra
         self.proc: subprocess.Popen | None = None
@@ -114,3 +114,94 @@ def skip_reason() -> str | None:
     except ImportError:
         return "the redis client is not installed: pip install -e '.[redis]'"
     return None
+
+
+def free_cluster_port() -> int:
+    """A free port P whose cluster bus port (P + 10000) is free too."""
+    while True:
+        port = free_port()
+        if port + 10000 < 65536:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port + 10000))
+                except OSError:
+                    continue
+            return port
+
+
+class RedisCluster:
+    """A cluster of `n` primaries (no replicas) on loopback, made with `redis-cli --cluster create`.
+
+    `cluster-require-full-coverage no`, as a cache's cluster should run: with a primary gone the others keep
+    serving their slots. `password`: requirepass and masterauth on every node."""
+
+    def __init__(self, n: int = 3, password: str = "", node_timeout_ms: int = 1000) -> None:
+        extra = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout",
+                 str(node_timeout_ms), "--cluster-require-full-coverage", "no",
+                 *(("--masterauth", password) if password else ()))
+        self.password = password
+        self.nodes: list[RedisProcess] = []
+        try:
+            for _ in range(n):
+                self.nodes.append(RedisProcess(password=password, extra=extra, port=free_cluster_port()))
+            subprocess.run([self.cli_bin(), *self._auth(), "--cluster", "create",
+                            *(f"127.0.0.1:{r.port}" for r in self.nodes), "--cluster-replicas", "0", "--cluster-yes"],
+                           check=True, capture_output=True, timeout=60)
+            self.wait_ok()
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def cli_bin() -> str:
+        cli = shutil.which("redis-cli") or shutil.which("valkey-cli")
+        assert cli is not None
+        return cli
+
+    def _auth(self) -> list[str]:
+        return ["-a", self.password, "--no-auth-warning"] if self.password else []
+
+    @property
+    def url(self) -> str:
+        """The adapter's url: every node a seed."""
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{r.port}" for r in self.nodes)
+
+    def cli(self, *args: str, timeout: float = 120) -> str:
+        """redis-cli's output for `args` (e.g. "--cluster", "reshard", ...), failing the test when it fails."""
+        return subprocess.run([self.cli_bin(), *self._auth(), *args], check=True, capture_output=True, text=True,
+                              timeout=timeout).stdout
+
+    def wait_ok(self, alive: list[RedisProcess] | None = None, timeout: float = 20) -> None:
+        """Until every live node says cluster_state:ok and knows all slots' owners."""
+        deadline = time.monotonic() + timeout
+        for r in alive or self.nodes:
+            c = r.client()
+            while True:
+                info = c.execute_command("CLUSTER", "INFO")
+                text = info.decode() if isinstance(info, bytes) else str(info)
+                if "cluster_state:ok" in text:
+                    break
+                assert time.monotonic() < deadline, f"cluster not ok on port {r.port}: {text[:200]}"
+                time.sleep(0.05)
+            c.close()
+
+    def node_id(self, r: RedisProcess) -> str:
+        out = r.client().execute_command("CLUSTER", "MYID")
+        return out.decode() if isinstance(out, bytes) else str(out)
+
+    def owner(self, slot: int) -> RedisProcess:
+        """The node that serves `slot` (as the first node's map says)."""
+        for start, end, primary, *_ in self.nodes[0].client().execute_command("CLUSTER", "SLOTS"):
+            if start <= slot <= end:
+                return next(r for r in self.nodes if r.port == int(primary[1]))
+        raise AssertionError(f"slot {slot} has no owner")
+
+    def close(self) -> None:
+        for r in self.nodes:
+            r.close()
+
+
+def cluster_skip_reason() -> str | None:
+    """Why the Redis Cluster tests cannot run here, or None when they can."""
+    return skip_reason() or (None if shutil.which("redis-cli") or shutil.which("valkey-cli") else
+                             "redis-cli (or valkey-cli) is not installed: apt-get install -y redis-tools")

@@ -92,8 +92,8 @@ def test_damaged_value_is_a_miss_and_deleted(store, damage, caplog):
     r = store.client()
     with make(store) as l2:
         l2.put(key_of(3), 1, NS_A, data)
-        mkey = f"hybridkv:m:{key_of(3).hex()}-1"
-        dkey = f"hybridkv:d:{key_of(3).hex()}-1:2"
+        mkey = f"hybridkv:m:{{{key_of(3).hex()}-1}}"
+        dkey = f"hybridkv:d:{{{key_of(3).hex()}-1}}:2"
         if damage == "payload_bit":
             v = bytearray(r.get(dkey))
             v[100] ^= 0x10
@@ -124,7 +124,7 @@ def test_bad_header_seen_by_probe_is_removed(store):
     r = store.client()
     with make(store) as l2:
         l2.put(key_of(4), 0, NS_A, payload(4, 1000))
-        mkey = f"hybridkv:m:{key_of(4).hex()}-0"
+        mkey = f"hybridkv:m:{{{key_of(4).hex()}-0}}"
         v = bytearray(r.get(mkey))
         v[0] ^= 0xFF
         r.set(mkey, bytes(v))
@@ -182,7 +182,7 @@ def test_a_prefix_that_extends_another_is_a_separate_tenant(store):
             t.put(key_of(i), 0, NS_A, payload(i, 300 * 1024))
             tm.put(key_of(i), 0, NS_A, payload(i + 100, 300 * 1024))
         client = store.client()
-        strangers = {b"tm:m:not-a-meta": b"x", b"tm:m:" + key_of(1).hex().encode() + b"-0x": b"y", b"tq": b"z"}
+        strangers = {b"tm:m:not-a-meta": b"x", b"tm:m:{" + key_of(1).hex().encode() + b"-0}x": b"y", b"tq": b"z"}
         client.mset(strangers)
         assert t.clear(NS_A) == 6
         assert t.clear() == 0
@@ -342,11 +342,11 @@ def test_foreign_value_at_our_key_is_a_miss_and_removed(store):
     r = store.client()
     with make(store) as l2:
         l2.put(key_of(30), 0, NS_A, payload(30, 600_000))
-        dkey = f"hybridkv:d:{key_of(30).hex()}-0:1"
+        dkey = f"hybridkv:d:{{{key_of(30).hex()}-0}}:1"
         r.delete(dkey)
         r.hset(dkey, "x", "y")
         assert not l2.get_into(key_of(30), 0, memoryview(bytearray(600_000)))
-        assert r.exists(f"hybridkv:m:{key_of(30).hex()}-0") == 0
+        assert r.exists(f"hybridkv:m:{{{key_of(30).hex()}-0}}") == 0
         assert l2.stats()["store_up"] == 1  # one bad key does not take the store down
 
 

@@ -113,14 +113,14 @@ def test_with_a_mac_key_only_objects_of_key_holders_are_served(store, tmp_path):
         assert read_back(ours, k3, len(evil)) is None
         # 3. our own object, its payload replaced and every checksum fixed to match
         client = store.client()
-        mkey = f"hybridkv:m:{KEY.hex()}-0"
+        mkey = f"hybridkv:m:{{{KEY.hex()}-0}}"
         meta = client.get(mkey)
         hdr = ObjectHeader.unpack(meta[:HEADER_BYTES])
         forged_hdr = ObjectHeader(hdr.ns, hdr.key, hdr.group, len(evil), zlib.crc32(evil)).pack()
         chunk = struct.unpack_from("<I", meta, HEADER_BYTES)[0]
         client.set(mkey, forged_hdr + meta[HEADER_BYTES:])
         for i in range(0, len(evil), chunk):
-            client.set(f"hybridkv:d:{KEY.hex()}-0:{i // chunk}", evil[i:i + chunk])
+            client.set(f"hybridkv:d:{{{KEY.hex()}-0}}:{i // chunk}", evil[i:i + chunk])
         assert read_back(ours, KEY, len(evil)) is None
         assert ours.stats()["forged"] == 3
         assert read_back(stranger, KEY, len(evil)) is None  # removed: the stranger no longer finds it either
