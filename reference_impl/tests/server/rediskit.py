@@ -86,6 +86,28 @@ class RedisProcess:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def key_of(i: int) -> bytes:
+    """Object key number `i`: 16 bytes."""
+    return i.to_bytes(4, "little") * 4
+
+
+def payload(i: int, size: int) -> bytes:
+    """Object `i`'s `size` bytes, the same every time."""
+    import random
+
+    block = random.Random(i).randbytes(4096)
+    return (block * (size // 4096 + 1))[:size]
+
+
+def read_back(l2, key: bytes, group: int) -> bytes | None:
+    """What the adapter serves for (key, group), or None for a miss."""
+    n = l2.length(key, group)
+    if n is None:
+        return None
+    out = bytearray(n)
+    return bytes(out) if l2.get_into(key, group, memoryview(out)) else None
+
+
 def make_certs(folder: str) -> str:
     """A CA, a server certificate for 127.0.0.1 and a client certificate, all signed by it (openssl); keys 0600."""
     def run(*args: str) -> None:

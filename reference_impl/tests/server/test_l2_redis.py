@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import threading
 import time
 
@@ -13,6 +12,7 @@ import rediskit
 from hybridkv.server.l2.base import L2Error
 from hybridkv.server.l2.header import HEADER_BYTES
 from hybridkv.server.l2.specs import FsL2Spec, L2ConfigError, RedisL2Spec, parse_l2_adapter
+from rediskit import key_of, payload, read_back
 
 pytestmark = pytest.mark.skipif(rediskit.skip_reason() is not None, reason=str(rediskit.skip_reason()))
 
@@ -33,23 +33,6 @@ def make(store, **kw):
 
     kw.setdefault("chunk_bytes", 256 * 1024)
     return RedisL2(RedisL2Spec(url=store.url, **kw))
-
-
-def key_of(i: int) -> bytes:
-    return i.to_bytes(4, "little") * 4
-
-
-def payload(i: int, size: int) -> bytes:
-    block = random.Random(i).randbytes(4096)
-    return (block * (size // 4096 + 1))[:size]
-
-
-def read_back(l2, key: bytes, group: int) -> bytes | None:
-    n = l2.length(key, group)
-    if n is None:
-        return None
-    out = bytearray(n)
-    return bytes(out) if l2.get_into(key, group, memoryview(out)) else None
 
 
 @pytest.mark.parametrize("size", [0, 1, 1000, 256 * 1024, 256 * 1024 + 1, 3 * MB + 17])

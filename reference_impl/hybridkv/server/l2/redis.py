@@ -26,7 +26,7 @@ import redis
 from hybridkv.keys import ObjectKey
 from hybridkv.server.l2.base import L2Adapter, L2Error, byte_view, check_key, check_ns
 from hybridkv.server.l2.header import BadObject, ObjectHeader, crc32
-from hybridkv.server.l2.redis_cluster import store_links
+from hybridkv.server.l2.redis_cluster import ClusterLink, store_links
 from hybridkv.server.l2.redis_link import DOWN, StoreHealth
 from hybridkv.server.l2.redis_meta import Forged, MetaCodec
 
@@ -275,7 +275,7 @@ class RedisL2(L2Adapter):
             held = [k for k in self._known.values() if k.length is not None]
             return {"objects": len(held), "bytes": sum(k.length or 0 for k in held),
                     "capacity_bytes": self.capacity_bytes, "store_up": int(self._health.up()),
-                    **self._counters}
+                    **self._counters, **(self._data.stats() if isinstance(self._data, ClusterLink) else {})}
 
     def close(self) -> None:
         """Close the connections; the store keeps the objects for other servers and restarts."""

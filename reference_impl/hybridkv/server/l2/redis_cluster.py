@@ -75,6 +75,7 @@ class ClusterMap:
         self._refreshing = threading.Lock()
         self._stale = True
         self._asked_at = -1e9
+        self.redirects = {"moved": 0, "asked": 0}  # MOVED and ASK replies followed
 
     def health(self, addr: Addr) -> StoreHealth:
         with self._lock:
@@ -86,6 +87,16 @@ class ClusterMap:
 
     def primaries(self) -> list[Addr]:
         return sorted({a for a in self.owner if a is not None})
+
+    def count(self, redirect: str) -> None:
+        with self._lock:
+            self.redirects[redirect] += 1
+
+    def stats(self) -> dict[str, int]:
+        """The primaries the map names, how many of them are not backing off, and the redirects followed."""
+        nodes = self.primaries()
+        return {"cluster_nodes": len(nodes), "cluster_nodes_up": sum(self.health(a).up() for a in nodes),
+                "cluster_moved": self.redirects["moved"], "cluster_asked": self.redirects["asked"]}
 
     def mark_stale(self) -> None:
         self._stale = True
@@ -172,6 +183,7 @@ class ClusterLink:
                         to = to or addr
                         if isinstance(r, MovedError):
                             self._map.moved(rslot, to)
+                        self._map.count("moved" if isinstance(r, MovedError) else "asked")
                         todo[i] = (to, not isinstance(r, MovedError))
                     elif isinstance(r, TryAgainError):
                         todo[i], pause = (self._map.owner[slot], False), True
@@ -267,6 +279,9 @@ class ClusterLink:
             except (redis.RedisError, OSError) as e:
                 health.failed("SCAN", e)
                 log.warning("L2 redis: SCAN skipped cluster node %s:%d (%s): its keys are left", *addr, e)
+
+    def stats(self) -> dict[str, int]:
+        return self._map.stats()
 
     def disconnect(self) -> None:
         with self._lock:

@@ -192,7 +192,8 @@ class RedisL2Spec:
 
         netloc = self.url.split("://", 1)[-1].split("/", 1)[0]
         if "@" in netloc:
-            raise L2ConfigError(f"redis L2 url {self.url!r} carries a user or password: give username and "
+            shown = self.url.split("://", 1)[0] + "://" + self.url.split("@", 1)[-1]  # without the secret
+            raise L2ConfigError(f"redis L2 url {shown} carries a user or password: give username and "
                                 "password_file or password_env instead")
         seeds = []
         for part in netloc.split(","):
