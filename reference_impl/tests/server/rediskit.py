@@ -157,15 +157,16 @@ class RedisCluster:
     `cluster-require-full-coverage no`, as a cache's cluster should run: with a primary gone the others keep
     serving their slots. `password`: requirepass and masterauth on every node."""
 
-    def __init__(self, n: int = 3, password: str = "", node_timeout_ms: int = 1000) -> None:
+    def __init__(self, n: int = 3, password: str = "", node_timeout_ms: int = 1000, certs: str = "") -> None:
+        """`certs`: a folder from make_certs(): TLS only, between the nodes too (tls-cluster)."""
         extra = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout",
                  str(node_timeout_ms), "--cluster-require-full-coverage", "no",
-                 *(("--masterauth", password) if password else ()))
-        self.password = password
+                 *(("--masterauth", password) if password else ()), *(("--tls-cluster", "yes") if certs else ()))
+        self.password, self.certs = password, certs
         self.nodes: list[RedisProcess] = []
         try:
             for _ in range(n):
-                self.nodes.append(RedisProcess(password=password, extra=extra, port=free_cluster_port()))
+                self.nodes.append(RedisProcess(password=password, extra=extra, port=free_cluster_port(), certs=certs))
             subprocess.run([self.cli_bin(), *self._auth(), "--cluster", "create",
                             *(f"127.0.0.1:{r.port}" for r in self.nodes), "--cluster-replicas", "0", "--cluster-yes"],
                            check=True, capture_output=True, timeout=60)
@@ -181,12 +182,15 @@ class RedisCluster:
         return cli
 
     def _auth(self) -> list[str]:
-        return ["-a", self.password, "--no-auth-warning"] if self.password else []
+        c = self.certs
+        return [*(["-a", self.password, "--no-auth-warning"] if self.password else []),
+                *(["--tls", "--cacert", f"{c}/ca.crt", "--cert", f"{c}/client.crt", "--key", f"{c}/client.key"]
+                  if c else [])]
 
     @property
     def url(self) -> str:
         """The adapter's url: every node a seed."""
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{r.port}" for r in self.nodes)
+        return f"{'rediss' if self.certs else 'redis'}+cluster://" + ",".join(f"127.0.0.1:{r.port}" for r in self.nodes)
 
     def cli(self, *args: str, timeout: float = 120) -> str:
         """redis-cli's output for `args` (e.g. "--cluster", "reshard", ...), failing the test when it fails."""

@@ -5,6 +5,8 @@ one namespace on every node; and, slow, a resharding by redis-cli mid-run, a nod
 from __future__ import annotations
 
 import json
+import logging
+import shutil
 import threading
 import time
 
@@ -94,6 +96,27 @@ def test_cluster_url_seeds():
     assert spec.cluster and spec.tls and spec.seeds == (("10.0.0.1", 7000), ("::1", 7001), ("h3", 6379))
     assert not RedisL2Spec("redis://h:1/0").cluster
     assert RedisL2Spec("redis+cluster://h:1").describe().startswith("redis cluster ")
+
+
+@pytest.mark.skipif(rediskit.skip_reason() is not None, reason=str(rediskit.skip_reason()))
+def test_a_cluster_url_at_a_plain_server_or_at_nothing_is_a_store_that_is_down(caplog):
+    """No node answers CLUSTER SLOTS (a server without cluster support, a port nobody listens on): misses and
+    failed puts, said in the log, never an exception out of a read."""
+    from hybridkv.server.l2.redis import RedisL2
+
+    plain = rediskit.RedisProcess()
+    try:
+        for url in (f"redis+cluster://127.0.0.1:{plain.port}", f"redis+cluster://127.0.0.1:{rediskit.free_port()}"):
+            with caplog.at_level(logging.WARNING, logger="hybridkv.server.l2.redis"), \
+                    RedisL2(RedisL2Spec(url=url)) as l2:
+                assert l2.length(key_of(1), 0) is None
+                assert not l2.get_into(key_of(1), 0, memoryview(bytearray(10)))
+                with pytest.raises(L2Error, match="unreachable"):
+                    l2.put(key_of(1), 0, NS_A, b"abc")
+                assert l2.stats()["store_up"] == 0
+        assert "cluster support disabled" in caplog.text and "no cluster node answers CLUSTER SLOTS" in caplog.text
+    finally:
+        plain.close()
 
 
 # ---- on a 3-node cluster ----
@@ -291,5 +314,32 @@ def test_auth_on_the_cluster(tmp_path):
             with pytest.raises(L2Error):
                 stranger.put(key_of(100), 0, NS_A, b"x" * 100)
             assert stranger.stats()["store_up"] == 0
+    finally:
+        c.close()
+
+
+@needs_cluster
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl makes the test's certificates")
+def test_tls_on_the_cluster(tmp_path):
+    """A cluster that speaks only TLS, between its nodes too, and asks clients for certificates: rediss+cluster://
+    with our certificate reaches every node (the map names their TLS ports); without one it is a store that is
+    down."""
+    certs = rediskit.make_certs(str(tmp_path))
+    c = rediskit.RedisCluster(certs=certs)
+    try:
+        from hybridkv.server.l2.redis import RedisL2
+
+        tls = {"tls_ca_file": f"{certs}/ca.crt", "tls_cert_file": f"{certs}/client.crt",
+               "tls_key_file": f"{certs}/client.key"}
+        spec = {"type": "redis", "url": c.url, "chunk_mb": CHUNK / (1 << 20)}
+        with RedisL2(parse_l2_adapter(json.dumps({**spec, **tls}))) as l2:
+            for i in range(30):
+                l2.put(key_of(i), 0, NS_A, payload(i, SIZE))
+            assert all(read_back(l2, key_of(i), 0) == payload(i, SIZE) for i in range(30))
+            assert all(len(our_keys(r)) > 0 for r in c.nodes)
+        with RedisL2(parse_l2_adapter(json.dumps({**spec, "tls_ca_file": tls["tls_ca_file"]}))) as no_cert:
+            assert read_back(no_cert, key_of(1), 0) is None
+            assert no_cert.stats()["store_up"] == 0
     finally:
         c.close()

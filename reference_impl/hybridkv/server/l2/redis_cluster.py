@@ -43,6 +43,7 @@ SLOTS = 16384
 Addr = tuple[str, int]
 Command = tuple[str, tuple, dict]  # a redis.Redis method, its arguments (the key first) and keywords
 _REFRESH_EVERY_S = 0.2             # the map is asked again at most this often while it is known to be stale
+_MAX_ROUNDS = 16                   # redirects followed for one command (nodes that disagree cannot loop us)
 
 
 def key_slot(name: str | bytes) -> int:
@@ -170,7 +171,9 @@ class ClusterLink:
         todo: dict[int, tuple[Addr | None, bool]] = {i: (self._map.owner[key_slot(c[1][0])], False)
                                                       for i, c in enumerate(cmds)}
         clusterdown: set[int] = set()
-        while todo:
+        for _round in range(_MAX_ROUNDS):
+            if not todo:
+                break
             groups: dict[tuple[Addr | None, bool], list[int]] = {}
             for i, route in todo.items():
                 groups.setdefault(route, []).append(i)
@@ -178,7 +181,7 @@ class ClusterLink:
             for (addr, asking), idx in groups.items():
                 for i, r in zip(idx, self._send(addr, asking, [cmds[i] for i in idx]), strict=True):
                     slot = key_slot(cmds[i][1][0])
-                    if isinstance(r, MovedError | AskError):
+                    if isinstance(r, MovedError | AskError) and addr is not None:  # (None: NodeDown)
                         rslot, to = _redirect(r)
                         to = to or addr
                         if isinstance(r, MovedError):
@@ -204,11 +207,12 @@ class ClusterLink:
                         for i, (a, k) in todo.items()}
             left = deadline - time.monotonic()
             if left <= 0:
-                for i in todo:
-                    out[i] = NodeDown(f"slot {key_slot(cmds[i][1][0])} still moving after {self._timeout} s")
                 break
             if pause:
                 time.sleep(min(0.01, left))
+        for i in todo:
+            out[i] = NodeDown(f"slot {key_slot(cmds[i][1][0])} still moving (redirected or TRYAGAIN until the "
+                              f"link's {self._timeout} s or {_MAX_ROUNDS} tries were spent)")
         return out
 
     def _send(self, addr: Addr | None, asking: bool, cmds: list[Command]) -> list[Any]:
