@@ -157,8 +157,10 @@ class RedisCluster:
     `cluster-require-full-coverage no`, as a cache's cluster should run: with a primary gone the others keep
     serving their slots. `password`: requirepass and masterauth on every node."""
 
-    def __init__(self, n: int = 3, password: str = "", node_timeout_ms: int = 1000, certs: str = "") -> None:
-        """`certs`: a folder from make_certs(): TLS only, between the nodes too (tls-cluster)."""
+    def __init__(self, n: int = 3, password: str = "", node_timeout_ms: int = 1000, certs: str = "",
+                 replicas: int = 0) -> None:
+        """`certs`: a folder from make_certs(): TLS only, between the nodes too (tls-cluster). `replicas`: per
+        primary (n / (replicas + 1) primaries)."""
         extra = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout",
                  str(node_timeout_ms), "--cluster-require-full-coverage", "no",
                  *(("--masterauth", password) if password else ()), *(("--tls-cluster", "yes") if certs else ()))
@@ -168,7 +170,8 @@ class RedisCluster:
             for _ in range(n):
                 self.nodes.append(RedisProcess(password=password, extra=extra, port=free_cluster_port(), certs=certs))
             subprocess.run([self.cli_bin(), *self._auth(), "--cluster", "create",
-                            *(f"127.0.0.1:{r.port}" for r in self.nodes), "--cluster-replicas", "0", "--cluster-yes"],
+                            *(f"127.0.0.1:{r.port}" for r in self.nodes), "--cluster-replicas", str(replicas),
+                            "--cluster-yes"],
                            check=True, capture_output=True, timeout=60)
             self.wait_ok()
         except BaseException:
@@ -210,6 +213,10 @@ class RedisCluster:
                 assert time.monotonic() < deadline, f"cluster not ok on port {r.port}: {text[:200]}"
                 time.sleep(0.05)
             c.close()
+
+    def primaries(self) -> list[RedisProcess]:
+        ports = {int(p[1]) for _, _, p, *_ in self.nodes[0].client().execute_command("CLUSTER", "SLOTS")}
+        return [r for r in self.nodes if r.port in ports]
 
     def node_id(self, r: RedisProcess) -> str:
         out = r.client().execute_command("CLUSTER", "MYID")

@@ -293,6 +293,39 @@ def test_a_node_killed_is_misses_for_its_objects_only():
 
 @needs_cluster
 @pytest.mark.slow
+def test_a_primary_lost_to_its_replica_serves_again_after_the_failover():
+    """3 primaries with a replica each: SIGKILL a primary; once its replica has taken its slots over, the
+    adapter finds them in the map and every object is a hit again, byte-exact (misses meanwhile, never wrong)."""
+    c = rediskit.RedisCluster(n=6, replicas=1)
+    try:
+        codec = MetaCodec("hybridkv:", b"")
+        with make(c, retry_after_s=0.1, index_ttl_s=0.0, miss_ttl_s=0.0) as l2:
+            for i in range(30):
+                l2.put(key_of(i), 0, NS_A, payload(i, SIZE))
+            deadline = time.monotonic() + 10
+            while sum(r.client().dbsize() for r in c.nodes) < 2 * 30 * 7:  # every key on its replica too
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            victim = next(r for r in c.primaries() if r is not c.nodes[0])
+            mine = [i for i in range(30) if c.owner(key_slot(codec.meta_key(key_of(i), 0))) is victim]
+            assert mine
+            victim.kill()
+            deadline = time.monotonic() + 20
+            while True:
+                got = [read_back(l2, key_of(i), 0) for i in mine]
+                assert all(g is None or g == payload(i, SIZE) for g, i in zip(got, mine, strict=True))
+                if all(g is not None for g in got):
+                    break
+                assert time.monotonic() < deadline, "the replica never served the lost primary's objects"
+                time.sleep(0.1)
+            assert all(read_back(l2, key_of(i), 0) == payload(i, SIZE) for i in range(30))
+            assert l2.stats()["cluster_nodes"] == 3
+    finally:
+        c.close()
+
+
+@needs_cluster
+@pytest.mark.slow
 def test_auth_on_the_cluster(tmp_path):
     """requirepass + masterauth on every node: the password from a file reaches every node (objects spread over
     all three); without it the cluster refuses us, which is a store that is down."""

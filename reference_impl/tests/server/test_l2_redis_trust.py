@@ -147,6 +147,9 @@ def test_tls_with_a_client_certificate(tmp_path):
             assert read_back(plain, KEY, len(data)) is None
         with adapter(store.url, **{**tls, "tls_ca_file": f"{certs}/client.crt"}) as wrong_ca:  # unverified store
             assert read_back(wrong_ca, KEY, len(data)) is None
+        # the certificate is for 127.0.0.1: the same server reached as "localhost" is not the host it names
+        with adapter(store.url.replace("127.0.0.1", "localhost"), **tls) as other_name:
+            assert read_back(other_name, KEY, len(data)) is None
     finally:
         store.close()
     with pytest.raises(L2ConfigError, match="needs a rediss://"):

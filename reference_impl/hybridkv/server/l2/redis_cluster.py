@@ -221,6 +221,7 @@ class ClusterLink:
             return [NodeDown(f"slot {key_slot(c[1][0])} is served by no node the cluster knows") for c in cmds]
         health = self._map.health(addr)
         if not health.up():
+            self._map.mark_stale()  # asked again (every 0.2 s at most): a replica may have its slots by now
             return [NodeDown(f"cluster node {addr[0]}:{addr[1]} is down (backing off)")] * len(cmds)
         pipe = self.client(addr).pipeline(transaction=False)
         for method, args, kw in cmds:

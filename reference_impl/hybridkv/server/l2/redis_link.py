@@ -33,14 +33,14 @@ def redis_client(url: str, timeout_s: float, connect_s: float, conns: int, usern
                  password: str = "", tls: dict[str, str] | None = None) -> redis.Redis:
     """A client whose pool blocks at `conns` connections and retries a dead connection once, at once;
     AUTH with `password` (and `username`, an ACL user) on every new connection when given; on rediss://
-    the store's certificate is verified (against `tls["ca"]`, else the system's CAs) and `tls["cert"]` /
-    `tls["key"]` are this client's certificate."""
+    the store's certificate is verified (against `tls["ca"]`, else the system's CAs) for the url's host,
+    and `tls["cert"]` / `tls["key"]` are this client's certificate."""
     if url.startswith("valkey"):
         url = "redis" + url[len("valkey"):]  # valkey:// and valkeys:// speak the Redis protocol
     extra: dict[str, object] = {}
     if url.startswith("rediss://"):
         tls = tls or {}
-        extra = {"ssl_cert_reqs": "required", "ssl_ca_certs": tls.get("ca") or None,
+        extra = {"ssl_cert_reqs": "required", "ssl_check_hostname": True, "ssl_ca_certs": tls.get("ca") or None,
                  "ssl_certfile": tls.get("cert") or None, "ssl_keyfile": tls.get("key") or None}
     pool = redis.BlockingConnectionPool.from_url(
         url, max_connections=conns, timeout=timeout_s, socket_timeout=timeout_s,
