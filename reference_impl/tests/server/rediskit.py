@@ -214,6 +214,14 @@ class RedisCluster:
                 time.sleep(0.05)
             c.close()
 
+    def wait_down(self, nodes: list[RedisProcess], timeout: float = 20) -> None:
+        """Until each of `nodes` says cluster_state:fail."""
+        deadline = time.monotonic() + timeout
+        for r in nodes:
+            while "cluster_state:fail" not in str(r.client().execute_command("CLUSTER", "INFO")):
+                assert time.monotonic() < deadline, f"cluster still up on port {r.port}"
+                time.sleep(0.05)
+
     def primaries(self) -> list[RedisProcess]:
         ports = {int(p[1]) for _, _, p, *_ in self.nodes[0].client().execute_command("CLUSTER", "SLOTS")}
         return [r for r in self.nodes if r.port in ports]

@@ -259,9 +259,10 @@ def test_resharding_by_redis_cli_mid_run_is_followed(empty):
 
 @needs_cluster
 @pytest.mark.slow
-def test_a_node_killed_is_misses_for_its_objects_only():
+def test_a_node_killed_is_misses_for_its_objects_only(caplog):
     """SIGKILL one primary: its objects are misses (fast, after one failure), puts to its slots raise L2Error,
-    the other nodes' objects are hits byte-exact and their puts work; the store as a whole stays up."""
+    the other nodes' objects are hits byte-exact and their puts work; the store as a whole stays up. Then
+    CLUSTERDOWN (full coverage required) is misses only, and the node restarted serves again."""
     c = rediskit.RedisCluster()
     try:
         codec = MetaCodec("hybridkv:", b"")
@@ -287,6 +288,24 @@ def test_a_node_killed_is_misses_for_its_objects_only():
                     assert read_back(l2, key_of(i), 0) == payload(i, SIZE)
             st = l2.stats()
             assert st["store_up"] == 1 and st["cluster_nodes_up"] == 2, st
+
+            # A cluster that wants every slot covered refuses all commands now (CLUSTERDOWN): every read a miss,
+            # none an exception; the node restarted (empty, same slots) makes the cluster whole and serving again.
+            survivors = [r for r in c.nodes if r is not victim]
+            for r in survivors:
+                r.client().config_set("cluster-require-full-coverage", "yes")
+            c.wait_down(survivors)
+            with caplog.at_level(logging.WARNING, logger="hybridkv.server.l2.redis"):
+                assert all(read_back(l2, key_of(i), 0) is None for i in range(45))
+            assert "CLUSTERDOWN" in caplog.text
+            victim.start()
+            c.wait_ok()
+            deadline = time.monotonic() + 20
+            while read_back(l2, key_of(next(i for i in range(45) if i not in on_victim)), 0) is None:
+                assert time.monotonic() < deadline, "the cluster never served again"
+                time.sleep(0.1)
+            for i in range(45):
+                assert read_back(l2, key_of(i), 0) == (None if i in on_victim else payload(i, SIZE)), i
     finally:
         c.close()
 
