@@ -197,8 +197,21 @@ class RedisCluster:
 
     def cli(self, *args: str, timeout: float = 120) -> str:
         """redis-cli's output for `args` (e.g. "--cluster", "reshard", ...), failing the test when it fails."""
-        return subprocess.run([self.cli_bin(), *self._auth(), *args], check=True, capture_output=True, text=True,
-                              timeout=timeout).stdout
+        p = subprocess.run([self.cli_bin(), *self._auth(), *args], capture_output=True, text=True, timeout=timeout)
+        assert p.returncode == 0, f"redis-cli {' '.join(args)} failed ({p.returncode}): {p.stdout[-2000:]}{p.stderr}"
+        return p.stdout
+
+    def wait_agree(self, timeout: float = 20) -> None:
+        """Until `redis-cli --cluster check` finds every node agreeing on the slots (after a SETSLOT by hand the
+        nodes' gossip takes a moment; a resharding refuses to start before)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            p = subprocess.run([self.cli_bin(), *self._auth(), "--cluster", "check", f"127.0.0.1:{self.nodes[0].port}"],
+                               capture_output=True, text=True, timeout=60)
+            if p.returncode == 0 and "[ERR]" not in p.stdout and "[WARNING]" not in p.stdout:
+                return
+            assert time.monotonic() < deadline, f"the nodes do not agree: {p.stdout[-2000:]}"
+            time.sleep(0.1)
 
     def wait_ok(self, alive: list[RedisProcess] | None = None, timeout: float = 20) -> None:
         """Until every live node says cluster_state:ok and knows all slots' owners."""

@@ -183,6 +183,7 @@ def test_a_slot_migrated_under_us_is_followed_by_ask_then_moved(empty):
             assert l2.get_into(kk, 0, memoryview(out)) and bytes(out) == payload(i, SIZE)
         assert l2.stats()["cluster_moved"] >= 1
         assert empty.owner(slot) is dst and src.client().execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0
+    empty.wait_agree()  # the next tests (a resharding) want a cluster whose nodes agree
 
 
 @needs_cluster
@@ -237,6 +238,7 @@ def test_resharding_by_redis_cli_mid_run_is_followed(empty):
                     continue
                 if got is not None and got != payload(i, SIZE):
                     errors.append(f"thread {t}: wrong bytes for object {i}")
+        empty.wait_agree()
         threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
         for th in threads:
             th.start()

@@ -202,7 +202,8 @@ class ClusterLink:
             if not todo:
                 break
             if any(route[0] is None for route in todo.values()):
-                self._map.refresh(self.client, force=True)
+                self._map.mark_stale()
+                self._map.refresh(self.client)  # at most every 0.2 s: a slot that no node serves is a miss
                 todo = {i: (self._map.owner[key_slot(cmds[i][1][0])] if a is None else a, k)
                         for i, (a, k) in todo.items()}
             left = deadline - time.monotonic()
