@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import threading
 import time
 
@@ -13,6 +12,7 @@ import rediskit
 from hybridkv.server.l2.base import L2Error
 from hybridkv.server.l2.header import HEADER_BYTES
 from hybridkv.server.l2.specs import FsL2Spec, L2ConfigError, RedisL2Spec, parse_l2_adapter
+from rediskit import key_of, payload, read_back
 
 pytestmark = pytest.mark.skipif(rediskit.skip_reason() is not None, reason=str(rediskit.skip_reason()))
 
@@ -33,23 +33,6 @@ def make(store, **kw):
 
     kw.setdefault("chunk_bytes", 256 * 1024)
     return RedisL2(RedisL2Spec(url=store.url, **kw))
-
-
-def key_of(i: int) -> bytes:
-    return i.to_bytes(4, "little") * 4
-
-
-def payload(i: int, size: int) -> bytes:
-    block = random.Random(i).randbytes(4096)
-    return (block * (size // 4096 + 1))[:size]
-
-
-def read_back(l2, key: bytes, group: int) -> bytes | None:
-    n = l2.length(key, group)
-    if n is None:
-        return None
-    out = bytearray(n)
-    return bytes(out) if l2.get_into(key, group, memoryview(out)) else None
 
 
 @pytest.mark.parametrize("size", [0, 1, 1000, 256 * 1024, 256 * 1024 + 1, 3 * MB + 17])
@@ -92,8 +75,8 @@ def test_damaged_value_is_a_miss_and_deleted(store, damage, caplog):
     r = store.client()
     with make(store) as l2:
         l2.put(key_of(3), 1, NS_A, data)
-        mkey = f"hybridkv:m:{key_of(3).hex()}-1"
-        dkey = f"hybridkv:d:{key_of(3).hex()}-1:2"
+        mkey = f"hybridkv:m:{{{key_of(3).hex()}-1}}"
+        dkey = f"hybridkv:d:{{{key_of(3).hex()}-1}}:2"
         if damage == "payload_bit":
             v = bytearray(r.get(dkey))
             v[100] ^= 0x10
@@ -124,7 +107,7 @@ def test_bad_header_seen_by_probe_is_removed(store):
     r = store.client()
     with make(store) as l2:
         l2.put(key_of(4), 0, NS_A, payload(4, 1000))
-        mkey = f"hybridkv:m:{key_of(4).hex()}-0"
+        mkey = f"hybridkv:m:{{{key_of(4).hex()}-0}}"
         v = bytearray(r.get(mkey))
         v[0] ^= 0xFF
         r.set(mkey, bytes(v))
@@ -182,7 +165,7 @@ def test_a_prefix_that_extends_another_is_a_separate_tenant(store):
             t.put(key_of(i), 0, NS_A, payload(i, 300 * 1024))
             tm.put(key_of(i), 0, NS_A, payload(i + 100, 300 * 1024))
         client = store.client()
-        strangers = {b"tm:m:not-a-meta": b"x", b"tm:m:" + key_of(1).hex().encode() + b"-0x": b"y", b"tq": b"z"}
+        strangers = {b"tm:m:not-a-meta": b"x", b"tm:m:{" + key_of(1).hex().encode() + b"-0}x": b"y", b"tq": b"z"}
         client.mset(strangers)
         assert t.clear(NS_A) == 6
         assert t.clear() == 0
@@ -342,11 +325,11 @@ def test_foreign_value_at_our_key_is_a_miss_and_removed(store):
     r = store.client()
     with make(store) as l2:
         l2.put(key_of(30), 0, NS_A, payload(30, 600_000))
-        dkey = f"hybridkv:d:{key_of(30).hex()}-0:1"
+        dkey = f"hybridkv:d:{{{key_of(30).hex()}-0}}:1"
         r.delete(dkey)
         r.hset(dkey, "x", "y")
         assert not l2.get_into(key_of(30), 0, memoryview(bytearray(600_000)))
-        assert r.exists(f"hybridkv:m:{key_of(30).hex()}-0") == 0
+        assert r.exists(f"hybridkv:m:{{{key_of(30).hex()}-0}}") == 0
         assert l2.stats()["store_up"] == 1  # one bad key does not take the store down
 
 

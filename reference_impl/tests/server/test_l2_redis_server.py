@@ -109,3 +109,89 @@ def test_store_killed_and_restarted_mid_run(server_factory, store):
         lookup_checked(eng, docs[5], 6)
         assert s.alive()
         assert c.call(P.Health())[0].status == "ok"
+
+
+@pytest.fixture
+def cluster():
+    if rediskit.cluster_skip_reason() is not None:
+        pytest.skip(str(rediskit.cluster_skip_reason()))
+    c = rediskit.RedisCluster()
+    yield c
+    c.close()
+
+
+def lookup_bytes_checked(eng: Engine, keys: list[bytes]) -> int:
+    """Look up every group, verify every byte handed out, release; how many chunks hit (misses allowed)."""
+    res = eng.lookup(keys, policy="all")
+    eng.check(keys, res)
+    if res.lease:
+        eng.client.call(P.Release(engine=eng.id, lease=res.lease))
+    return res.hit_chunks
+
+
+def metas_by_node(cluster) -> list[list[bytes]]:
+    """The namespace of every object's meta on each node (SCAN of each node: it holds only its slots)."""
+    from hybridkv.server.l2.header import HEADER_BYTES, ObjectHeader
+
+    out = []
+    for r in cluster.nodes:
+        c = r.client()
+        out.append([ObjectHeader.unpack(c.get(n)[:HEADER_BYTES]).ns for n in c.scan_iter(match=b"hybridkv:m:*")])
+    return out
+
+
+@pytest.mark.slow
+def test_a_server_on_a_cluster_spills_reshards_clears_and_loses_a_node(server_factory, cluster):
+    """`hybridkv serve` with a 3-node Redis Cluster as L2: what spills from its 1 MiB L1 lands on every node and
+    is read back byte-exact; a `redis-cli --cluster reshard` while lookups run hands out no wrong byte; Clear of
+    one namespace removes its objects on every node and only them; a node killed makes its objects misses while
+    the server keeps serving, storing and answering Health."""
+    import threading
+
+    s = server_factory(*redis_flags(cluster), name="a", l1_gib=TINY_L1)
+    with CacheClient(s.endpoint, timeout_s=20) as c:
+        eng, other = Engine(c), Engine(c, salt="another-tenant")
+        docs = [eng.keys(6, seed=20 + i) for i in range(8)]
+        theirs = [other.keys(6, seed=40 + i) for i in range(3)]
+        for d in docs + theirs:
+            eng.store(d) if d in docs else other.store(d)
+        for d in docs:  # most were pushed out of L1 into the cluster by those after them: read back from there
+            lookup_checked(eng, d, 6)
+        st = counters(c)
+        assert st["l2_spills"] > 0 and st["l2_prefetch_bytes"] > 0 and st["l2_cluster_nodes"] == 3
+        per_node = metas_by_node(cluster)
+        assert all(len(m) > 3 for m in per_node), [len(m) for m in per_node]
+
+        src, dst = cluster.nodes[0], cluster.nodes[1]
+        reshard = threading.Thread(target=cluster.cli, args=(
+            "--cluster", "reshard", f"127.0.0.1:{src.port}", "--cluster-from", cluster.node_id(src),
+            "--cluster-to", cluster.node_id(dst), "--cluster-slots", "2000", "--cluster-yes"))
+        reshard.start()
+        rounds = 0
+        while reshard.is_alive() or rounds < 2:
+            for d in docs:
+                lookup_bytes_checked(eng, d)
+            rounds += 1
+        reshard.join()
+        time.sleep(0.3)
+        for d in docs:
+            lookup_checked(eng, d, 6)
+
+        ns_other = other.reg.namespace
+        assert any(ns_other in m for m in metas_by_node(cluster))
+        assert c.call(P.Clear(engine=other.id))[0].count > 0
+        after = metas_by_node(cluster)
+        assert all(ns_other not in m and m for m in after), [len(m) for m in after]
+        time.sleep(0.3)
+        assert all(lookup_bytes_checked(other, d) == 0 for d in theirs)
+
+        cluster.nodes[2].kill()
+        hits = [lookup_bytes_checked(eng, d) for d in docs for _ in range(2)]
+        assert sum(hits) < 2 * 6 * len(docs), hits  # the dead node's objects are gone: misses
+        for i in range(4):
+            fresh = eng.keys(6, seed=60 + i)
+            eng.store(fresh)
+            lookup_checked(eng, fresh, 6)
+        assert s.alive() and c.call(P.Health())[0].status == "ok"
+        st = counters(c)
+        assert st["l2_store_up"] == 1 and st["l2_cluster_nodes_up"] == 2, st

@@ -113,14 +113,14 @@ def test_with_a_mac_key_only_objects_of_key_holders_are_served(store, tmp_path):
         assert read_back(ours, k3, len(evil)) is None
         # 3. our own object, its payload replaced and every checksum fixed to match
         client = store.client()
-        mkey = f"hybridkv:m:{KEY.hex()}-0"
+        mkey = f"hybridkv:m:{{{KEY.hex()}-0}}"
         meta = client.get(mkey)
         hdr = ObjectHeader.unpack(meta[:HEADER_BYTES])
         forged_hdr = ObjectHeader(hdr.ns, hdr.key, hdr.group, len(evil), zlib.crc32(evil)).pack()
         chunk = struct.unpack_from("<I", meta, HEADER_BYTES)[0]
         client.set(mkey, forged_hdr + meta[HEADER_BYTES:])
         for i in range(0, len(evil), chunk):
-            client.set(f"hybridkv:d:{KEY.hex()}-0:{i // chunk}", evil[i:i + chunk])
+            client.set(f"hybridkv:d:{{{KEY.hex()}-0}}:{i // chunk}", evil[i:i + chunk])
         assert read_back(ours, KEY, len(evil)) is None
         assert ours.stats()["forged"] == 3
         assert read_back(stranger, KEY, len(evil)) is None  # removed: the stranger no longer finds it either
@@ -147,6 +147,9 @@ def test_tls_with_a_client_certificate(tmp_path):
             assert read_back(plain, KEY, len(data)) is None
         with adapter(store.url, **{**tls, "tls_ca_file": f"{certs}/client.crt"}) as wrong_ca:  # unverified store
             assert read_back(wrong_ca, KEY, len(data)) is None
+        # the certificate is for 127.0.0.1: the same server reached as "localhost" is not the host it names
+        with adapter(store.url.replace("127.0.0.1", "localhost"), **tls) as other_name:
+            assert read_back(other_name, KEY, len(data)) is None
     finally:
         store.close()
     with pytest.raises(L2ConfigError, match="needs a rediss://"):

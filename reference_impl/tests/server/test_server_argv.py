@@ -44,6 +44,9 @@ def configs(tmp_path, monkeypatch) -> list[ServerConfig]:
                                                   mac_key=b"k" * 32, mac_key_file=mac)),
         ServerConfig(l1_bytes=GIB, l2=RedisL2Spec("redis://h:1/0", password="from-the-environment",
                                                   password_env="HKV_TEST_L2_PASSWORD")),
+        ServerConfig(l1_bytes=GIB, l2=RedisL2Spec("redis+cluster://10.0.0.1:7000,10.0.0.2:7001,[::1]:7002",
+                                                  prefix="tenant-c:", password="hunter2-password", password_file=pw)),
+        ServerConfig(l1_bytes=GIB, l2=RedisL2Spec("rediss+cluster://h1:7000,h2", tls_ca_file="/etc/ca.crt")),
     ]
 
 

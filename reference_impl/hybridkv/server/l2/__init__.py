@@ -8,6 +8,7 @@
     fs_files.py    that directory's syscalls, through directory fds, never following a symlink
     redis.py       `RedisL2`: objects in a Redis/Valkey shared between hosts
     redis_meta.py  its key names and meta values;  redis_link.py: its clients and the store's health
+    redis_cluster.py  its routing on a Redis Cluster (slots, MOVED / ASK, a node down)
 
 A new kind of L2 is its adapter's module and its spec in specs.py (one line in `SPEC_KINDS`).
 """

@@ -26,7 +26,8 @@ import redis
 from hybridkv.keys import ObjectKey
 from hybridkv.server.l2.base import L2Adapter, L2Error, byte_view, check_key, check_ns
 from hybridkv.server.l2.header import BadObject, ObjectHeader, crc32
-from hybridkv.server.l2.redis_link import DOWN, StoreHealth, redis_client
+from hybridkv.server.l2.redis_cluster import ClusterLink, store_links
+from hybridkv.server.l2.redis_link import DOWN, StoreHealth
 from hybridkv.server.l2.redis_meta import Forged, MetaCodec
 
 if TYPE_CHECKING:
@@ -55,11 +56,7 @@ class RedisL2(L2Adapter):
         self.spec = spec
         self._codec = MetaCodec(spec.prefix, spec.mac_key)
         self.capacity_bytes = 0  # the store's maxmemory bounds it, not us
-        auth: dict[str, Any] = {"username": spec.username, "password": spec.password,
-                                "tls": {"ca": spec.tls_ca_file, "cert": spec.tls_cert_file, "key": spec.tls_key_file}}
-        self._data = redis_client(spec.url, spec.timeout_s, spec.connect_timeout_s, spec.max_connections, **auth)
-        self._meta = redis_client(spec.url, spec.meta_timeout_s, min(spec.connect_timeout_s, spec.meta_timeout_s), 4,
-                                  **auth)
+        self._data, self._meta = store_links(spec)  # two redis.Redis clients, or two ClusterLinks (redis_cluster)
         self._lock = threading.Lock()
         self._known: OrderedDict[ObjectKey, _Known] = OrderedDict()
         # A store that went away may come back empty (a restart): nothing known before it still holds.
@@ -278,7 +275,7 @@ class RedisL2(L2Adapter):
             held = [k for k in self._known.values() if k.length is not None]
             return {"objects": len(held), "bytes": sum(k.length or 0 for k in held),
                     "capacity_bytes": self.capacity_bytes, "store_up": int(self._health.up()),
-                    **self._counters}
+                    **self._counters, **(self._data.stats() if isinstance(self._data, ClusterLink) else {})}
 
     def close(self) -> None:
         """Close the connections; the store keeps the objects for other servers and restarts."""

@@ -2,9 +2,12 @@
 
 Keys (all under the configured prefix, one deployment or tenant per prefix):
 
-    <prefix>m:<key hex>-<group>      the 64-byte ObjectHeader (as in FilesystemL2) + u32 chunk size
-                                     (+ a 32-byte HMAC-SHA256 on a server with a MAC key)
-    <prefix>d:<key hex>-<group>:<i>  payload bytes [i * chunk, (i + 1) * chunk)
+    <prefix>m:{<key hex>-<group>}      the 64-byte ObjectHeader (as in FilesystemL2) + u32 chunk size
+                                       (+ a 32-byte HMAC-SHA256 on a server with a MAC key)
+    <prefix>d:{<key hex>-<group>}:<i>  payload bytes [i * chunk, (i + 1) * chunk)
+
+`{<key hex>-<group>}` is the keys' hash tag: on a Redis Cluster every key of one object is in one slot, so on one
+node, and one pipeline reads or writes the whole object (a prefix holds no braces: specs checks it).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from hybridkv.server.l2.header import HEADER_BYTES, KEY_BYTES, BadObject, Object
 CHUNK = struct.Struct("<I")
 META_BYTES = HEADER_BYTES + CHUNK.size
 MAC_BYTES = 32  # HMAC-SHA256, after the chunk size, in the meta of a server with a MAC key
-_META_NAME = re.compile(rb"m:[0-9a-f]{%d}-[0-9]{1,9}" % (2 * KEY_BYTES))
+_META_NAME = re.compile(rb"m:\{[0-9a-f]{%d}-[0-9]{1,9}\}" % (2 * KEY_BYTES))
 
 
 class Forged(BadObject):
@@ -35,10 +38,10 @@ class MetaCodec:
         self._prefix_bytes = prefix.encode()
 
     def meta_key(self, key: bytes, group: int) -> str:
-        return f"{self.prefix}m:{key.hex()}-{group}"
+        return f"{self.prefix}m:{{{key.hex()}-{group}}}"
 
     def data_keys(self, key: bytes, group: int, size: int, cb: int) -> list[str]:
-        base = f"{self.prefix}d:{key.hex()}-{group}:"
+        base = f"{self.prefix}d:{{{key.hex()}-{group}}}:"
         return [f"{base}{i}" for i in range(-(-size // cb))]
 
     def scan_match(self) -> bytes:

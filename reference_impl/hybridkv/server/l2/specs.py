@@ -90,6 +90,10 @@ class FsL2Spec:
         return f"{self.base_path} ({self.capacity_bytes / GIB:g} GiB)"
 
 
+_SCHEMES = ("redis", "rediss", "unix", "valkey", "valkeys", "redis+cluster", "rediss+cluster", "valkey+cluster",
+            "valkeys+cluster")
+
+
 @dataclass(frozen=True, slots=True)
 class RedisL2Spec:
     """A Redis/Valkey L2 shared between hosts; capacity and eviction are the store's own (maxmemory)."""
@@ -132,18 +136,24 @@ class RedisL2Spec:
 
         try:
             u = urlsplit(self.url)
-            port = u.port
+            port = None if self.cluster else u.port
         except ValueError as e:
             raise L2ConfigError(f"redis L2 url {self.url!r} does not parse: {e}") from None
-        if u.scheme not in ("redis", "rediss", "unix", "valkey", "valkeys"):
-            raise L2ConfigError(f"redis L2 url must be redis://HOST:PORT/DB (or rediss://, unix://), got {self.url!r}")
-        if u.scheme != "unix" and not u.hostname:
+        if u.scheme not in _SCHEMES:
+            raise L2ConfigError(f"redis L2 url must be redis://HOST:PORT/DB (or rediss://, unix://, "
+                                f"redis+cluster://HOST:PORT,HOST:PORT), got {self.url!r}")
+        if self.cluster:
+            self.seeds  # noqa: B018 -- parsed here to reject a bad seed list at the door
+        elif u.scheme != "unix" and not u.hostname:
             raise L2ConfigError(f"redis L2 url {self.url!r} has no host")
         if u.scheme != "unix" and u.path.strip("/") and not u.path.strip("/").isdigit():
             raise L2ConfigError(f"redis L2 url {self.url!r}: the path must be a database number")
+        if self.cluster and u.path.strip("/") not in ("", "0"):
+            raise L2ConfigError(f"redis L2 url {self.url!r}: a cluster has database 0 only")
         del port  # parsed above only to reject a bad port with this message
-        if not self.prefix or any(c.isspace() for c in self.prefix):
-            raise L2ConfigError(f"redis L2 prefix must be non-empty without spaces, got {self.prefix!r}")
+        if not self.prefix or any(c.isspace() or c in "{}" for c in self.prefix):
+            raise L2ConfigError(f"redis L2 prefix must be non-empty without spaces, {{ or }} (a cluster's hash tag "
+                                f"is the object's), got {self.prefix!r}")
         if not 64 * 1024 <= self.chunk_bytes <= 512 * MIB:
             raise L2ConfigError(f"redis L2 chunk_bytes must be in [64 KiB, 512 MiB], got {self.chunk_bytes}")
         for name in ("timeout_s", "meta_timeout_s", "connect_timeout_s", "retry_after_s"):
@@ -156,15 +166,45 @@ class RedisL2Spec:
         if u.password is not None:
             raise L2ConfigError(f"redis L2 url {u.scheme}://{u.hostname}:{u.port}{u.path} carries a password: "
                                 "it would show in ps and logs; give password_file or password_env instead")
-        tls = u.scheme in ("rediss", "valkeys")
         for name in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
-            if getattr(self, name) and not tls:
+            if getattr(self, name) and not self.tls:
                 raise L2ConfigError(f"redis L2 {name} needs a rediss:// (TLS) url, got {self.url!r}")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise L2ConfigError("redis L2 tls_cert_file and tls_key_file go together (a client certificate and "
                                 "its key)")
         if self.mac_key and len(self.mac_key) < MIN_MAC_KEY_BYTES:
             raise L2ConfigError(f"redis L2 mac key is {len(self.mac_key)} bytes; at least {MIN_MAC_KEY_BYTES}")
+
+    @property
+    def cluster(self) -> bool:
+        """A Redis Cluster (redis+cluster://, rediss+cluster://, valkey+cluster://, valkeys+cluster://)."""
+        return self.url.split("://", 1)[0].endswith("+cluster")
+
+    @property
+    def tls(self) -> bool:
+        return self.url.split("://", 1)[0].split("+")[0] in ("rediss", "valkeys")
+
+    @property
+    def seeds(self) -> tuple[tuple[str, int], ...]:
+        """A cluster url's seed nodes, the ones asked first for the cluster's map: (host, port), port 6379 if not
+        given."""
+        from urllib.parse import urlsplit
+
+        netloc = self.url.split("://", 1)[-1].split("/", 1)[0]
+        if "@" in netloc:
+            shown = self.url.split("://", 1)[0] + "://" + self.url.split("@", 1)[-1]  # without the secret
+            raise L2ConfigError(f"redis L2 url {shown} carries a user or password: give username and "
+                                "password_file or password_env instead")
+        seeds = []
+        for part in netloc.split(","):
+            try:
+                u = urlsplit(f"//{part}")
+                seeds.append((u.hostname or "", u.port or 6379))
+            except ValueError as e:
+                raise L2ConfigError(f"redis L2 url {self.url!r}: seed {part!r} does not parse: {e}") from None
+            if not seeds[-1][0]:
+                raise L2ConfigError(f"redis L2 url {self.url!r}: seed {part!r} has no host")
+        return tuple(seeds)
 
     @classmethod
     def from_json(cls, kind: str, d: dict[str, Any]) -> RedisL2Spec:
@@ -231,7 +271,7 @@ class RedisL2Spec:
 
     def describe(self) -> str:
         """The L2 as the server's ready line shows it."""
-        return f"redis {self.url} prefix {self.prefix}"
+        return f"redis {'cluster ' if self.cluster else ''}{self.url} prefix {self.prefix}"
 
 
 L2Spec = FsL2Spec | RedisL2Spec
