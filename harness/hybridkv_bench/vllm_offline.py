@@ -122,6 +122,9 @@ def vllm_config(mc, shape: HybridShape, *, tp: int = 1, max_num_batched_tokens: 
                     parallel_config=ParallelConfig(tensor_parallel_size=tp),
                     lora_config=LoRAConfig(max_loras=max_loras) if max_loras else None,
                     kv_events_config=KVEventsConfig(**kv_events) if kv_events else None)
+    # The SSM cache dtype asked for, as on a GPU: vLLM's CPU platform turns a non-GDN model's into float32 for its
+    # own kernels where the CPU has AVX-512 BF16 (so the plan would depend on the machine the tests run on)
+    vc.cache_config.mamba_ssm_cache_dtype = shape.ssm_dtype
     # What update_block_size_for_backend does on a GPU once the layers exist: FlashAttention's kernel
     # alignment (16 tokens), the attention block raised until its page holds a GDN state, the state padded.
     Platform._align_hybrid_block_size(vc, FlashAttentionBackend)

@@ -47,8 +47,8 @@ if TYPE_CHECKING:
 
     import torch
     from vllm.attention.backends.abstract import AttentionMetadata
-    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput

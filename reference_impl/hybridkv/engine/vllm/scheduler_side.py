@@ -24,10 +24,10 @@ from hybridkv.policy import Policy, check_policy
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-
-    from hybridkv.engine.vllm.events import KVEventTracker
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
+
+    from hybridkv.engine.vllm.events import KVEventTracker
 
 log = logging.getLogger(__name__)
 
