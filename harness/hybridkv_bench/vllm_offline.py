@@ -92,12 +92,22 @@ def model_config(model_dir: str | Path, max_model_len: int = 65536):
 
 
 def vllm_config(mc, shape: HybridShape, *, tp: int = 1, max_num_batched_tokens: int = 8192, max_num_seqs: int = 8,
-                kv_transfer: dict[str, Any] | None = None, retention_interval: int | None = 0, max_loras: int = 0):
+                kv_transfer: dict[str, Any] | None = None, retention_interval: int | None = 0, max_loras: int = 0,
+                kv_events: dict[str, Any] | None = None):
     """A VllmConfig as `vllm serve` builds it around ModelConfig `mc` (copied), with the hybrid block size aligned
     for FlashAttention. `retention_interval`: vLLM keeps (and offers the connector) a GDN state every that many
     tokens; 0 keeps only the prompt's last boundary and shared-prefix junctions. `max_loras` > 0: as
-    `--enable-lora --max-loras N` (the scheduler then batches at most N adapters)."""
-    from vllm.config import CacheConfig, KVTransferConfig, LoRAConfig, ParallelConfig, SchedulerConfig, VllmConfig
+    `--enable-lora --max-loras N` (the scheduler then batches at most N adapters). `kv_events`: as
+    `--kv-events-config` (vLLM's scheduler then publishes its own and the connector's KV cache events)."""
+    from vllm.config import (
+        CacheConfig,
+        KVEventsConfig,
+        KVTransferConfig,
+        LoRAConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
     from vllm.platforms.interface import Platform
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 
@@ -110,7 +120,11 @@ def vllm_config(mc, shape: HybridShape, *, tp: int = 1, max_num_batched_tokens: 
     kt = KVTransferConfig(**kv_transfer) if kv_transfer else None
     vc = VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc, kv_transfer_config=kt,
                     parallel_config=ParallelConfig(tensor_parallel_size=tp),
-                    lora_config=LoRAConfig(max_loras=max_loras) if max_loras else None)
+                    lora_config=LoRAConfig(max_loras=max_loras) if max_loras else None,
+                    kv_events_config=KVEventsConfig(**kv_events) if kv_events else None)
+    # The SSM cache dtype asked for, as on a GPU: vLLM's CPU platform turns a non-GDN model's into float32 for its
+    # own kernels where the CPU has AVX-512 BF16 (so the plan would depend on the machine the tests run on)
+    vc.cache_config.mamba_ssm_cache_dtype = shape.ssm_dtype
     # What update_block_size_for_backend does on a GPU once the layers exist: FlashAttention's kernel
     # alignment (16 tokens), the attention block raised until its page holds a GDN state, the state padded.
     Platform._align_hybrid_block_size(vc, FlashAttentionBackend)
@@ -335,6 +349,7 @@ class OfflineEngine:
             out.failed_recving = results.failed_recving
             out.invalid_block_ids = w.get_block_ids_with_load_errors()
             out.kv_connector_stats = w.get_kv_connector_stats()
+            out.kv_cache_events = w.get_kv_connector_kv_cache_events()
             w.clear_connector_metadata()
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=sampled, kv_connector_output=out)

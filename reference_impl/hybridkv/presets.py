@@ -60,6 +60,10 @@ class HybridModelConfig:
         return ["attention" if (i + 1) % self.full_attention_interval == 0 else "recurrent"
                 for i in range(self.num_layers)]
 
+    def cache_layers(self) -> list[tuple[int, str]]:
+        """(decoder-layer index, kind) of each layer that keeps a cache, in vLLM's registration order."""
+        return list(enumerate(self.layer_kinds()))
+
     def check_tp(self, tp: int) -> None:
         if self.linear_num_value_heads % tp or self.linear_num_key_heads % tp:
             raise LayoutError(f"{self.name}: linear-attention heads do not split over tp={tp}")
@@ -80,11 +84,25 @@ class HybridModelConfig:
         return conv, ssm
 
 
+def _check_heads(cfg, tp: int) -> None:
+    """vLLM splits the attention heads over the ranks: a TP size that does not divide them is refused."""
+    if cfg.num_attention_heads and cfg.num_attention_heads % tp:
+        raise LayoutError(f"{cfg.name}: {cfg.num_attention_heads} attention heads do not split over tp={tp}")
+
+
+def _mamba2_groups(n_groups: int, tp: int) -> int:
+    """vLLM's Mamba-2 group count per rank x tp: groups that do not split over the ranks are replicated, one per
+    rank (`MambaStateShapeCalculator.extra_groups_for_head_shards`)."""
+    return n_groups if n_groups % tp == 0 else tp
+
+
 @dataclass(frozen=True, slots=True)
 class Mamba2HybridConfig:
-    """The fields of a Nemotron-H style config (Mamba-2 state layers among attention, MLP and MoE layers) that
-    decide the KV-cache layout. `pattern` is the config's `hybrid_override_pattern`: one character per decoder
-    layer, `M` Mamba-2, `*` attention, `-` MLP and `E` MoE (the last two keep no cache)."""
+    """The fields of a Mamba-2 hybrid config (Nemotron-H, Granite-4.0-H, Falcon-H1) that decide the KV-cache
+    layout. `pattern` holds one character per decoder layer, as Nemotron-H's `hybrid_override_pattern`: `M`
+    Mamba-2, `*` attention, `-` MLP and `E` MoE (the last two keep no cache), and `H` a parallel hybrid layer
+    (Falcon-H1: attention and Mamba-2 side by side in every layer). The Mamba-2 inner size is heads x head_dim
+    (vLLM's Nemotron-H; Granite's expand x hidden and Falcon-H1's mamba_d_ssm equal it in every preset here)."""
 
     name: str
     pattern: str
@@ -99,13 +117,14 @@ class Mamba2HybridConfig:
     hidden_size: int = 0
     kv_dtype: str = "bfloat16"
     conv_dtype: str = "bfloat16"
-    ssm_dtype: str = "float32"  # the config's mamba_ssm_cache_dtype
+    ssm_dtype: str = "float32"  # the SSM cache's dtype under `vllm serve` (Nemotron-H's mamba_ssm_cache_dtype)
     active_params: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.pattern or set(self.pattern) - set("M*-E") or "M" not in self.pattern or "*" not in self.pattern:
-            raise LayoutError(f"{self.name}: pattern must hold M (Mamba-2) and * (attention) layers among - and E, "
-                              f"got {self.pattern!r}")
+        p = self.pattern
+        if not p or set(p) - set("M*-EH") or not set(p) & set("MH") or not set(p) & set("*H"):
+            raise LayoutError(f"{self.name}: pattern must hold Mamba-2 (M) and attention (*) layers, or parallel "
+                              f"hybrid ones (H), among - and E, got {self.pattern!r}")
         _check_config(self, ("num_kv_heads", "head_dim", "mamba_num_heads", "mamba_head_dim", "ssm_state_size",
                              "n_groups", "conv_kernel"))
 
@@ -114,10 +133,25 @@ class Mamba2HybridConfig:
         return len(self.pattern)
 
     def layer_kinds(self) -> list[str | None]:
-        return [{"M": "recurrent", "*": "attention"}.get(c) for c in self.pattern]
+        return [{"M": "recurrent", "*": "attention", "H": "parallel"}.get(c) for c in self.pattern]
+
+    def cache_layers(self) -> list[tuple[int, str]]:
+        """(decoder-layer index, kind) of each layer that keeps a cache, in vLLM's registration order. A parallel
+        layer i registers its attention first, then its Mamba-2 mixer under index num_layers + i (vLLM's
+        FalconH1ParallelHybrid: "all attention/ssm layers must have different index in prefix")."""
+        out: list[tuple[int, str]] = []
+        for i, c in enumerate(self.pattern):
+            if c == "M":
+                out.append((i, "recurrent"))
+            elif c == "*":
+                out.append((i, "attention"))
+            elif c == "H":
+                out += [(i, "attention"), (self.num_layers + i, "recurrent")]
+        return out
 
     def check_tp(self, tp: int) -> None:
-        if self.mamba_num_heads % tp or self.n_groups % tp:
+        _check_heads(self, tp)
+        if self.mamba_num_heads % tp or (self.n_groups % tp and self.n_groups != 1):
             raise LayoutError(f"{self.name}: Mamba-2 heads ({self.mamba_num_heads}) or groups ({self.n_groups}) do "
                               f"not split over tp={tp}")
 
@@ -126,11 +160,65 @@ class Mamba2HybridConfig:
 
     def recurrent_state_bytes(self, tp: int) -> tuple[int, int]:
         """(conv state, SSM state) bytes of one Mamba-2 layer on one rank, as vLLM shapes them: conv
-        (kernel - 1, (heads x head_dim + 2 x groups x state) / tp), SSM (heads / tp, head_dim, state)."""
-        conv_dim = (self.mamba_num_heads * self.mamba_head_dim + 2 * self.n_groups * self.ssm_state_size) // tp
+        (kernel - 1, (heads x head_dim + 2 x groups x state) / tp), SSM (heads / tp, head_dim, state); a group
+        count the ranks do not divide is replicated to one per rank first."""
+        groups = _mamba2_groups(self.n_groups, tp)
+        conv_dim = (self.mamba_num_heads * self.mamba_head_dim + 2 * groups * self.ssm_state_size) // tp
         conv = (self.conv_kernel - 1) * conv_dim * DTYPE_BYTES[self.conv_dtype]
         ssm = self.mamba_num_heads // tp * self.mamba_head_dim * self.ssm_state_size * DTYPE_BYTES[self.ssm_dtype]
         return conv, ssm
+
+
+@dataclass(frozen=True, slots=True)
+class Mamba1HybridConfig:
+    """The fields of a Mamba-1 hybrid config (Jamba) that decide the KV-cache layout: attention every
+    `attn_layer_period` layers from `attn_layer_offset`, Mamba-1 elsewhere (its MoE layers change no cache)."""
+
+    name: str
+    num_layers: int
+    attn_layer_period: int
+    attn_layer_offset: int
+    num_kv_heads: int
+    head_dim: int
+    mamba_intermediate: int  # mamba_expand x hidden_size
+    ssm_state_size: int
+    conv_kernel: int
+    num_attention_heads: int = 0
+    hidden_size: int = 0
+    kv_dtype: str = "bfloat16"
+    conv_dtype: str = "bfloat16"
+    ssm_dtype: str = "bfloat16"  # vLLM's Mamba-1 SSM cache: the model dtype unless --mamba-ssm-cache-dtype says
+    active_params: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_config(self, ("num_layers", "attn_layer_period", "num_kv_heads", "head_dim", "mamba_intermediate",
+                             "ssm_state_size", "conv_kernel"))
+        if not 0 <= self.attn_layer_offset < min(self.attn_layer_period, self.num_layers):
+            raise LayoutError(f"{self.name}: attn_layer_offset must be in 0..attn_layer_period-1, "
+                              f"got {self.attn_layer_offset}")
+
+    def layer_kinds(self) -> list[str]:
+        return ["attention" if i % self.attn_layer_period == self.attn_layer_offset else "recurrent"
+                for i in range(self.num_layers)]
+
+    def cache_layers(self) -> list[tuple[int, str]]:
+        return list(enumerate(self.layer_kinds()))
+
+    def check_tp(self, tp: int) -> None:
+        _check_heads(self, tp)
+        if self.mamba_intermediate % tp:
+            raise LayoutError(f"{self.name}: the Mamba inner size ({self.mamba_intermediate}) does not split over "
+                              f"tp={tp}")
+
+    def attn_page_per_token(self, tp: int) -> int:
+        return 2 * max(1, self.num_kv_heads // tp) * self.head_dim * DTYPE_BYTES[self.kv_dtype]
+
+    def recurrent_state_bytes(self, tp: int) -> tuple[int, int]:
+        """(conv state, SSM state) bytes of one Mamba-1 layer on one rank, as vLLM shapes them: conv
+        (kernel - 1, inner / tp), SSM (inner / tp, state)."""
+        inner = self.mamba_intermediate // tp
+        return ((self.conv_kernel - 1) * inner * DTYPE_BYTES[self.conv_dtype],
+                inner * self.ssm_state_size * DTYPE_BYTES[self.ssm_dtype])
 
 
 def vllm_group_size(layer_counts: list[int]) -> int:
@@ -139,14 +227,16 @@ def vllm_group_size(layer_counts: list[int]) -> int:
     return hi if hi < lo * 1.5 else lo
 
 
-def vllm_groups(layer_kinds: Sequence[str | None]) -> list[tuple[str, list[int]]]:
+def vllm_groups(layer_kinds: Sequence[str | None] | Sequence[tuple[int, str]]) -> list[tuple[str, list[int]]]:
     """(kind, layer indices) of each KV-cache group, in vLLM's order: buckets by first appearance, each split
     into ceil(len / size) groups, group i taking the bucket's layers i::groups (vLLM pads the last ones).
-    Layers of kind None (MLP, MoE) keep no cache and join no group."""
+    `layer_kinds` is one kind per decoder layer (None: MLP, MoE, which keep no cache and join no group), or the
+    (layer index, kind) of each cache layer in vLLM's registration order (a config's `cache_layers()`)."""
     buckets: dict[str, list[int]] = {}
-    for i, kind in enumerate(layer_kinds):
+    for i, item in enumerate(layer_kinds):
+        index, kind = item if isinstance(item, tuple) else (i, item)
         if kind is not None:
-            buckets.setdefault(kind, []).append(i)
+            buckets.setdefault(kind, []).append(index)
     size = vllm_group_size([len(v) for v in buckets.values()])
     out: list[tuple[str, list[int]]] = []
     for kind, idxs in buckets.items():
@@ -155,7 +245,10 @@ def vllm_groups(layer_kinds: Sequence[str | None]) -> list[tuple[str, list[int]]
     return out
 
 
-def hybrid_layout(cfg: HybridModelConfig | Mamba2HybridConfig, tp: int = 1, align: int = 16) -> ModelLayout:
+HybridConfig = HybridModelConfig | Mamba2HybridConfig | Mamba1HybridConfig
+
+
+def hybrid_layout(cfg: HybridConfig, tp: int = 1, align: int = 16) -> ModelLayout:
     """The layout of one tensor-parallel rank of `cfg`, with vLLM's alignment and grouping rules."""
     if tp < 1 or (tp & (tp - 1)):
         raise LayoutError(f"tensor-parallel size must be a power of two, got {tp}")
@@ -172,7 +265,7 @@ def hybrid_layout(cfg: HybridModelConfig | Mamba2HybridConfig, tp: int = 1, alig
         page_bytes=page,
         block_tokens=block,
         dtype=cfg.kv_dtype if kind == "attention" else "uint8",
-    ) for kind, idxs in vllm_groups(cfg.layer_kinds()))
+    ) for kind, idxs in vllm_groups(cfg.cache_layers()))
     return ModelLayout(model=cfg.name, groups=groups, tp_size=tp)
 
 
@@ -208,8 +301,8 @@ MODEL_CONFIGS: dict[str, HybridModelConfig] = {
 }
 
 
-# Mamba-2 hybrids: their layouts (a client or the connector's preset check); the harness's scenarios model
-# the Qwen-style configs above only.
+# Mamba hybrids: their layouts (a client or the connector's preset check); the harness's scenarios model the
+# Qwen-style configs above only. Each preset's source is beside it; what could not be cited has no preset.
 # Nemotron-H-8B (nvidia/Nemotron-H-8B-Base-8K): 52 layers in the pattern below (24 Mamba-2, 4 attention,
 # 24 MLP), hidden 4096, 32 query / 8 KV heads of 128, 128 Mamba heads of 64 with state 128 (NVIDIA's
 # Megatron-Bridge model page, "Nemotron H 8B Specifications"); 8 groups, conv kernel 4 and an fp32 SSM cache
@@ -219,7 +312,61 @@ NEMOTRON_H_8B = Mamba2HybridConfig(
     num_kv_heads=8, head_dim=128, num_attention_heads=32, hidden_size=4096, mamba_num_heads=128, mamba_head_dim=64,
     ssm_state_size=128, n_groups=8, conv_kernel=4, active_params=8e9,
 )
-MAMBA2_CONFIGS: dict[str, Mamba2HybridConfig] = {"nemotron-h-8b": NEMOTRON_H_8B}
+
+# Granite-4.0-H (IBM): 40 layers, 4 attention and 36 Mamba-2, an MLP or MoE inside every layer (no cache). The
+# sizes are IBM's model card table ("Model Architecture", the same in every Granite 4.0 card; read in a copy of
+# the H-Tiny card: github.com/DocDBrown/IBMGranite4Tiny README.md): embedding, layers, attention head size,
+# attention and KV heads, Mamba2 state size and heads. Mamba-2 head size 64, 1 group, conv kernel 4 and the
+# attention layers at 5, 15, 25, 35 are the released configs' (mamba_d_head, mamba_n_groups, mamba_d_conv,
+# layer_types): H-Micro in a re-upload of its config.json (huggingface.co/anuj6316/granite, config.json),
+# H-Tiny in its FP8 copy's (huggingface.co/inference-optimization/granite-4.0-h-tiny-FP8-dynamic, config.json),
+# H-Small in IBM's own GGUF metadata (ollama.com/ibm/granite4:small-h: ssm.inner_size 8192 = 128 heads x 64,
+# ssm.group_count 1, ssm.conv_kernel 4); H-Small's layer_types were not seen: the family's arrangement is assumed.
+# No mamba_ssm_cache_dtype in these configs: vLLM keeps the SSM state in the model dtype.
+_GRANITE_4_H_PATTERN = "MMMMM*MMMMMMMMM*MMMMMMMMM*MMMMMMMMM*MMMM"
+GRANITE_4_H_MICRO = Mamba2HybridConfig(
+    name="ibm-granite/granite-4.0-h-micro", pattern=_GRANITE_4_H_PATTERN, num_kv_heads=8, head_dim=64,
+    num_attention_heads=32, hidden_size=2048, mamba_num_heads=64, mamba_head_dim=64, ssm_state_size=128, n_groups=1,
+    conv_kernel=4, ssm_dtype="bfloat16", active_params=3e9,
+)
+GRANITE_4_H_TINY = Mamba2HybridConfig(
+    name="ibm-granite/granite-4.0-h-tiny", pattern=_GRANITE_4_H_PATTERN, num_kv_heads=4, head_dim=128,
+    num_attention_heads=12, hidden_size=1536, mamba_num_heads=48, mamba_head_dim=64, ssm_state_size=128, n_groups=1,
+    conv_kernel=4, ssm_dtype="bfloat16", active_params=1e9,
+)
+GRANITE_4_H_SMALL = Mamba2HybridConfig(
+    name="ibm-granite/granite-4.0-h-small", pattern=_GRANITE_4_H_PATTERN, num_kv_heads=8, head_dim=128,
+    num_attention_heads=32, hidden_size=4096, mamba_num_heads=128, mamba_head_dim=64, ssm_state_size=128,
+    n_groups=1, conv_kernel=4, ssm_dtype="bfloat16", active_params=9e9,
+)
+# Falcon-H1-0.5B (TII): 36 parallel hybrid layers (attention and Mamba-2 in every one), hidden 1024, 8 query / 2 KV
+# heads of 64, 24 Mamba heads of 64, state 128 (transformers' FalconH1 model doc table,
+# github.com/huggingface/transformers docs/source/en/model_doc/falcon_h1.md); 1 group, conv kernel 4 and
+# mamba_d_ssm 1536 = 24 x 64 are in the config.json of a fine-tune of it with the same shapes
+# (huggingface.co/MerlinSafety/HybridIntelligence-0.5B). The larger Falcon-H1 models (1.5B to 34B) are in the
+# same table, but no config of theirs giving mamba_n_groups was found: no presets for them.
+FALCON_H1_0_5B = Mamba2HybridConfig(
+    name="tiiuae/Falcon-H1-0.5B-Instruct", pattern="H" * 36, num_kv_heads=2, head_dim=64, num_attention_heads=8,
+    hidden_size=1024, mamba_num_heads=24, mamba_head_dim=64, ssm_state_size=128, n_groups=1, conv_kernel=4,
+    ssm_dtype="bfloat16", active_params=0.5e9,
+)
+MAMBA2_CONFIGS: dict[str, Mamba2HybridConfig] = {
+    "nemotron-h-8b": NEMOTRON_H_8B,
+    "granite-4.0-h-micro": GRANITE_4_H_MICRO,
+    "granite-4.0-h-tiny": GRANITE_4_H_TINY,
+    "granite-4.0-h-small": GRANITE_4_H_SMALL,
+    "falcon-h1-0.5b": FALCON_H1_0_5B,
+}
+# Jamba-v0.1 (AI21): 32 layers, attention at layer 4 of every 8 (1:7), Mamba-1 elsewhere (MoE every other
+# layer: no cache), hidden 4096, 32 query / 8 KV heads (of 128), Mamba inner 2 x 4096, state 16, conv kernel 4:
+# its config.json (huggingface.co/ai21labs/Jamba-v0.1, config.json), which transformers' JambaConfig defaults
+# equal (its docstring names ai21labs/Jamba-v0.1). Jamba 1.5 Mini: no config found, no preset.
+JAMBA_V0_1 = Mamba1HybridConfig(
+    name="ai21labs/Jamba-v0.1", num_layers=32, attn_layer_period=8, attn_layer_offset=4, num_kv_heads=8,
+    head_dim=128, num_attention_heads=32, hidden_size=4096, mamba_intermediate=8192, ssm_state_size=16,
+    conv_kernel=4, active_params=12e9,
+)
+MAMBA1_CONFIGS: dict[str, Mamba1HybridConfig] = {"jamba-v0.1": JAMBA_V0_1}
 
 
 def preset_names() -> list[str]:
@@ -228,8 +375,8 @@ def preset_names() -> list[str]:
 
 
 def layout_preset_names() -> list[str]:
-    """Every preset with a layout: the Gated DeltaNet ones and the Mamba-2 ones."""
-    return sorted([*MODEL_CONFIGS, *MAMBA2_CONFIGS])
+    """Every preset with a layout: the Gated DeltaNet ones and the Mamba-2 and Mamba-1 ones."""
+    return sorted([*MODEL_CONFIGS, *MAMBA2_CONFIGS, *MAMBA1_CONFIGS])
 
 
 def model_config(name: str) -> HybridModelConfig:
@@ -240,9 +387,11 @@ def model_config(name: str) -> HybridModelConfig:
 
 
 def preset_layout(name: str, tp: int = 1) -> ModelLayout:
-    """The layout of preset `name` (Gated DeltaNet or Mamba-2) on one rank at tensor-parallel size `tp`."""
+    """The layout of preset `name` (Gated DeltaNet, Mamba-2 or Mamba-1) on one rank at tensor-parallel size `tp`."""
     if name in MAMBA2_CONFIGS:
         return hybrid_layout(MAMBA2_CONFIGS[name], tp)
+    if name in MAMBA1_CONFIGS:
+        return hybrid_layout(MAMBA1_CONFIGS[name], tp)
     if name not in MODEL_CONFIGS:
         raise LayoutError(f"unknown model preset {name!r}; known: {', '.join(layout_preset_names())}")
     return hybrid_layout(model_config(name), tp)

@@ -66,14 +66,15 @@ def serve(sock_dir) -> Iterator:
 def make_engine(tiny_model) -> Iterator:
     """An OfflineEngine on the tiny hybrid (or `model`, a ModelConfig of its shape), one chunk per step (a GDN state
     exists only at the end of a step); vLLM keeps (and offers) a state every `retention` tokens (one chunk by
-    default; 0 is vLLM's default: the prompt's last boundary only); `max_loras` as under --max-loras."""
+    default; 0 is vLLM's default: the prompt's last boundary only); `max_loras` as under --max-loras;
+    `kv_events` as under --kv-events-config."""
     engines: list[offline.OfflineEngine] = []
 
     def make(endpoint: str, *, step_tokens: int = 80, num_blocks: int = 128, retention: int | None = 80,
-             model=None, max_loras: int = 0, **extra) -> offline.OfflineEngine:
+             model=None, max_loras: int = 0, kv_events: dict | None = None, **extra) -> offline.OfflineEngine:
         vc = offline.vllm_config(model or tiny_model, offline.TINY, max_num_batched_tokens=step_tokens,
                                  kv_transfer=kv_transfer_config(endpoint, **extra), retention_interval=retention,
-                                 max_loras=max_loras)
+                                 max_loras=max_loras, kv_events=kv_events)
         e = offline.OfflineEngine(vc, num_blocks=num_blocks)
         engines.append(e)
         return e

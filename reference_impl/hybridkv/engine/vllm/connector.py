@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from hybridkv.engine.vllm.events import HybridKVEvents, KVEventTracker, events_enabled
 from hybridkv.engine.vllm.layout_from_vllm import (
     check_matches_preset,
     layout_from_kv_cache_config,
@@ -42,13 +43,17 @@ from hybridkv.engine.vllm.worker_side import WorkerSide
 from hybridkv.layout import LayoutError
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
     from vllm.attention.backends.abstract import AttentionMetadata
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -80,12 +85,15 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker_side: WorkerSide | None = None
         self._requests: dict[str, Request] = {}
         self._interval = IntervalCounter(SCHEDULER_FIELDS if role == KVConnectorRole.SCHEDULER else WORKER_FIELDS)
+        self.events = events_enabled(vllm_config)  # vLLM publishes KV events (--kv-events-config)
+        tp = max(1, parallel.tensor_parallel_size)
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_side = SchedulerSide(self.settings, self.layout, self.chunk_tokens,
-                                                max(1, parallel.tensor_parallel_size))
+            tracker = KVEventTracker(self.layout, self.chunk_tokens, hash_block_size(kv_cache_config, vllm_config),
+                                     tp, event_group_kinds(kv_cache_config)) if self.events else None
+            self.scheduler_side = SchedulerSide(self.settings, self.layout, self.chunk_tokens, tp, tracker)
         else:
-            self.worker_side = WorkerSide(self.settings, self.layout, self.chunk_tokens, parallel.rank % max(
-                1, parallel.tensor_parallel_size))
+            self.worker_side = WorkerSide(self.settings, self.layout, self.chunk_tokens, parallel.rank % tp,
+                                          self.events)
 
     # ---- worker side ------------------------------------------------------------------------------
 
@@ -120,6 +128,13 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         finished, failed = self.worker_side.transfer_results()
         return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
 
+    def get_kv_connector_kv_cache_events(self) -> HybridKVEvents | None:
+        """This worker's stores that ended since the last step, for the scheduler side's KV events."""
+        if self.worker_side is None or not self.events:
+            return None
+        reports = self.worker_side.take_store_reports()
+        return HybridKVEvents(reports) if reports else None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()  # failures are per request (failed_recving): vLLM refuses block errors with several groups
 
@@ -148,6 +163,20 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.scheduler_side is None:
             return HybridKVMetadata()
         return self.scheduler_side.build_connector_meta(scheduler_output, self._requests)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """The workers' outputs of a step, summed by vLLM: their store reports become KV events."""
+        reports = connector_output.kv_cache_events
+        side = self.scheduler_side
+        if side is not None and side.events is not None and isinstance(reports, HybridKVEvents):
+            side.events.reported(reports.get_all_events())
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """KV events for vLLM's publisher (`hybridkv.engine.vllm.events`): what this deployment now holds in
+        hybridkv (BlockStored, medium CPU), what lookups found evicted (BlockRemoved), the reset
+        (AllBlocksCleared)."""
+        side = self.scheduler_side
+        return side.events.take() if side is not None and side.events is not None else ()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._finished(request)
@@ -196,6 +225,23 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler_side.close()
         if self.worker_side is not None:
             self.worker_side.close()
+
+
+def hash_block_size(kv_cache_config: KVCacheConfig, vllm_config: VllmConfig) -> int:
+    """The granularity of vLLM's `Request.block_hashes` (the engine sets it on the config; else vLLM's rule)."""
+    hbs = getattr(kv_cache_config, "hash_block_size", None)
+    if hbs:
+        return int(hbs)
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+    return resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)[1]
+
+
+def event_group_kinds(kv_cache_config: KVCacheConfig) -> list[str | None]:
+    """vLLM's KVCacheSpecKind of each KV-cache group, as its own BlockStored events name them."""
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+
+    return [get_kv_cache_spec_kind(g.kv_cache_spec).value for g in kv_cache_config.kv_cache_groups]
 
 
 def check_supported(vllm_config: VllmConfig) -> None:

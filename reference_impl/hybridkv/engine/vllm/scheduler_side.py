@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
+    from hybridkv.engine.vllm.events import KVEventTracker
+
 log = logging.getLogger(__name__)
 
 HitTier = Literal["l1", "l2", "unknown"]
@@ -75,13 +77,15 @@ class SchedulerSide:
     its own namespace, so the scheduler registers once per rank and a hit is what every rank holds (the
     shortest of the ranks' prefixes), pinned on every rank until the request ends."""
 
-    def __init__(self, settings: ConnectorSettings, layout: ModelLayout, chunk_tokens: int, tp_size: int = 1):
+    def __init__(self, settings: ConnectorSettings, layout: ModelLayout, chunk_tokens: int, tp_size: int = 1,
+                 events: KVEventTracker | None = None):
         if tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
         self.settings = settings
         self.layout = layout
         self.chunk_tokens = chunk_tokens
         self.tp_size = tp_size
+        self.events = events  # KV events for vLLM's publisher; None when it publishes none
         self.stats = SchedulerStats()
         self._client: CacheClient | None = None
         self._ranks: list[tuple[int, bytes]] = []  # (engine, namespace) of each rank, rank 0 first
@@ -203,6 +207,8 @@ class SchedulerSide:
             self.stats.lookup_s += time.perf_counter() - t0
         # a shard one rank lacks would fail that rank's load: the hit is what every rank holds
         hit = min(r.hit_chunks for r in results) * self.chunk_tokens
+        if self.events is not None:
+            self.events.observed_hit(request, limit // self.chunk_tokens, hit // self.chunk_tokens)
         # a prefix that waited for L2 reads came partly from disk; one a Prefetch found in L1, or any on a server
         # without L2, came from memory; a lookup on a server with L2 and no Prefetch may have read either
         tier: HitTier = "l2" if track.l2_since else "l1" if (p is not None or not self._l2) else "unknown"
@@ -322,6 +328,8 @@ class SchedulerSide:
                 continue
             jobs.append(StoreJob(rid, list(req.all_token_ids[:boundary]), track.stored_chunks, ids,
                                  chunk_extras(req, n, self.chunk_tokens)))
+            if self.events is not None:
+                self.events.planned(req, track.stored_chunks, n)
             track.stored_chunks = max(track.stored_chunks, n)
             self.stats.stores_planned += 1
         return jobs
@@ -377,6 +385,8 @@ class SchedulerSide:
             self._drop_connection(e)
             return False
         log.info("hybridkv: reset: the cache server dropped %d objects of this deployment", dropped)
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     def close(self) -> None:

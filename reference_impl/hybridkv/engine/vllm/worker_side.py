@@ -26,6 +26,7 @@ import functools
 import logging
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -34,7 +35,7 @@ from hybridkv import protocol as P
 from hybridkv.engine.client import ServerError
 from hybridkv.engine.paged import engine_pages
 from hybridkv.engine.transfer import KVTransfer, PreparedStore, TransferConfig, TransferHandle
-from hybridkv.engine.vllm.plan import HybridKVMetadata, LoadJob
+from hybridkv.engine.vllm.plan import HybridKVMetadata, LoadJob, StoreJob
 from hybridkv.engine.vllm.settings import ConnectorSettings
 from hybridkv.layout import LayoutError, ModelLayout
 from hybridkv.protocol import ErrorCode
@@ -83,7 +84,8 @@ class _Ending:
 class WorkerSide:
     """One vLLM worker rank's transfers."""
 
-    def __init__(self, settings: ConnectorSettings, layout: ModelLayout, chunk_tokens: int, tp_rank: int):
+    def __init__(self, settings: ConnectorSettings, layout: ModelLayout, chunk_tokens: int, tp_rank: int,
+                 events: bool = False):
         self.settings = settings
         self.layout = layout
         self.chunk_tokens = chunk_tokens
@@ -99,6 +101,10 @@ class WorkerSide:
         self._in_flight: dict[str, list[TransferHandle]] = {}
         self._ending: dict[str, _Ending] = {}
         self._prepared: dict[tuple[str, int], PreparedStore] = {}  # (request, start chunk) -> this step's prepare
+        # vLLM publishes KV events: how each store ended, for the scheduler side's (`hybridkv.engine.vllm.events`);
+        # appended on the client's I/O thread when a commit's answer comes
+        self.events = events
+        self._reports: deque[tuple[int, str, int, int, bool]] = deque()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Page views of vLLM's cache tensors, checked against the layout, then the server connection (at
@@ -272,6 +278,8 @@ class WorkerSide:
             return
         t = self.transfer
         if t is None:
+            for job in meta.stores:
+                self._report(job, False)
             self._connect_soon()
             return
         t0 = time.perf_counter()
@@ -280,12 +288,16 @@ class WorkerSide:
         cancelled = 0
         for job in meta.stores:
             try:
-                handles.append(t.store(job.request_id, job.token_ids, job.block_ids, start_chunk=job.start_chunk,
-                                       prepared=self._prepared.pop((job.request_id, job.start_chunk), None),
-                                       extras=job.extras))
+                h = t.store(job.request_id, job.token_ids, job.block_ids, start_chunk=job.start_chunk,
+                            prepared=self._prepared.pop((job.request_id, job.start_chunk), None), extras=job.extras)
             except Exception as e:
                 self.stats.store_failures += 1
+                self._report(job, False)
                 log.warning("hybridkv: store of %s failed (%s); a later request misses it", job.request_id, e)
+                continue
+            handles.append(h)
+            if self.events:
+                h.committed.add_done_callback(functools.partial(self._report_commit, job, h))
         stream = self._engine_stream()
         for h in handles:
             if stream is not None and h.order_after_copies(stream):
@@ -322,6 +334,22 @@ class WorkerSide:
         import torch
 
         return torch.cuda.current_stream(self._pages[0][0].device)
+
+    def _report(self, job: StoreJob, ok: bool) -> None:
+        if self.events:
+            self._reports.append((self.tp_rank, job.request_id, job.start_chunk,
+                                  len(job.token_ids) // self.chunk_tokens, ok))
+
+    def _report_commit(self, job: StoreJob, h: TransferHandle, committed: Future) -> None:
+        """A store's commit answered: held in full only when it committed and the server refused none of it."""
+        self._report(job, committed.exception() is None and not h.refused)
+
+    def take_store_reports(self) -> list[tuple[int, str, int, int, bool]]:
+        """(rank, request, first chunk, end chunk, held in full) of every store that ended since the last call."""
+        out = []
+        while self._reports:
+            out.append(self._reports.popleft())
+        return out
 
     def _counted(self, h: TransferHandle, _: Future) -> None:
         self._count_store(h)
