@@ -2,8 +2,7 @@
 connector's tests and the harness's `vllm` engine drive. The model is never built; its KV-cache specs come
 from the model class's own state-shape rules, the block size from vLLM's hybrid alignment for a named
 attention backend (FlashAttention on Hopper by default), and the pages a forward would write are derived
-from the token prefix, so every loaded byte can be checked.
-"""
+from the token prefix, so every loaded byte can be checked."""
 
 from __future__ import annotations
 
@@ -20,10 +19,9 @@ import numpy as np
 import torch
 from hybridkv.layout import ModelLayout
 
-# GDN layers of Qwen3.5/3.6 and Qwen3-Next share one state-shape rule; vLLM's Qwen3.5 module also imports a
-# vision tower that needs torchvision, which has no CPU build for this torch on PyPI, so the planner reads
-# both through Qwen3-Next's class (Qwen3.6's float32 SSM state is passed as mamba_ssm_cache_dtype, as its
-# config's mamba_ssm_dtype would set it).
+# GDN layers of Qwen3.5/3.6 and Qwen3-Next share one state-shape rule; vLLM's Qwen3.5 module imports a vision
+# tower that needs torchvision (no CPU build for this torch), so the planner reads both through Qwen3-Next's
+# class (Qwen3.6's float32 SSM state passed as mamba_ssm_cache_dtype, as its config's mamba_ssm_dtype would).
 ARCHITECTURE = "Qwen3NextForCausalLM"
 
 
@@ -94,36 +92,26 @@ def model_config(model_dir: str | Path, max_model_len: int = 65536):
 def vllm_config(mc, shape: HybridShape, *, tp: int = 1, max_num_batched_tokens: int = 8192, max_num_seqs: int = 8,
                 kv_transfer: dict[str, Any] | None = None, retention_interval: int | None = 0, max_loras: int = 0,
                 kv_events: dict[str, Any] | None = None):
-    """A VllmConfig as `vllm serve` builds it around ModelConfig `mc` (copied), with the hybrid block size aligned
-    for FlashAttention. `retention_interval`: vLLM keeps (and offers the connector) a GDN state every that many
-    tokens; 0 keeps only the prompt's last boundary and shared-prefix junctions. `max_loras` > 0: as
-    `--enable-lora --max-loras N` (the scheduler then batches at most N adapters). `kv_events`: as
-    `--kv-events-config` (vLLM's scheduler then publishes its own and the connector's KV cache events)."""
-    from vllm.config import (
-        CacheConfig,
-        KVEventsConfig,
-        KVTransferConfig,
-        LoRAConfig,
-        ParallelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
+    """A VllmConfig as `vllm serve` builds it around ModelConfig `mc` (copied), the hybrid block size aligned for
+    FlashAttention. `retention_interval`: vLLM keeps (and offers the connector) a GDN state every that many tokens;
+    0 keeps only the prompt's last boundary and shared-prefix junctions. `max_loras` > 0: `--enable-lora
+    --max-loras N`. `kv_events`: `--kv-events-config` (vLLM then publishes its and the connector's KV events)."""
+    from vllm import config as vcfg
     from vllm.platforms.interface import Platform
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 
     mc = copy.deepcopy(mc)
     # prefix caching alone selects the GDN "align" mode, as under `vllm serve --enable-prefix-caching`
-    cc = CacheConfig(enable_prefix_caching=True, mamba_ssm_cache_dtype=shape.ssm_dtype,
-                     block_size=16, prefix_cache_retention_interval=retention_interval)
-    sc = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                         max_model_len=mc.max_model_len, is_encoder_decoder=False, enable_chunked_prefill=True)
-    kt = KVTransferConfig(**kv_transfer) if kv_transfer else None
-    vc = VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc, kv_transfer_config=kt,
-                    parallel_config=ParallelConfig(tensor_parallel_size=tp),
-                    lora_config=LoRAConfig(max_loras=max_loras) if max_loras else None,
-                    kv_events_config=KVEventsConfig(**kv_events) if kv_events else None)
-    # The SSM cache dtype asked for, as on a GPU: vLLM's CPU platform turns a non-GDN model's into float32 for its
-    # own kernels where the CPU has AVX-512 BF16 (so the plan would depend on the machine the tests run on)
+    cc = vcfg.CacheConfig(enable_prefix_caching=True, mamba_ssm_cache_dtype=shape.ssm_dtype, block_size=16,
+                          prefix_cache_retention_interval=retention_interval)
+    sc = vcfg.SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                              max_model_len=mc.max_model_len, is_encoder_decoder=False, enable_chunked_prefill=True)
+    vc = vcfg.VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc,
+                         kv_transfer_config=vcfg.KVTransferConfig(**kv_transfer) if kv_transfer else None,
+                         parallel_config=vcfg.ParallelConfig(tensor_parallel_size=tp),
+                         lora_config=vcfg.LoRAConfig(max_loras=max_loras) if max_loras else None,
+                         kv_events_config=vcfg.KVEventsConfig(**kv_events) if kv_events else None)
+    # the SSM dtype asked for, as on a GPU: vLLM's CPU platform makes it float32 where the CPU has AVX-512 BF16
     vc.cache_config.mamba_ssm_cache_dtype = shape.ssm_dtype
     # What update_block_size_for_backend does on a GPU once the layers exist: FlashAttention's kernel
     # alignment (16 tokens), the attention block raised until its page holds a GDN state, the state padded.
@@ -305,8 +293,7 @@ class OfflineEngine:
         if after_schedule is not None:  # an abort or preemption arriving while the step is in flight
             after_schedule(so)
         report = StepReport()
-        # vLLM's worker zeroes newly allocated blocks before any load: stale bytes of an earlier request in a
-        # reused block can then never pass for a load that did not happen
+        # vLLM's worker zeroes new blocks before any load: a reused block's stale bytes never pass for a load
         for block_id in so.new_block_ids_to_zero or ():
             for t in self.kv_caches.values():
                 t[block_id].zero_()

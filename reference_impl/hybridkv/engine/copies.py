@@ -113,7 +113,7 @@ class PageCopies:
         ev.record(s)
         return ev
 
-    def _issue_steps(self, h: TransferHandle, plans: list[tuple[torch.cuda.Stream, Any, list[int]]],
+    def _issue_steps(self, h: TransferHandle, plans: list[tuple[torch.cuda.Stream | None, Any, list[int]]],
                      steps: LayerSteps) -> Issued:
         """Each stream's plan cut into `steps`' parts, queued step after step; `h.layer_ready` names each
         layer's events (one per stream that copies some of it)."""

@@ -35,7 +35,12 @@ from vllm.distributed.kv_events import (
 from hybridkv.layout import ModelLayout
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from vllm.v1.request import Request
+
+    from hybridkv.engine.handles import TransferHandle
+    from hybridkv.engine.vllm.plan import StoreJob
 
 # (tp rank, request id, first chunk, end chunk, committed in full): one store as a worker saw it end
 StoreReport = tuple[int, str, int, int, bool]
@@ -210,3 +215,26 @@ def events_enabled(vllm_config: Any) -> bool:
     """Whether vLLM publishes KV cache events (`--kv-events-config '{"enable_kv_cache_events": true, ...}'`)."""
     cfg = getattr(vllm_config, "kv_events_config", None)
     return bool(cfg is not None and cfg.enable_kv_cache_events)
+
+
+class StoreReports:
+    """A worker rank's record of how its stores ended, taken by the connector each step for the scheduler side
+    (appended on the client's I/O thread when a commit's answer comes)."""
+
+    def __init__(self, tp_rank: int, chunk_tokens: int):
+        self.tp_rank, self.chunk_tokens = tp_rank, chunk_tokens
+        self._reports: deque[StoreReport] = deque()
+
+    def report(self, job: StoreJob, ok: bool) -> None:
+        self._reports.append((self.tp_rank, job.request_id, job.start_chunk, len(job.token_ids) // self.chunk_tokens,
+                              ok))
+
+    def report_commit(self, job: StoreJob, h: TransferHandle, committed: Future) -> None:
+        """A store's commit answered: held in full only when it committed and the server refused none of it."""
+        self.report(job, committed.exception() is None and not h.refused)
+
+    def take(self) -> list[StoreReport]:
+        out = []
+        while self._reports:
+            out.append(self._reports.popleft())
+        return out

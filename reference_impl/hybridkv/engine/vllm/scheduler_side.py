@@ -27,13 +27,12 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-    from hybridkv.engine.vllm.events import KVEventTracker
+    from hybridkv.engine.vllm.events import KVEventTracker  # (it imports vLLM)
 
 log = logging.getLogger(__name__)
 
 HitTier = Literal["l1", "l2", "unknown"]
 RESET_TIMEOUT_S = 5.0  # how long vLLM's reset of the external cache waits for the server's answer
-
 
 @dataclass(slots=True)
 class _Pending:

@@ -26,7 +26,6 @@ import functools
 import logging
 import threading
 import time
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -35,7 +34,8 @@ from hybridkv import protocol as P
 from hybridkv.engine.client import ServerError
 from hybridkv.engine.paged import engine_pages
 from hybridkv.engine.transfer import KVTransfer, PreparedStore, TransferConfig, TransferHandle
-from hybridkv.engine.vllm.plan import HybridKVMetadata, LoadJob, StoreJob
+from hybridkv.engine.vllm.events import StoreReports
+from hybridkv.engine.vllm.plan import HybridKVMetadata, LoadJob
 from hybridkv.engine.vllm.settings import ConnectorSettings
 from hybridkv.layout import LayoutError, ModelLayout
 from hybridkv.protocol import ErrorCode
@@ -101,10 +101,8 @@ class WorkerSide:
         self._in_flight: dict[str, list[TransferHandle]] = {}
         self._ending: dict[str, _Ending] = {}
         self._prepared: dict[tuple[str, int], PreparedStore] = {}  # (request, start chunk) -> this step's prepare
-        # vLLM publishes KV events: how each store ended, for the scheduler side's (`hybridkv.engine.vllm.events`);
-        # appended on the client's I/O thread when a commit's answer comes
-        self.events = events
-        self._reports: deque[tuple[int, str, int, int, bool]] = deque()
+        # vLLM publishes KV events: how each store ended, for the scheduler side's (`hybridkv.engine.vllm.events`)
+        self.events = StoreReports(tp_rank, chunk_tokens) if events else None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Page views of vLLM's cache tensors, checked against the layout, then the server connection (at
@@ -279,7 +277,8 @@ class WorkerSide:
         t = self.transfer
         if t is None:
             for job in meta.stores:
-                self._report(job, False)
+                if self.events is not None:
+                    self.events.report(job, False)
             self._connect_soon()
             return
         t0 = time.perf_counter()
@@ -296,8 +295,8 @@ class WorkerSide:
                 log.warning("hybridkv: store of %s failed (%s); a later request misses it", job.request_id, e)
                 continue
             handles.append(h)
-            if self.events:
-                h.committed.add_done_callback(functools.partial(self._report_commit, job, h))
+            if self.events is not None:
+                h.committed.add_done_callback(functools.partial(self.events.report_commit, job, h))
         stream = self._engine_stream()
         for h in handles:
             if stream is not None and h.order_after_copies(stream):
@@ -335,21 +334,9 @@ class WorkerSide:
 
         return torch.cuda.current_stream(self._pages[0][0].device)
 
-    def _report(self, job: StoreJob, ok: bool) -> None:
-        if self.events:
-            self._reports.append((self.tp_rank, job.request_id, job.start_chunk,
-                                  len(job.token_ids) // self.chunk_tokens, ok))
-
-    def _report_commit(self, job: StoreJob, h: TransferHandle, committed: Future) -> None:
-        """A store's commit answered: held in full only when it committed and the server refused none of it."""
-        self._report(job, committed.exception() is None and not h.refused)
-
     def take_store_reports(self) -> list[tuple[int, str, int, int, bool]]:
         """(rank, request, first chunk, end chunk, held in full) of every store that ended since the last call."""
-        out = []
-        while self._reports:
-            out.append(self._reports.popleft())
-        return out
+        return self.events.take() if self.events is not None else []
 
     def _counted(self, h: TransferHandle, _: Future) -> None:
         self._count_store(h)
