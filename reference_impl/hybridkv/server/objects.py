@@ -98,9 +98,14 @@ class ObjectStore:
         `ns`: READY or LOADING in L1, or in L2, of namespace `ns` and length `lengths[group]`, and not in
         `missing`; an object that is held but not so goes into `foreign`. One loop, no call per object: it is
         the lookup's hit rule over every chunk of a long prompt."""
-        ready = self.l1.ready_keys.get
-        if not missing and all((r := ready((ns, g))) is not None and r.issuperset(keys) for g in groups):
-            return len(keys)  # the common full hit, every object READY in L1 in this namespace: asked in C
+        if not missing:  # the common full hit, every object READY in L1 in this namespace: asked in C
+            ready = self.l1.ready_keys.get
+            for g in groups:
+                r = ready((ns, g))
+                if r is None or not r.issuperset(keys):
+                    break
+            else:
+                return len(keys)
         get, l2, reserved = self.l1.get, self.l2, State.RESERVED
         for n, k in enumerate(keys):
             for g in groups:
