@@ -36,6 +36,9 @@ class Counters:
     bad_messages: int = 0
     limit_refusals: int = 0
     forbidden_refusals: int = 0
+    # requests that named objects the server holds under another namespace (a client sending keys not of its
+    # own registration): answered as misses for them, or refused for them (prepare)
+    namespace_refusals: int = 0
     # hits by tier and in tokens (the Prometheus metrics and `hybridkv status`): a hit chunk is of tier l2 when a
     # lookup had to read one of its objects back from L2, probe when the lookup pinned nothing (pin=False)
     lookup_tokens: int = 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -102,9 +102,9 @@ class L1Cache:
         self.dropped_unspilled = 0  # evicted with no copy in L2 because L2 refused the write
         self.pending_free = 0  # bytes that in-flight evicting spills will free
         self._pinned = 0
-        # the keys of READY objects, per group: a lookup asks "is every chunk of this prompt READY?" in C,
-        # and a bytes key hashes once (its hash is kept), a (key, group) tuple at every question
-        self.ready_keys: defaultdict[int, set[bytes]] = defaultdict(set)
+        # the keys of READY objects, per (namespace, group): a lookup asks "is every chunk of this prompt READY in
+        # my namespace?" in C, and a bytes key hashes once (its hash is kept), a (key, group) tuple at every question
+        self.ready_keys: dict[tuple[bytes, int], set[bytes]] = {}
         self._ready = 0
         self._used = 0
 
@@ -166,7 +166,10 @@ class L1Cache:
     def make_ready(self, e: Entry) -> None:
         if e.state is not State.READY and not e.gone:
             self._ready += 1
-            self.ready_keys[e.group].add(e.key)
+            ready = self.ready_keys.get((e.ns, e.group))
+            if ready is None:
+                ready = self.ready_keys[(e.ns, e.group)] = set()
+            ready.add(e.key)
         e.state = State.READY
         self._place(e)
 
@@ -223,7 +226,10 @@ class L1Cache:
             self._used -= e.size
             if e.state is State.READY:
                 self._ready -= 1
-                self.ready_keys[e.group].discard(e.key)
+                ready = self.ready_keys[(e.ns, e.group)]
+                ready.discard(e.key)
+                if not ready:  # a namespace whose objects are all gone leaves nothing behind
+                    del self.ready_keys[(e.ns, e.group)]
             if e.pins:
                 self._pinned -= 1
         e.gone = True

@@ -11,18 +11,26 @@ from hybridkv.server.sessions import Engine
 E = P.ErrorCode
 
 
-def hit_length(ctx: Context, eng: Engine, keys: list[bytes], policy: str, missing: set[ObjectKey]) -> int:
-    """Longest n such that every needed object of chunks < n exists and every recurrent group
-    has its state at chunk n-1 (DESIGN.md: a prefix without its state is a miss at that length)."""
-    layout = eng.layout
+def hit_length(ctx: Context, eng: Engine, keys: list[bytes], policy: str, missing: set[ObjectKey],
+               foreign: set[ObjectKey]) -> int:
+    """Longest n such that every needed object of chunks < n exists in the engine's namespace and every
+    recurrent group has its state at chunk n-1 (DESIGN.md: a prefix without its state is a miss at that
+    length). Objects of another namespace under these keys are misses, collected in `foreign`."""
+    layout, ns = eng.layout, eng.ns
     groups = layout.attention_groups if policy == "boundary" else range(len(layout.groups))
     available = ctx.objects.available_prefix
-    full = available(keys, groups, eng.object_bytes, missing)
+    full = available(keys, groups, eng.object_bytes, missing, ns, foreign)
     recurrent = layout.recurrent_groups
     for n in range(full, 0, -1):
-        if available(keys[n - 1:n], recurrent, eng.object_bytes, missing):
+        if available(keys[n - 1:n], recurrent, eng.object_bytes, missing, ns, foreign):
             return n
     return 0
+
+
+def count_foreign(ctx: Context, foreign: set[ObjectKey]) -> None:
+    """A request that named objects of another namespace is counted once (namespace_refusals)."""
+    if foreign:
+        ctx.counters.namespace_refusals += 1
 
 
 def resume_request(ctx: Context, ident: bytes, msg: P.Lookup | P.Prefetch,
@@ -44,8 +52,10 @@ def lookup(ctx: Context, ident: bytes, msg: P.Lookup, frames: Frames) -> Answer:
     ctx.counters.lookup_tokens += len(keys) * eng.chunk_tokens
     ctx.objects.probe_l2(keys, len(eng.layout.groups))
     if not msg.pin:
-        n = hit_length(ctx, eng, keys, msg.policy, set())
+        foreign: set[ObjectKey] = set()
+        n = hit_length(ctx, eng, keys, msg.policy, set(), foreign)
         count_hit(ctx, eng, n, 0, probe=True)
+        count_foreign(ctx, foreign)
         return P.LookupResult(hit_chunks=n, lease=0, objects=[]), []
     ctx.sessions.lease_room(eng)
     op = LookupOp(ctx, ident, msg, eng, keys)
@@ -61,6 +71,7 @@ class LookupOp:
         self.ctx, self.ident, self.req_id, self.msg, self.eng, self.keys = ctx, ident, msg.id, msg, eng, keys
         self.pinned: dict[ObjectKey, Entry] = {}
         self.missing: set[ObjectKey] = set()
+        self.foreign: set[ObjectKey] = set()  # objects of another namespace under its keys (counted once)
         self.loading: list[Entry] = []  # prefetches this op waits for
         self.waited = False  # counted once in lookup_l2_waits
         self.from_l2: set[int] = set()  # chunks with an object this lookup waited on an L2 read for (tier l2)
@@ -88,7 +99,7 @@ class LookupOp:
         if self.loading:
             return False
         objects = ctx.objects
-        n = hit_length(ctx, eng, keys, msg.policy, self.missing)
+        n = hit_length(ctx, eng, keys, msg.policy, self.missing, self.foreign)
         needed = resume_objects(eng.layout, msg.policy, n, msg.skip_chunks)
         if not self.pinned and not self.missing:
             # the common case, every needed object READY in L1: pin them all and answer in one pass
@@ -125,7 +136,7 @@ class LookupOp:
                     self.from_l2.add(c)
             if not restart:
                 break
-            n = hit_length(ctx, eng, keys, msg.policy, self.missing)  # a miss was found: the hit is shorter
+            n = hit_length(ctx, eng, keys, msg.policy, self.missing, self.foreign)  # a miss: the hit is shorter
             needed = resume_objects(eng.layout, msg.policy, n, msg.skip_chunks)
         if self.loading or any((keys[c], g) not in self.pinned for c, g in needed):
             if self.loading and not self.waited:
@@ -146,6 +157,7 @@ class LookupOp:
             lid = self.ctx.sessions.add_lease(self.eng, self.msg.request, entries, locs).id
         eng = self.eng
         count_hit(self.ctx, eng, n, sum(1 for c in self.from_l2 if c < n), probe=False)
+        count_foreign(self.ctx, self.foreign)
         self.ctx.counters.bytes_leased += resume_bytes(eng.layout, self.msg.policy, n, self.msg.skip_chunks,
                                                        eng.object_bytes)
         self.ctx.send(self.ident, self.req_id, P.LookupResult(hit_chunks=n, lease=lid, objects=locs), ())

@@ -26,6 +26,7 @@ from hybridkv.server.connections import ConnectionGate, listen_backlog
 from hybridkv.server.context import Answer, Context, Frames, RequestError
 from hybridkv.server.counters import Counters
 from hybridkv.server.formats import Formats
+from hybridkv.server.heap import LARGE_FRAME, HeapTrim
 from hybridkv.server.l2.base import L2Adapter
 from hybridkv.server.lifecycle import claim_ipc_path
 from hybridkv.server.objects import ObjectStore
@@ -89,6 +90,7 @@ class CacheServer:
         self._closed = False
         self._requests_seen = 0       # requests counted at the last tick: none since means idle
         self._full_gc_at = time.monotonic()
+        self.heap = HeapTrim()            # gives the heap back after large requests (heap.py says why)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -239,6 +241,8 @@ class CacheServer:
             self._error(ident, P.peek_envelope(head)[1], E.LIMIT, f"request frame of {len(head)} B; the limit is "
                         f"{self.config.max_message_bytes} B (--max-message-bytes)")
             return
+        if len(head) >= LARGE_FRAME:  # a compare per request; the trim waits for a quiet tick
+            self.heap.owed = True
         try:
             msg = P.decode_request(head)
         except P.BadMessage as e:
@@ -357,4 +361,5 @@ class CacheServer:
         if self._gate is not None:
             self._gate.resync()
         self._run_parked()
+        self.heap.tick(self.sessions.released_objects, quiet=not self.ctx.parked)
         self.telemetry.tick(self.ctx)

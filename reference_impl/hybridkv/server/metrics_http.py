@@ -169,6 +169,8 @@ def families(snap: Snapshot, now: float) -> Iterator:
     yield _counter("hybridkv_limit_refusals", "requests refused by a configured limit", f["limit_refusals"])
     yield _counter("hybridkv_forbidden_refusals", "server-wide requests refused without --admin",
                    f["forbidden_refusals"])
+    yield _counter("hybridkv_namespace_refusals", "requests that named objects held under another namespace "
+                   "(answered as misses for them)", f["namespace_refusals"])
 
 
 class MetricsEndpoint:

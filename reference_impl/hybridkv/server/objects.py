@@ -3,6 +3,11 @@
 It owns the L1 table (states, pins, LRU queues), the L2 adapter, the quarantine of reclaimed slots,
 spills (evicting and ahead of need, in batches) and prefetches from L2. Handlers ask it questions
 and give it orders; they never touch an Entry's fields themselves.
+
+Every object is of the namespace it was stored under, and every question is asked for one namespace: an
+object of another is neither available, nor present, nor read back from L2 for the asker (a client may send
+another namespace's keys under its own registration; docs/trust-model.md). Such objects are collected in the
+caller's `foreign` set, so that its request is counted once.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
+from enum import Enum
 from operator import attrgetter
 from typing import cast
 
@@ -30,6 +36,13 @@ SPILL_BATCH_BYTES = 8 << 20
 SPILL_RETRY_S = 10.0      # an object whose L2 write failed is tried again after this long
 FAILURE_LOG_EVERY_S = 10.0
 _state = attrgetter("state")
+
+
+class Held(Enum):
+    """Whose an object is, for a store that asks whether it may skip it (`ObjectStore.held`)."""
+    MINE = 1      # in L1 (even being written) or in L2, of the asker's namespace and length: skip it
+    OTHER = 2     # held under another namespace (or another length): neither skipped nor written over
+    NONE = 3      # held by nobody: store it
 
 
 def spill_batches(entries: list[Entry]) -> Iterator[list[Entry]]:
@@ -57,7 +70,7 @@ class ObjectStore:
         self.l2 = l2
         self._workers = workers
         self._counters = counters
-        has_l2 = (lambda e: l2.length(e.key, e.group) == e.length) if l2 is not None else None
+        has_l2 = (lambda e: l2.length(e.key, e.group, e.ns) == e.length) if l2 is not None else None
         self.l1 = L1Cache(arena, config.eviction, self._spill if l2 is not None else None, has_l2)
         self._quarantine: deque[tuple[float, int, int]] = deque()  # (until, offset, length), in time order
         self._spills_inflight = 0
@@ -80,26 +93,49 @@ class ObjectStore:
         self.l2.probe([(k, g) for k in keys for g in range(groups) if self.l1.get((k, g)) is None])
 
     def available_prefix(self, keys: list[bytes], groups: Sequence[int], lengths: list[int],
-                         missing: set[ObjectKey]) -> int:
-        """How many leading keys have the object of every one of `groups` available to a lookup: READY or
-        LOADING in L1, or in L2 with the length `lengths[group]`, and not in `missing`. One loop, no call
-        per object: it is the lookup's hit rule over every chunk of a long prompt."""
-        ready = self.l1.ready_keys
-        if not missing and all(ready[g].issuperset(keys) for g in groups):
-            return len(keys)  # the common full hit, every object READY in L1: asked in C
+                         missing: set[ObjectKey], ns: bytes, foreign: set[ObjectKey]) -> int:
+        """How many leading keys have the object of every one of `groups` available to a lookup of namespace
+        `ns`: READY or LOADING in L1, or in L2, of namespace `ns` and length `lengths[group]`, and not in
+        `missing`; an object that is held but not so goes into `foreign`. One loop, no call per object: it is
+        the lookup's hit rule over every chunk of a long prompt."""
+        if not missing:  # the common full hit, every object READY in L1 in this namespace: asked in C
+            ready = self.l1.ready_keys.get
+            for g in groups:
+                r = ready((ns, g))
+                if r is None or not r.issuperset(keys):
+                    break
+            else:
+                return len(keys)
         get, l2, reserved = self.l1.get, self.l2, State.RESERVED
         for n, k in enumerate(keys):
             for g in groups:
                 oid = (k, g)
                 e = get(oid)
-                if (e.state is reserved if e is not None else l2 is None or l2.length(k, g) != lengths[g]) \
-                        or (missing and oid in missing):
+                if e is not None:
+                    if e.ns != ns or e.length != lengths[g]:  # a compare per object, on this slow path only
+                        foreign.add(oid)
+                        return n
+                    if e.state is reserved:
+                        return n
+                elif l2 is None or l2.length(k, g, ns) != lengths[g]:
+                    if l2 is not None and l2.length(k, g) is not None:  # held, not ours: once per call, at the end
+                        foreign.add(oid)
+                    return n
+                if missing and oid in missing:
                     return n
         return len(keys)
 
-    def present(self, oid: ObjectKey, length: int) -> bool:
-        """Whether a store may skip this object (anywhere in L1, even being written, or in L2)."""
-        return self.l1.get(oid) is not None or (self.l2 is not None and self.l2.length(*oid) == length)
+    def held(self, oid: ObjectKey, ns: bytes, length: int) -> Held:
+        """Whether a store of namespace `ns` may skip this object (of `length` bytes), must leave it alone, or
+        may write it."""
+        e = self.l1.get(oid)
+        if e is not None:
+            return Held.MINE if e.ns == ns and e.length == length else Held.OTHER
+        if self.l2 is None:
+            return Held.NONE
+        if self.l2.length(*oid, ns) == length:
+            return Held.MINE
+        return Held.NONE if self.l2.length(*oid) is None else Held.OTHER
 
     def ready(self, oids: list[ObjectKey]) -> list[Entry] | None:
         """The entries of these objects when every one is READY in L1 (a lookup's common case: pin and
@@ -182,7 +218,7 @@ class ObjectStore:
             l2 = self.l2
             assert l2 is not None
             e = r
-            if self._workers.submit(lambda: l2.get_into(e.key, e.group, self.arena.view(e.offset, e.length)),
+            if self._workers.submit(lambda: l2.get_into(e.key, e.group, self.arena.view(e.offset, e.length), e.ns),
                                     lambda ok, exc: self._prefetch_done(e, ok, exc)):
                 self._counters.l2_prefetches += 1
             else:

@@ -2,7 +2,8 @@
 
 An engine sends it when it knows a request is coming (a conversation's next message arrived, its user
 started typing) so that the L2 reads overlap the time until the lookup instead of adding to its TTFT.
-The prefix is the Lookup hit rule's (`lookup.hit_length`), in the engine's namespace only. Each of its
+The prefix is the Lookup hit rule's (`lookup.hit_length`), in the engine's namespace only (another
+namespace's objects under its keys are misses, and never read). Each of its
 objects not in L1 gets an L2 read into a fresh slot, exactly as a lookup's would: an object already
 LOADING is not read twice, and reads take only evictable room (unpinned READY objects, clean ones
 first, dirty ones after their spill), never pinned, reserved or loading ones. When spills must free
@@ -17,7 +18,8 @@ from hybridkv import protocol as P
 from hybridkv.policy import resume_objects
 from hybridkv.server.context import Answer, Context, Frames, RequestError
 from hybridkv.server.l1 import Entry, NoSlot, ObjectKey, State
-from hybridkv.server.lookup import hit_length, resume_request
+from hybridkv.server.lookup import count_foreign, hit_length, resume_request
+from hybridkv.server.objects import Held
 from hybridkv.server.sessions import Engine
 
 E = P.ErrorCode
@@ -29,7 +31,9 @@ def prefetch(ctx: Context, ident: bytes, msg: P.Prefetch, frames: Frames) -> Ans
         raise RequestError(E.LIMIT, f"engine {eng.id} has {eng.prefetches} prefetches still reading, the "
                            f"limit (--max-prefetches {ctx.config.max_prefetches})")
     ctx.objects.probe_l2(keys, len(eng.layout.groups))
-    n = hit_length(ctx, eng, keys, msg.policy, set())
+    foreign: set[ObjectKey] = set()
+    n = hit_length(ctx, eng, keys, msg.policy, set(), foreign)
+    count_foreign(ctx, foreign)
     objects = resume_objects(eng.layout, msg.policy, n, msg.skip_chunks)
     todo = [((keys[c], g), eng.object_bytes[g]) for c, g in objects]
     capacity = ctx.objects.l1.alloc.size
@@ -84,7 +88,7 @@ class PrefetchOp:
         objects, counters = self.ctx.objects, self.ctx.counters
         while self.todo:
             oid, length = self.todo[-1]
-            if objects.get(oid) is not None or not objects.present(oid, length):  # absent from L1: in L2?
+            if objects.get(oid) is not None or objects.held(oid, self.eng.ns, length) is not Held.MINE:  # in L2?
                 self.todo.pop()  # brought in by a lookup meanwhile, or gone from L2: nothing to read
                 continue
             r = objects.prefetch(oid, self.eng.ns, length)

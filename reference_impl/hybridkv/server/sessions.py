@@ -79,6 +79,7 @@ class Sessions:
         self._per_client: dict[bytes, int] = {}  # engines registered by each connection
         self.reservations: dict[int, Reservation] = {}
         self.leases: dict[int, Lease] = {}
+        self.released_objects = 0  # objects of every lease and reservation closed so far (heap.HeapTrim reads it)
 
     def _new_id(self) -> int:
         while True:
@@ -148,11 +149,13 @@ class Sessions:
         return lease
 
     def close_reservation(self, res: Reservation) -> None:
-        self.reservations.pop(res.id, None)
+        if self.reservations.pop(res.id, None) is not None:
+            self.released_objects += len(res.slots)
         res.engine.reservations.pop(res.id, None)
 
     def close_lease(self, lease: Lease) -> None:
-        self.leases.pop(lease.id, None)
+        if self.leases.pop(lease.id, None) is not None:
+            self.released_objects += len(lease.entries)
         lease.engine.leases.pop(lease.id, None)
 
     def remove_engine(self, eng: Engine) -> tuple[list[Lease], list[Reservation]]:

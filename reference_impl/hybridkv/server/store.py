@@ -8,6 +8,7 @@ from typing import Any
 from hybridkv import protocol as P
 from hybridkv.server.context import Answer, Context, Frames, RequestError, check_keys, no_frames
 from hybridkv.server.l1 import NoSlot
+from hybridkv.server.objects import Held
 from hybridkv.server.sessions import Engine, Reservation, Slot
 
 E = P.ErrorCode
@@ -47,6 +48,7 @@ class PrepareOp:
         self.locs: list[P.ObjectLoc] = []
         self.present: list[tuple[int, int]] = []
         self.refused: list[P.Refusal] = []
+        self.foreign = False  # some of its objects are held under another namespace (the request is counted)
 
     def _check(self, todo: list[tuple[int, int]], until: float) -> bool:
         """Check objects (all before any is reserved: a bad one refuses the whole request); False when the
@@ -86,8 +88,13 @@ class PrepareOp:
                 return False
             c, g = todo[self.next]
             oid, length = (self.keys[c], g), eng.object_bytes[g]
-            if objects.present(oid, length):
+            held = objects.held(oid, eng.ns, length)
+            if held is Held.MINE:
                 self.present.append((c, g))  # delta-aware: no bytes move for what the server holds
+            elif held is Held.OTHER:
+                # never "present" (another namespace's object would stand in for this one), never written over
+                self.refused.append(P.Refusal(c, g, "held under another namespace"))
+                self.foreign = True
             else:
                 r = objects.reserve(oid, eng.ns, length)
                 if r is NoSlot.WAIT:
@@ -107,6 +114,7 @@ class PrepareOp:
                 raise
         ctx.counters.objects_skipped_present += len(self.present)
         ctx.counters.objects_refused += len(self.refused)
+        ctx.counters.namespace_refusals += self.foreign
         ctx.send(self.ident, self.req_id, P.Prepared(reservation=rid, slots=self.locs, present=self.present,
                                                      refused=self.refused), ())
         return True

@@ -41,7 +41,8 @@ STATUS_FIGURES = (
     "requests", "errors", "lookups", "lookup_chunks", "hit_chunks", "lookup_tokens", "hit_tokens", "hit_chunks_l2",
     "probe_hit_chunks", "bytes_committed", "bytes_leased", "objects_committed", "l2_spill_bytes",
     "l2_prefetch_bytes", "l2_spill_failures", "l2_prefetch_failures", "limit_refusals", "forbidden_refusals",
-    "engines_reclaimed", "l1_objects", "l1_bytes_used", "l1_capacity_bytes", "l1_pinned_objects", "l1_evictions",
+    "namespace_refusals", "engines_reclaimed", "l1_objects", "l1_bytes_used", "l1_capacity_bytes",
+    "l1_pinned_objects", "l1_evictions",
     "l2_objects", "l2_bytes", "l2_capacity_bytes", "l2_evictions", "l2_corrupt_removed", "engines", "namespaces",
     "leases", "reservations", "leases_max_engine", "reservations_max_engine", "parked", "arena_bytes")
 # The totals whose growth over the last minute a Status reply carries (hit rate, GB/s).

@@ -152,22 +152,23 @@ def test_flush_batches_hold_many_small_objects_or_few_large_ones(arena, tmp_path
     assert list(spill_batches([])) == []
 
 
-def ready_in_table(l1: L1Cache) -> dict[int, set[bytes]]:
-    out: dict[int, set[bytes]] = {}
+def ready_in_table(l1: L1Cache) -> dict[tuple[bytes, int], set[bytes]]:
+    out: dict[tuple[bytes, int], set[bytes]] = {}
     for e in l1.entries():
         if e.state is State.READY:
-            out.setdefault(e.group, set()).add(e.key)
+            out.setdefault((e.ns, e.group), set()).add(e.key)
     return out
 
 
 def test_ready_keys_follow_every_state_change(arena):
-    # a lookup answers "is every chunk READY?" from ready_keys: it must name exactly the READY objects
+    # a lookup answers "is every chunk READY in my namespace?" from ready_keys: it must name exactly the READY
+    # objects, and keep no empty set behind (one per namespace and group ever seen would grow without bound)
     l1 = L1Cache(arena)
     a, b = fill(l1, 2)
     loading = l1.reserve(key(5), 1, NS, SLOT_ALIGN, state=State.LOADING)
     reserved = l1.reserve(key(6), 0, NS, SLOT_ALIGN)
     assert not isinstance(loading, NoSlot) and not isinstance(reserved, NoSlot)
-    assert {g: s for g, s in l1.ready_keys.items() if s} == ready_in_table(l1) == {0: {key(0), key(1)}}
+    assert l1.ready_keys == ready_in_table(l1) == {(NS, 0): {key(0), key(1)}}
     l1.loaded(loading)                     # LOADING -> READY
     l1.pin_all([a, a, b])
     l1.unpin_all([a, b])                   # b, unpinned, is now younger than the loaded object
@@ -177,5 +178,5 @@ def test_ready_keys_follow_every_state_change(arena):
     l1.detach(a)                           # gone while pinned: the unpin after it changes no count
     l1.unpin(a)
     l1.make_ready(e)
-    assert {g: s for g, s in l1.ready_keys.items() if s} == ready_in_table(l1) == {0: {key(1), key(9)}}
+    assert l1.ready_keys == ready_in_table(l1) == {(NS, 0): {key(1), key(9)}}
     assert l1.usage()["l1_unready_objects"] == 0 and l1.usage()["l1_pinned_objects"] == 0

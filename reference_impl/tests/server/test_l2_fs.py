@@ -497,9 +497,9 @@ def test_same_object_put_by_eight_threads_at_once_is_written_once(tmp_path):
 class _ReplaceWhileReading(FilesystemL2):
     """Replaces the object with a new version after get_into read the old (damaged) file."""
 
-    def _read(self, key, group, out, stamp):
+    def _read(self, key, group, out, stamp, ns):
         try:
-            return super()._read(key, group, out, stamp)
+            return super()._read(key, group, out, stamp, ns)
         finally:
             self.put(key, group, NS_A, payload(77, 3000))
 

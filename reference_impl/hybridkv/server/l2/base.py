@@ -2,8 +2,11 @@
 checks of the keys, namespaces and buffers handed to it.
 
 An object is one (chunk key, group) pair: 16 key bytes and a group index, plus the 16-byte namespace of
-the engine family it belongs to (kept for clear-by-namespace and statistics; the key already hashes
-the namespace in, so it takes no part in identity). Payloads are opaque bytes.
+the engine family it belongs to. The key already hashes the namespace in, so it takes no part in identity;
+it is kept for clear-by-namespace and so that an object is served only to its own namespace: `length` and
+`get_into` given the asker's `ns` answer an object of another namespace as a miss, and `put` refuses to
+replace one (docs/trust-model.md: a client may send another namespace's keys as its own). Payloads are
+opaque bytes.
 """
 
 from __future__ import annotations
@@ -50,15 +53,17 @@ class L2Adapter(abc.ABC):
         """Store an object; once this returns, a SIGKILL of this process does not lose it.
 
         Idempotent: a second put of an object already held is a no-op. Evicts least-recently-used
-        objects to make room. Raises `L2Error` with the reason when it cannot store the object.
+        objects to make room. Raises `L2Error` with the reason when it cannot store the object, and when
+        the store holds (key, group) under another namespace than `ns` (never replaced by another's bytes).
         """
 
     @abc.abstractmethod
-    def get_into(self, key: bytes, group: int, out: memoryview) -> bool:
+    def get_into(self, key: bytes, group: int, out: memoryview, ns: bytes | None = None) -> bool:
         """Read an object into `out` (writable, exactly the object's length) and verify its checksum.
 
         True on success. A missing or damaged object is a miss (False): a damaged one is removed and
-        never served. `out`'s contents are unspecified after False. A wrong-sized `out` is a
+        never served. With `ns`, an object of another namespace is a miss too (and kept: it is not
+        damaged). `out`'s contents are unspecified after False. A wrong-sized `out` is a
         `ValueError` (the caller's bug, not the store's).
         """
 
@@ -67,8 +72,9 @@ class L2Adapter(abc.ABC):
         """Whether the object is held (from the index; no I/O)."""
 
     @abc.abstractmethod
-    def length(self, key: bytes, group: int) -> int | None:
-        """The object's payload length, or None when it is not held (from the index; no I/O)."""
+    def length(self, key: bytes, group: int, ns: bytes | None = None) -> int | None:
+        """The object's payload length, or None when it is not held (from the index; no I/O); with `ns`, None
+        also when it is held under another namespace."""
 
     @abc.abstractmethod
     def remove(self, key: bytes, group: int) -> bool:

@@ -105,6 +105,8 @@ class FilesystemL2(L2Adapter):
             while True:
                 self._check_open()
                 entry = self._index.get(okey)
+                if entry is not None and entry.ns != ns:
+                    raise L2Error(f"object {key.hex()}-{group} is held under another namespace: not replaced")
                 if entry is not None and entry.length == size:
                     # Keys hash the token prefix, so the same key means the same bytes: skip the write.
                     self._index.move_to_end(okey)
@@ -165,8 +167,8 @@ class FilesystemL2(L2Adapter):
             with self._lock:
                 self._counters["syncs"] += 1
 
-    def get_into(self, key: bytes, group: int, out: memoryview) -> bool:
-        """Read header and payload straight into `out`, then check header, size and payload crc32."""
+    def get_into(self, key: bytes, group: int, out: memoryview, ns: bytes | None = None) -> bool:
+        """Read header and payload straight into `out`, then check header (and namespace), size and crc32."""
         check_key(key, group)
         out = byte_view(out, writable=True)
         okey = (key, group)
@@ -177,14 +179,14 @@ class FilesystemL2(L2Adapter):
                 raise ValueError(f"out is {out.nbytes} bytes but object {key.hex()}-{group} is "
                                  f"{entry.length} bytes")
             self._counters["gets"] += 1
-            if entry is None:
+            if entry is None or (ns is not None and entry.ns != ns):
                 self._counters["misses"] += 1
                 return False
             self._index.move_to_end(okey)
             gen = entry.gen
             stamp = self._next_stamp()
         try:
-            direct = self._read(key, group, out, stamp)
+            direct = self._read(key, group, out, stamp, ns)
         except FileNotFoundError:
             reason = "file missing"
         except OSError as e:
@@ -210,18 +212,15 @@ class FilesystemL2(L2Adapter):
 
     def contains(self, key: bytes, group: int) -> bool:
         """Whether the index holds the object."""
-        check_key(key, group)
-        with self._lock:
-            self._check_open()
-            return (key, group) in self._index
+        return self.length(key, group) is not None
 
-    def length(self, key: bytes, group: int) -> int | None:
-        """The object's payload length from the index, or None."""
+    def length(self, key: bytes, group: int, ns: bytes | None = None) -> int | None:
+        """The object's payload length from the index, or None (also when it is of another namespace than `ns`)."""
         check_key(key, group)
         with self._lock:
             self._check_open()
             entry = self._index.get((key, group))
-            return None if entry is None else entry.length
+            return None if entry is None or (ns is not None and entry.ns != ns) else entry.length
 
     def remove(self, key: bytes, group: int) -> bool:
         """Drop the object from the index and unlink its file."""
@@ -384,8 +383,8 @@ class FilesystemL2(L2Adapter):
             self._unlink(okey[0], ObjectDir.name(*okey))
         log.warning("L2: removed bad object file %s: %s", self._dir.path(*okey), reason)
 
-    def _read(self, key: bytes, group: int, out: memoryview, stamp: int) -> int:
-        return self._dir.read_into(key, group, out, stamp)
+    def _read(self, key: bytes, group: int, out: memoryview, stamp: int, ns: bytes | None) -> int:
+        return self._dir.read_into(key, group, out, stamp, ns)
 
     def _unlink(self, key: bytes, name: str) -> None:
         try:

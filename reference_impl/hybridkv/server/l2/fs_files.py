@@ -204,14 +204,15 @@ class ObjectDir:
             _pwrite_all(fd, payload[bulk:], DATA_OFFSET + bulk)
         return bulk
 
-    def read_into(self, key: bytes, group: int, out: memoryview, stamp: int) -> int:
-        """Fill `out` with the object's payload; raises BadObject or OSError when it cannot be trusted.
-        Returns the payload bytes read with O_DIRECT."""
+    def read_into(self, key: bytes, group: int, out: memoryview, stamp: int, ns: bytes | None = None) -> int:
+        """Fill `out` with the object's payload; raises BadObject or OSError when it cannot be trusted (or its
+        header names another namespace than `ns`, which the index said it was). Returns the payload bytes read
+        with O_DIRECT."""
         fd = _open_object(self.name(key, group), self._fds[key[0]])
         try:
             raw = os.pread(fd, DATA_OFFSET, 0)
             hdr = ObjectHeader.unpack(raw, DATA_OFFSET)
-            hdr.check_for(key, group, out.nbytes)
+            hdr.check_for(key, group, out.nbytes, ns)
             size = os.fstat(fd).st_size
             if size != DATA_OFFSET + hdr.payload_len:
                 raise BadObject(f"file is {size} bytes, header says {DATA_OFFSET} + {hdr.payload_len}")

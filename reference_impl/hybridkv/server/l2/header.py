@@ -79,8 +79,11 @@ class ObjectHeader:
                             f"this reader knows {FORMAT_VERSION} / {data_offset}")
         return cls(ns, key, group, payload_len, payload_crc)
 
-    def check_for(self, key: bytes, group: int, length: int) -> None:
-        """Raise BadObject unless this header is for (key, group) with `length` payload bytes."""
+    def check_for(self, key: bytes, group: int, length: int, ns: bytes | None = None) -> None:
+        """Raise BadObject unless this header is for (key, group) with `length` payload bytes (and of namespace
+        `ns`, when given)."""
+        if ns is not None and self.ns != ns:
+            raise BadObject(f"header is of namespace {self.ns.hex()}, not {ns.hex()}")
         if self.key != key or self.group != group:
             raise BadObject(f"header is for {self.key.hex()}-{self.group}, not {key.hex()}-{group}")
         if self.payload_len != length:

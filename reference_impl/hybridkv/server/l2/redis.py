@@ -84,21 +84,25 @@ class RedisL2(L2Adapter):
         size = view.nbytes
         self._check_open()
         okey = (key, group)
-        if self._fresh_length(okey) == size:
+        if self._fresh_length(okey, ns) == size:
             self._count(puts=1)
             return
         self._check_up("put")
         try:
             old: Any = self._data.get(self._codec.meta_key(key, group))
-            if old is not None and self._codec.parse(old, key, group)[0].payload_len == size:
-                self._remember(okey, size, ns)  # another host stored it: same key, same bytes
-                self._count(puts=1)
-                self._health.ok()
-                return
+            hdr: ObjectHeader | None = self._codec.parse(old, key, group)[0] if old is not None else None
         except BadObject:
-            pass  # overwritten below
+            hdr = None  # overwritten below
         except DOWN as e:
             self._down("put", e)
+        if hdr is not None and hdr.ns != ns:
+            self._remember(okey, hdr.payload_len, hdr.ns)
+            raise L2Error(f"object {key.hex()}-{group} is held under another namespace: not replaced")
+        if hdr is not None and hdr.payload_len == size:
+            self._remember(okey, size, ns)  # another host stored it: same key, same bytes
+            self._count(puts=1)
+            self._health.ok()
+            return
         cb = self.spec.chunk_bytes
         meta = self._codec.pack(ObjectHeader(ns, key, group, size, crc32(view, 0)), cb, view)
         names = self._codec.data_keys(key, group, size, cb)
@@ -119,8 +123,8 @@ class RedisL2(L2Adapter):
         self._remember(okey, size, ns)
         self._count(puts=1, bytes_written=size)
 
-    def get_into(self, key: bytes, group: int, out: memoryview) -> bool:
-        """Read meta and chunks in one pipeline, check header, sizes and the payload crc32 into `out`."""
+    def get_into(self, key: bytes, group: int, out: memoryview, ns: bytes | None = None) -> bool:
+        """Read meta and chunks in one pipeline, check header (and namespace), sizes and the crc32 into `out`."""
         check_key(key, group)
         out = byte_view(out, writable=True)
         self._check_open()
@@ -133,7 +137,7 @@ class RedisL2(L2Adapter):
             self._count(misses=1)
             return False
         try:
-            ok = self._read(key, group, out, self.spec.chunk_bytes)
+            ok = self._read(key, group, out, self.spec.chunk_bytes, ns)
         except DOWN as e:
             self._health.failed("get", e)
             self._count(misses=1, store_errors=1)
@@ -159,21 +163,22 @@ class RedisL2(L2Adapter):
         """Whether the store holds the object (the local index, else one short query)."""
         return self.length(key, group) is not None
 
-    def length(self, key: bytes, group: int) -> int | None:
-        """The object's payload length, from the local index or one short query; None when missing or down."""
+    def length(self, key: bytes, group: int, ns: bytes | None = None) -> int | None:
+        """The object's payload length, from the local index or one short query; None when missing or down (or
+        of another namespace than `ns`)."""
         check_key(key, group)
         self._check_open()
         okey = (key, group)
         with self._lock:
             k = self._known.get(okey)
             if k is not None and time.monotonic() < k.until:
-                return k.length
+                return k.length if ns is None or k.ns == ns else None
         # The loop asks for every group of a chunk in turn: one round trip answers them all.
         self._group_span = min(max(self._group_span, group + 1), _MAX_GROUP_SPAN)
         self.probe([okey, *((key, g) for g in range(self._group_span) if g != group)])
         with self._lock:
             k = self._known.get(okey)
-            return None if k is None else k.length
+            return None if k is None or (ns is not None and k.ns != ns) else k.length
 
     def probe(self, oids: list[tuple[bytes, int]]) -> None:
         """Fetch the meta keys of the objects not freshly known, in pipelines, into the index."""
@@ -288,8 +293,9 @@ class RedisL2(L2Adapter):
 
     # ---- internals ----
 
-    def _read(self, key: bytes, group: int, out: memoryview, cb: int) -> bool:
-        """Fill `out` from the store; False for a missing object, BadObject for a damaged one."""
+    def _read(self, key: bytes, group: int, out: memoryview, cb: int, ns: bytes | None) -> bool:
+        """Fill `out` from the store; False for a missing object (or one of another namespace than `ns`: another
+        tenant's, kept), BadObject for a damaged one."""
         size = out.nbytes
         pipe = self._data.pipeline(transaction=False)
         pipe.get(self._codec.meta_key(key, group))
@@ -304,9 +310,12 @@ class RedisL2(L2Adapter):
             self._forget((key, group))
             return False
         hdr, their_cb = self._codec.parse(meta, key, group)
+        if ns is not None and hdr.ns != ns:
+            self._remember((key, group), hdr.payload_len, hdr.ns)
+            return False
         hdr.check_for(key, group, size)
         if their_cb != cb:  # written by a server with another chunk size: read its keys
-            return self._read(key, group, out, their_cb)
+            return self._read(key, group, out, their_cb, ns)
         pos = 0
         for i, c in enumerate(chunks):
             want = min(cb, size - pos)
@@ -346,10 +355,10 @@ class RedisL2(L2Adapter):
         except (redis.RedisError, OSError) as e:
             log.debug("L2 redis: cannot delete %d keys: %s", len(names), e)
 
-    def _fresh_length(self, okey: ObjectKey) -> int | None:
+    def _fresh_length(self, okey: ObjectKey, ns: bytes | None = None) -> int | None:
         with self._lock:
             k = self._known.get(okey)
-            return k.length if k is not None and time.monotonic() < k.until else None
+            return k.length if k is not None and time.monotonic() < k.until and (ns is None or k.ns == ns) else None
 
     def _remember(self, okey: ObjectKey, length: int | None, ns: bytes) -> None:
         ttl = self.spec.index_ttl_s if length is not None else self.spec.miss_ttl_s
