@@ -291,7 +291,8 @@ class WorkerSide:
                             prepared=self._prepared.pop((job.request_id, job.start_chunk), None), extras=job.extras)
             except Exception as e:
                 self.stats.store_failures += 1
-                self._report(job, False)
+                if self.events is not None:
+                    self.events.report(job, False)
                 log.warning("hybridkv: store of %s failed (%s); a later request misses it", job.request_id, e)
                 continue
             handles.append(h)
