@@ -4,7 +4,8 @@ waits on the GPU; elsewhere `wait_layer` waits for the whole load. The CUDA case
 
 from __future__ import annotations
 
-import numpy as np
+import contextlib
+
 import pytest
 import torch
 from hybridkv.engine.copies import layer_steps
@@ -12,6 +13,7 @@ from hybridkv.engine.transfer import KVTransfer, TransferConfig
 from hybridkv.layout import layer_index
 from hybridkv.presets import preset_layout
 from hybridkv_bench.pools import BlockAllocator, fill_random, vllm_pools
+from test_transfer_order import _stored as store_random
 
 NUM_BLOCKS = 48
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -31,16 +33,27 @@ def test_layer_steps_put_every_state_first_then_the_layers_in_forward_order():
     assert sorted(named) == sorted(n for g in layout.groups for n in g.layer_names)  # each layer once
 
 
-def _store_and_look_up(kv: KVTransfer, alloc: BlockAllocator, chunks: int, seed: int):
-    ct = kv.chunk_tokens
-    bpc = [ct // g.block_tokens for g in kv.layout.groups]
-    tokens = np.random.default_rng(seed).integers(0, 150_000, chunks * ct)
-    src = [alloc.allocate(chunks * b) for b in bpc]
-    kv.store(f"store-{seed}", tokens, src).wait_committed(30)
-    kv.end_session(f"store-{seed}")
-    hit = kv.lookup(f"load-{seed}", tokens)
-    assert hit.hit_chunks == chunks
-    return hit, src, [alloc.allocate(chunks * b) for b in bpc], bpc
+CHUNKS = 2
+
+
+@contextlib.contextmanager
+def _stored(server_factory, preset: str, tp: int, device: str, seed: int):
+    """A KVTransfer over random pages with CHUNKS chunks stored and looked up, the blocks to load into zeroed:
+    (kv, pools, hit, source blocks, destination blocks, blocks per chunk) per group."""
+    srv = server_factory(l1_gib=2.0)
+    layout = preset_layout(preset, tp)
+    pools = vllm_pools(layout, NUM_BLOCKS, device)
+    fill_random(pools, seed)
+    alloc = BlockAllocator(NUM_BLOCKS)
+    with KVTransfer(srv.endpoint, layout, pools, TransferConfig(salt=f"lw-{preset}-{device}-{seed}")) as kv:
+        tokens, src, bpc = store_random(kv, pools, alloc, CHUNKS, seed)
+        hit = kv.lookup(f"load-{seed}", tokens)
+        assert hit.hit_chunks == CHUNKS
+        dst = [alloc.allocate(CHUNKS * b) for b in bpc]
+        for g, ids in enumerate(dst):
+            for t in pools[g]:
+                t[ids] = 0
+        yield kv, pools, hit, src, dst, bpc
 
 
 def _pairs(layout, g: int, src: list[int], dst: list[int], bpc: int, chunks: int) -> list[tuple[int, int]]:
@@ -52,24 +65,15 @@ def _pairs(layout, g: int, src: list[int], dst: list[int], bpc: int, chunks: int
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[cuda, pytest.mark.cuda])])
 def test_a_layerwise_load_writes_what_was_stored_and_each_layer_can_be_awaited(server_factory, device):
-    srv = server_factory(l1_gib=1.0)
-    layout = preset_layout("tiny-hybrid", 1)
-    pools = vllm_pools(layout, NUM_BLOCKS, device)
-    fill_random(pools, 3)
-    alloc = BlockAllocator(NUM_BLOCKS)
-    with KVTransfer(srv.endpoint, layout, pools, TransferConfig(salt=f"lw-{device}")) as kv:
-        chunks = 2
-        hit, src, dst, bpc = _store_and_look_up(kv, alloc, chunks, 1)
-        for g, ids in enumerate(dst):
-            for t in pools[g]:
-                t[ids] = 0
+    with _stored(server_factory, "tiny-hybrid", 1, device, 3) as (kv, pools, hit, src, dst, bpc):
+        layout = kv.layout
         h = kv.retrieve(hit, dst, layerwise=True)
         assert (h.layer_ready is not None) == (device == "cuda")
         for g, grp in enumerate(layout.groups):
             for j, name in enumerate(grp.layer_names):
                 h.wait_layer(name)
                 t = pools[g][j]
-                for s, d in _pairs(layout, g, src[g], dst[g], bpc[g], chunks):
+                for s, d in _pairs(layout, g, src[g], dst[g], bpc[g], CHUNKS):
                     assert torch.equal(t[s], t[d]), f"{name}: block {d} is not block {s} after wait_layer"
         h.wait(30)
         assert h.nbytes == hit.nbytes
@@ -82,17 +86,8 @@ def test_wait_layer_orders_a_reader_on_another_stream_after_that_layer_s_copies(
     """The load's copies start behind ~0.1 s of GPU work; a reader on its own stream that waits for one
     layer reads the stored pages, and a reader that does not wait reads the zeroed blocks (the control that
     shows the check can fail)."""
-    srv = server_factory(l1_gib=2.0)
-    layout = preset_layout(preset, tp)
-    pools = vllm_pools(layout, NUM_BLOCKS, "cuda")
-    fill_random(pools, 5)
-    alloc = BlockAllocator(NUM_BLOCKS)
-    with KVTransfer(srv.endpoint, layout, pools, TransferConfig(salt=f"lw-order-{preset}")) as kv:
-        chunks = 2
-        hit, src, dst, bpc = _store_and_look_up(kv, alloc, chunks, 2)
-        for g, ids in enumerate(dst):
-            for t in pools[g]:
-                t[ids] = 0
+    with _stored(server_factory, preset, tp, "cuda", 5) as (kv, pools, hit, src, dst, bpc):
+        layout = kv.layout
         busy, reader, unordered = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
         g = layout.attention_groups[0]
         j = layout.groups[g].num_layers - 1  # the last attention layer: its copies come last

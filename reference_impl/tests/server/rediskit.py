@@ -255,6 +255,15 @@ class RedisCluster:
             r.close()
 
 
+def started_cluster() -> RedisCluster:
+    """A 3-node cluster on loopback for a test fixture (it closes it), or the test skipped, saying why."""
+    import pytest
+
+    if (why := cluster_skip_reason()) is not None:
+        pytest.skip(why)
+    return RedisCluster()
+
+
 def cluster_skip_reason() -> str | None:
     """Why the Redis Cluster tests cannot run here, or None when they can."""
     return skip_reason() or (None if shutil.which("redis-cli") or shutil.which("valkey-cli") else

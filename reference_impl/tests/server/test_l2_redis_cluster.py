@@ -41,9 +41,7 @@ def our_keys(node, prefix: str = "hybridkv:") -> list[bytes]:
 
 @pytest.fixture(scope="module")
 def cluster():
-    if rediskit.cluster_skip_reason() is not None:
-        pytest.skip(str(rediskit.cluster_skip_reason()))
-    c = rediskit.RedisCluster()
+    c = rediskit.started_cluster()
     yield c
     c.close()
 

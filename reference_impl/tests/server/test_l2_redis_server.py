@@ -113,9 +113,7 @@ def test_store_killed_and_restarted_mid_run(server_factory, store):
 
 @pytest.fixture
 def cluster():
-    if rediskit.cluster_skip_reason() is not None:
-        pytest.skip(str(rediskit.cluster_skip_reason()))
-    c = rediskit.RedisCluster()
+    c = rediskit.started_cluster()
     yield c
     c.close()
 
