@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hybridkv_kernels.plan import PageCopyPlan
+from hybridkv_kernels.plan import HOLE, PageCopyPlan
 
 
 def _device_block_ids(plan: PageCopyPlan) -> list[torch.Tensor]:
@@ -30,6 +30,10 @@ def copy_pages_torch(plan: PageCopyPlan) -> None:
         if n == 0:
             continue
         rows = obj.view(layers.num_layers, n, layers.page_bytes)
+        holes = np.asarray(ids) == HOLE
+        if holes.any():  # a scatter's holes (plan_pages allows them nowhere else): those pages go nowhere
+            keep = torch.from_numpy(np.flatnonzero(~holes)).to(idx.device)
+            idx, rows = idx[keep], rows[:, keep.to(rows.device)]
         for view, row in zip(layers.views, rows, strict=True):
             if gather and row.device == view.device:
                 torch.index_select(view, 0, idx, out=row)

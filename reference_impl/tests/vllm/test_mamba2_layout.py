@@ -11,7 +11,7 @@ pytest.importorskip("vllm.config", reason="vLLM is not installed here; `nox -s v
 from hybridkv.engine.vllm.layout_from_vllm import check_matches_preset, layout_from_kv_cache_config
 from hybridkv.layout import layer_index
 from hybridkv.presets import MAMBA2_CONFIGS, preset_layout
-from hybridkv_bench import vllm_offline as offline
+from hybridkv_bench import vllm_planning as planning
 
 CFG = MAMBA2_CONFIGS["nemotron-h-8b"]
 
@@ -27,7 +27,7 @@ def nemotron(model_dir):
                     ssm_state_size=CFG.ssm_state_size, n_groups=CFG.n_groups, conv_kernel=CFG.conv_kernel,
                     mamba_ssm_cache_dtype=CFG.ssm_dtype, intermediate_size=21504, vocab_size=131072,
                     architectures=["NemotronHForCausalLM"], torch_dtype="bfloat16").save_pretrained(d)
-    return offline.model_config(d, max_model_len=4096)
+    return planning.model_config(d, max_model_len=4096)
 
 
 def _kv_cache_config(mc, tp: int):
@@ -40,7 +40,7 @@ def _kv_cache_config(mc, tp: int):
     class Shape:
         ssm_dtype = CFG.ssm_dtype
 
-    vc = offline.vllm_config(mc, Shape, tp=tp)
+    vc = planning.vllm_config(mc, Shape, tp=tp)
     cc = vc.cache_config
     specs = {}
     for i, kind in enumerate(mc.hf_text_config.layers_block_type):  # as NemotronH's layers report their specs

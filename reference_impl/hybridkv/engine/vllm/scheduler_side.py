@@ -16,7 +16,15 @@ from typing import TYPE_CHECKING, Literal
 
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerError
-from hybridkv.engine.vllm.plan import HybridKVMetadata, LoadJob, StoreJob, chunk_extras
+from hybridkv.engine.vllm.plan import (
+    HybridKVMetadata,
+    LoadJob,
+    StoreJob,
+    boundary_stores,
+    chunk_extras,
+    load_job,
+    step_stores,
+)
 from hybridkv.engine.vllm.settings import ConnectorSettings
 from hybridkv.keys import chunk_keys
 from hybridkv.layout import LayoutError, ModelLayout
@@ -68,6 +76,7 @@ class _Request:
     looked_up: bool = False
     tier: HitTier | None = None  # of the load planned for it (vLLM asks after update_state_after_alloc)
     l2_since: float = 0.0  # when its first "not yet" was answered (its prefix's L2 reads started); 0: never
+    refused: bool = False  # vLLM's blocks for its hit did not match the objects: no external hit for it again
 
 
 class SchedulerSide:
@@ -167,6 +176,8 @@ class SchedulerSide:
         rid = request.request_id
         track = self._requests.setdefault(rid, _Request())
         track.looked_up = True
+        if track.refused:
+            return 0, False  # its load was refused once: vLLM recomputes it, and would get the same blocks again
         if (pending := self._pending.get(rid)) is not None:
             if pending.skip_tokens == num_computed_tokens:
                 return len(pending.token_ids) - num_computed_tokens, False  # pinned already: no second lookup
@@ -271,8 +282,14 @@ class SchedulerSide:
             # vLLM trimmed the hit (e.g. a local sub-block tail); load only what it accepted, in whole chunks
             hit = (pending.skip_tokens + num_external_tokens) // self.chunk_tokens * self.chunk_tokens
             pending.token_ids = pending.token_ids[:hit]
-        self._loads.append(LoadJob(request.request_id, pending.token_ids, pending.skip_tokens,
-                                   tuple(list(b) for b in blocks.get_block_ids()), pending.extras))
+        job = load_job(self.layout, self.chunk_tokens, request.request_id, pending.token_ids, pending.skip_tokens,
+                       blocks.get_block_ids(), pending.extras)
+        self._loads.append(job)
+        if job.refused:  # vLLM expects KV the objects lack: the worker fails the load, vLLM recomputes
+            log.warning("hybridkv: refusing the hit of %s: %s", request.request_id, job.refused)
+            self._requests.setdefault(request.request_id, _Request()).refused = True
+            self._release(pending)
+            return
         self.stats.hit_tokens += num_external_tokens
         setattr(self.stats, f"hit_tokens_{pending.tier}", getattr(self.stats, f"hit_tokens_{pending.tier}")
                 + num_external_tokens)
@@ -280,49 +297,41 @@ class SchedulerSide:
         self.stats.loads_planned += 1
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> HybridKVMetadata:
-        """This step's loads, and stores of the chunks up to each boundary state vLLM offers."""
+        """This step's loads, and stores of the chunks up to each boundary state vLLM offers (a model without
+        recurrent groups: of every chunk this step completes)."""
         meta = HybridKVMetadata(loads=self._loads)
         self._loads = []
         state = scheduler_output.kv_connector_block_state
         if state is None:
             return meta
+        if not self.layout.recurrent_groups:
+            meta.stores.extend(self._plan_step_stores(scheduler_output, requests, state))
+            return meta
         for rid, offers in state.boundary_state_offloads.items():
-            req = requests.get(rid)
-            blocks = state.get_block_ids(rid)
-            if req is None or blocks is None:
-                continue
-            meta.stores.extend(self._plan_stores(rid, req, offers, blocks))
+            req, track, blocks = requests.get(rid), self._requests.get(rid), state.get_block_ids(rid)
+            if req is not None and track is not None and blocks is not None:
+                meta.stores.extend(self._count(track, boundary_stores(self.layout, self.chunk_tokens, req, offers,
+                                                                      blocks, track.stored_chunks)))
         return meta
 
-    def _plan_stores(self, rid: str, req: Request, offers: list[tuple[int, int, int]],
-                     blocks: tuple[list[int], ...]) -> list[StoreJob]:
-        """One store per offered boundary that ends a chunk and has a state for every recurrent group."""
-        track = self._requests.setdefault(rid, _Request())
-        recurrent = set(self.layout.recurrent_groups)
-        by_boundary: dict[int, dict[int, int]] = {}
-        for group, block_id, boundary in offers:
-            if boundary % self.chunk_tokens == 0 and group in recurrent:
-                by_boundary.setdefault(boundary, {})[group] = block_id
+    def _plan_step_stores(self, scheduler_output: SchedulerOutput, requests: dict[str, Request],
+                          state) -> list[StoreJob]:
+        """Attention and sliding-window groups alone (Gemma 3, gpt-oss): every chunk this step completes."""
         jobs = []
-        for boundary in sorted(by_boundary):
-            states = by_boundary[boundary]
-            n = boundary // self.chunk_tokens
-            if set(states) != recurrent or n <= track.stored_chunks or boundary > req.num_tokens:
+        for rid, scheduled in scheduler_output.num_scheduled_tokens.items():
+            if (req := requests.get(rid)) is None or (track := self._requests.get(rid)) is None:
                 continue
-            ids = tuple(list(b) for b in blocks)
-            for g, block_id in states.items():
-                # the state is where vLLM says it is, not where its position would put it
-                bpc = self.chunk_tokens // self.layout.groups[g].block_tokens
-                at = n * bpc - 1
-                if len(ids[g]) <= at:
-                    ids[g].extend([0] * (at + 1 - len(ids[g])))
-                ids[g][at] = block_id
-            if any(len(ids[g]) < n * (self.chunk_tokens // self.layout.groups[g].block_tokens)
-                   for g in self.layout.attention_groups):
-                continue
-            jobs.append(StoreJob(rid, list(req.all_token_ids[:boundary]), track.stored_chunks, ids,
-                                 chunk_extras(req, n, self.chunk_tokens)))
-            track.stored_chunks = max(track.stored_chunks, n)
+            # computed by the end of this step; only known tokens (an async step's next input is a placeholder)
+            end = min(req.num_computed_tokens + scheduled, req.num_tokens)
+            if end // self.chunk_tokens > track.stored_chunks and (blocks := state.get_block_ids(rid)) is not None:
+                jobs.extend(self._count(track, step_stores(self.layout, self.chunk_tokens, req, end, blocks,
+                                                           track.stored_chunks)))
+        return jobs
+
+    def _count(self, track: _Request, jobs: list[StoreJob]) -> list[StoreJob]:
+        """Stores planned for a request: it is stored up to their last chunk."""
+        for job in jobs:
+            track.stored_chunks = max(track.stored_chunks, len(job.token_ids) // self.chunk_tokens)
             self.stats.stores_planned += 1
         return jobs
 
