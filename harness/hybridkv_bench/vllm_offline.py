@@ -1,160 +1,24 @@
-"""vLLM 0.33's own scheduler, KV-cache planner and cache tensors on CPU, with a simulated forward: what the
-connector's tests and the harness's `vllm` engine drive. The model is never built; its KV-cache specs come
-from the model class's own state-shape rules, the block size from vLLM's hybrid alignment for a named
-attention backend (FlashAttention on Hopper by default), and the pages a forward would write are derived
-from the token prefix, so every loaded byte can be checked."""
+"""vLLM 0.33's own scheduler and cache tensors on CPU, with a simulated forward: what the connector's tests and the
+harness's `vllm` engine drive. The model is never built: `vllm_planning` gives its KV-cache config (vLLM's planner
+over the specs the model's layers report, the block size from vLLM's hybrid alignment for a named attention
+backend, FlashAttention on Hopper by default), and the pages a forward would write are derived from the token
+prefix, so every loaded byte can be checked. Sliding-window layers are served by vLLM's own SlidingWindowManager:
+blocks outside the window freed, null in the block table, neither written nor checked there.
+"""
 
 from __future__ import annotations
 
-import copy
 import hashlib
-import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from hybridkv.layout import ModelLayout
 
-# GDN layers of Qwen3.5/3.6 and Qwen3-Next share one state-shape rule; vLLM's Qwen3.5 module imports a vision
-# tower that needs torchvision (no CPU build for this torch), so the planner reads both through Qwen3-Next's
-# class (Qwen3.6's float32 SSM state passed as mamba_ssm_cache_dtype, as its config's mamba_ssm_dtype would).
-ARCHITECTURE = "Qwen3NextForCausalLM"
-
-
-@dataclass(frozen=True, slots=True)
-class HybridShape:
-    """The config fields that decide a Qwen3.5/3.6/Next KV cache."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int = 128
-    linear_value_head_dim: int = 128
-    linear_conv_kernel_dim: int = 4
-    full_attention_interval: int = 4
-    num_attention_heads: int = 16
-    hidden_size: int = 1024
-    ssm_dtype: str = "float32"
-
-
-QWEN36_27B = HybridShape(num_layers=64, num_kv_heads=4, head_dim=256, linear_num_key_heads=16,
-                         linear_num_value_heads=48, num_attention_heads=24, hidden_size=5120)
-QWEN3_NEXT_80B = HybridShape(num_layers=48, num_kv_heads=2, head_dim=256, linear_num_key_heads=16,
-                             linear_num_value_heads=32, hidden_size=2048, ssm_dtype="bfloat16")
-TINY = HybridShape(num_layers=8, num_kv_heads=2, head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8,
-                   linear_key_head_dim=16, linear_value_head_dim=16, num_attention_heads=4, hidden_size=64)
-SHAPES = {"qwen3.6-27b": QWEN36_27B, "qwen3-next-80b-a3b": QWEN3_NEXT_80B, "tiny-hybrid": TINY}
-
-
-def write_config(shape: HybridShape, directory: str | Path, weights_seed: int | None = None, **overrides: Any) -> Path:
-    """A local model directory holding a config.json written by transformers (nothing downloaded; `overrides` set
-    further config fields) and, with `weights_seed`, a small safetensors file of seeded random weights: what the
-    connector's model identity reads (the forward is simulated, so no weight is ever used)."""
-    from transformers import Qwen3_5TextConfig
-
-    cfg = Qwen3_5TextConfig(
-        num_hidden_layers=shape.num_layers, hidden_size=shape.hidden_size,
-        num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim, linear_num_key_heads=shape.linear_num_key_heads,
-        linear_num_value_heads=shape.linear_num_value_heads, linear_key_head_dim=shape.linear_key_head_dim,
-        linear_value_head_dim=shape.linear_value_head_dim, linear_conv_kernel_dim=shape.linear_conv_kernel_dim,
-        layer_types=["full_attention" if (i + 1) % shape.full_attention_interval == 0 else "linear_attention"
-                     for i in range(shape.num_layers)],
-        vocab_size=1024, intermediate_size=256, max_position_embeddings=1 << 20, **overrides)
-    cfg.architectures = [ARCHITECTURE]
-    cfg.mamba_ssm_dtype = shape.ssm_dtype
-    path = Path(directory)
-    cfg.save_pretrained(path)
-    if weights_seed is not None:
-        from safetensors.numpy import save_file
-
-        rng = np.random.default_rng(weights_seed)
-        save_file({"model.embed_tokens.weight": rng.standard_normal((1024, shape.hidden_size), dtype=np.float32)},
-                  str(path / "model.safetensors"))
-    return path
-
-
-def model_config(model_dir: str | Path, max_model_len: int = 65536):
-    """vLLM's ModelConfig of a local config directory (slow: vLLM inspects the architecture in a subprocess)."""
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from vllm.config import ModelConfig
-
-    return ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_model_len)
-
-
-def vllm_config(mc, shape: HybridShape, *, tp: int = 1, max_num_batched_tokens: int = 8192, max_num_seqs: int = 8,
-                kv_transfer: dict[str, Any] | None = None, retention_interval: int | None = 0, max_loras: int = 0,
-                kv_events: dict[str, Any] | None = None):
-    """A VllmConfig as `vllm serve` builds it around ModelConfig `mc` (copied), the hybrid block size aligned for
-    FlashAttention. `retention_interval`: vLLM keeps (and offers the connector) a GDN state every that many tokens;
-    0 keeps only the prompt's last boundary and shared-prefix junctions. `max_loras` > 0: `--enable-lora
-    --max-loras N`. `kv_events`: `--kv-events-config` (vLLM then publishes its and the connector's KV events)."""
-    from vllm import config as vcfg
-    from vllm.platforms.interface import Platform
-    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
-
-    mc = copy.deepcopy(mc)
-    # prefix caching alone selects the GDN "align" mode, as under `vllm serve --enable-prefix-caching`
-    cc = vcfg.CacheConfig(enable_prefix_caching=True, mamba_ssm_cache_dtype=shape.ssm_dtype, block_size=16,
-                          prefix_cache_retention_interval=retention_interval)
-    sc = vcfg.SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                              max_model_len=mc.max_model_len, is_encoder_decoder=False, enable_chunked_prefill=True)
-    vc = vcfg.VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc,
-                         kv_transfer_config=vcfg.KVTransferConfig(**kv_transfer) if kv_transfer else None,
-                         parallel_config=vcfg.ParallelConfig(tensor_parallel_size=tp),
-                         lora_config=vcfg.LoRAConfig(max_loras=max_loras) if max_loras else None,
-                         kv_events_config=vcfg.KVEventsConfig(**kv_events) if kv_events else None)
-    # the SSM dtype asked for, as on a GPU: vLLM's CPU platform makes it float32 where the CPU has AVX-512 BF16
-    vc.cache_config.mamba_ssm_cache_dtype = shape.ssm_dtype
-    # What update_block_size_for_backend does on a GPU once the layers exist: FlashAttention's kernel
-    # alignment (16 tokens), the attention block raised until its page holds a GDN state, the state padded.
-    Platform._align_hybrid_block_size(vc, FlashAttentionBackend)
-    return vc
-
-
-def kv_cache_specs(vc) -> dict[str, Any]:
-    """Per-layer KV-cache specs as the model's layers report them (attention: FullAttentionSpec, GDN: MambaSpec)."""
-    from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM as Model
-    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
-
-    mc, cc = vc.model_config, vc.cache_config
-    specs: dict[str, Any] = {}
-    for i, kind in enumerate(mc.hf_text_config.layer_types):
-        if kind == "full_attention":
-            specs[f"model.layers.{i}.self_attn.attn"] = FullAttentionSpec(
-                block_size=cc.block_size, num_kv_heads=mc.get_num_kv_heads(vc.parallel_config),
-                head_size=mc.get_head_size(), dtype=mc.dtype)
-        else:
-            specs[f"model.layers.{i}.linear_attn"] = MambaSpec(
-                shapes=Model.get_mamba_state_shape_from_config(vc), dtypes=Model.get_mamba_state_dtype_from_config(vc),
-                block_size=cc.mamba_block_size, page_size_padded=cc.mamba_page_size_padded,
-                mamba_type=MambaAttentionBackendEnum.GDN_ATTN, mamba_cache_mode=cc.mamba_cache_mode)
-    return specs
-
-
-def plan_kv_cache(vc, num_blocks: int):
-    """vLLM's planner for one worker with memory for `num_blocks` blocks: (worker config, scheduler config)."""
-    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
-    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
-    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
-
-    specs = kv_cache_specs(vc)
-    resolve_kv_cache_layout(vc, [["LBHNC"]], specs.values())
-    groups = get_global_kv_cache_groups(vc, [specs])
-    page = max(s.page_size_bytes for s in specs.values())
-    layers_per_group = max(len(g.layer_names) for g in groups)
-    configs = get_kv_cache_configs(vc, [specs], [num_blocks * page * layers_per_group], groups)
-    sched = generate_scheduler_kv_cache_config(configs)
-    vc.cache_config.num_gpu_blocks = sched.num_blocks
-    return configs[0], sched
+from hybridkv_bench.vllm_planning import plan_kv_cache
 
 
 def page_bytes_for(prefix: np.ndarray, layer: str, nbytes: int) -> np.ndarray:
@@ -203,6 +67,7 @@ class OfflineEngine:
             self.worker.register_kv_caches(self.kv_caches)
         groups = self.kv_cache_config.kv_cache_groups
         self._recurrent = [i for i, g in enumerate(groups) if type(g.kv_cache_spec).__name__ == "MambaSpec"]
+        self._sliding = [i for i, g in enumerate(groups) if type(g.kv_cache_spec).__name__ == "SlidingWindowSpec"]
         self._page = {i: g.kv_cache_spec.page_size_bytes for i, g in enumerate(groups)}
         self._tokens: dict[str, np.ndarray] = {}
         self.reports: list[StepReport] = []
@@ -265,6 +130,8 @@ class OfflineEngine:
                 continue
             for j in range(start // self.block_size, (end - 1) // self.block_size + 1):
                 hi = min((j + 1) * self.block_size, end)
+                if blocks[g][j] == 0:
+                    continue  # the null block: a sliding window's position vLLM keeps no KV for
                 for layer in grp.layer_names:
                     v = self._page_view(layer, g, blocks[g][j])
                     v.copy_(torch.from_numpy(page_bytes_for(tokens[:hi], layer, v.numel())))
@@ -275,6 +142,8 @@ class OfflineEngine:
         for g, grp in enumerate(self.kv_cache_config.kv_cache_groups):
             idxs = [(h - 1) // self.block_size] if g in self._recurrent else range(h // self.block_size)
             for j in idxs:
+                if g in self._sliding and blocks[g][j] == 0:
+                    continue  # outside the window: vLLM holds (and reads) nothing there
                 hi = h if g in self._recurrent else (j + 1) * self.block_size
                 for layer in grp.layer_names:
                     v = self._page_view(layer, g, blocks[g][j]).numpy()
@@ -389,12 +258,14 @@ class OfflineEngine:
 
 
 def job_blocks(layout: ModelLayout, chunk_tokens: int, job) -> set[int]:
-    """The blocks a load writes: the hit's attention blocks past the local hit, and the state block."""
+    """The blocks a load writes: the hit's attention and sliding-window blocks past the local hit (a sliding
+    window's only where vLLM holds one), and the state block."""
     out: set[int] = set()
     first, n = job.skip_tokens // chunk_tokens, len(job.token_ids) // chunk_tokens
     for g, grp in enumerate(layout.groups):
         bpc = chunk_tokens // grp.block_tokens
         ids = job.block_ids[g]
-        out.update(ids[first * bpc:n * bpc] if grp.kind == "attention" else ids[n * bpc - 1:n * bpc])
+        out.update(ids[first * bpc:n * bpc] if grp.kind != "recurrent" else ids[n * bpc - 1:n * bpc])
     out.discard(0)  # the null block is never loaded into
+    out.discard(-1)  # nor a hole (hybridkv's name for vLLM's null block in a job)
     return out

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from hybridkv_kernels.dispatch import available_impls, choose_impl, gather_pages, run_plan, scatter_pages
     from hybridkv_kernels.pages import PagedLayers, page_view, storage_bytes
     from hybridkv_kernels.plan import (
+        HOLE,
         EnginePages,
         PageCopyPlan,
         PageTransfer,
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "available_impls": "dispatch", "choose_impl": "dispatch", "gather_pages": "dispatch", "run_plan": "dispatch",
     "scatter_pages": "dispatch", "PagedLayers": "pages", "page_view": "pages", "storage_bytes": "pages",
-    "PageCopyPlan": "plan", "PageTransfer": "plan", "build_plan": "plan", "plan_gather": "plan",
+    "HOLE": "plan", "PageCopyPlan": "plan", "PageTransfer": "plan", "build_plan": "plan", "plan_gather": "plan",
     "plan_scatter": "plan", "EnginePages": "plan", "plan_pages": "plan",
 }
 
@@ -43,6 +44,7 @@ def __getattr__(name: str):
 __all__ = [
     "COPY_ENGINES",
     "DMA_MIN_PAGE_BYTES",
+    "HOLE",
     "IMPLS",
     "EnginePages",
     "CopyEngine",

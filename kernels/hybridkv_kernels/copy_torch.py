@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hybridkv_kernels.plan import PageCopyPlan
+from hybridkv_kernels.plan import HOLE, PageCopyPlan
 
 
 def _device_block_ids(plan: PageCopyPlan) -> list[torch.Tensor]:
@@ -24,7 +24,7 @@ def _device_block_ids(plan: PageCopyPlan) -> list[torch.Tensor]:
 
 def copy_pages_torch(plan: PageCopyPlan) -> None:
     """Run `plan` on the current stream with torch indexing ops, one per layer of each object."""
-    if plan.num_pages != sum(t.layers.num_layers * len(t.block_ids) for t in plan.transfers):
+    if plan.part:
         _copy_part(plan)
         return
     gather = plan.direction == "gather"
@@ -33,6 +33,10 @@ def copy_pages_torch(plan: PageCopyPlan) -> None:
         if n == 0:
             continue
         rows = obj.view(layers.num_layers, n, layers.page_bytes)
+        holes = np.asarray(ids) == HOLE
+        if holes.any():  # a scatter's holes (plan_pages allows them nowhere else): those pages go nowhere
+            keep = torch.from_numpy(np.flatnonzero(~holes)).to(idx.device)
+            idx, rows = idx[keep], rows[:, keep.to(rows.device)]
         for view, row in zip(layers.views, rows, strict=True):
             if gather and row.device == view.device:
                 torch.index_select(view, 0, idx, out=row)
@@ -50,11 +54,14 @@ def _copy_part(plan: PageCopyPlan) -> None:
     pb = plan.page_bytes
     obj_ptr = np.array([t.obj.data_ptr() for t in plan.transfers], dtype=np.int64)[plan.page_transfer]
     k = ((plan.dst_addr if gather else plan.src_addr) - obj_ptr) // pb  # page index inside its object
-    for tr, layer in sorted(set(zip(plan.page_transfer.tolist(), plan.page_layer.tolist(), strict=True))):
+    order = np.lexsort((plan.page_layer, plan.page_transfer))
+    pairs = np.stack((plan.page_transfer[order], plan.page_layer[order]))
+    starts = np.flatnonzero(np.concatenate(([True], (np.diff(pairs, axis=1) != 0).any(axis=0))))
+    for lo, hi in zip(starts.tolist(), [*starts[1:].tolist(), len(order)], strict=True):
+        tr, layer = int(pairs[0, lo]), int(pairs[1, lo])
         layers, ids, obj = plan.transfers[tr]
         n = len(ids)
-        sel = (plan.page_transfer == tr) & (plan.page_layer == layer)
-        j = k[sel] - layer * n
+        j = k[order[lo:hi]] - layer * n
         view, row = layers.views[layer], obj.view(layers.num_layers, n, pb)[layer]
         idx = torch.from_numpy(np.asarray(ids)[j]).to(view.device)
         jj = torch.from_numpy(j).to(row.device)

@@ -4,6 +4,10 @@ An object is one group's pages for some blocks, layer-major: `obj[l, j] = layers
 `L * n * page_bytes` contiguous bytes. A plan joins any number of (layers, block_ids, object)
 transfers, from any number of groups with one page size, so one kernel launch can move them all.
 Everything is checked here, before any byte moves: a plan that exists is safe to run.
+
+A scatter's block id may be `HOLE` (-1): the engine has no block there (e.g. a sliding-window layer's block
+outside the window, which the engine freed), so that page of the object is written nowhere. A gather's may
+not: every page of an object it fills must come from somewhere.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 from hybridkv_kernels.pages import PagedLayers
 
 Direction = Literal["gather", "scatter"]
+HOLE = -1  # a scatter's block id for "no engine block here": the object's page there is not written
 
 
 class PageTransfer(NamedTuple):
@@ -44,6 +49,7 @@ class PageCopyPlan:
     engine_storage: np.ndarray  # int64 (P,): storage address of the engine page's allocation
     transfers: tuple[PageTransfer, ...]  # block_ids normalized to int64 numpy arrays
     anchor: torch.Tensor  # an engine page view; kernels address every page relative to its data_ptr()
+    part: bool = False  # made by `take`: some pages of its transfers only (the torch path then goes page-wise)
 
     @property
     def num_pages(self) -> int:
@@ -61,7 +67,7 @@ class PageCopyPlan:
             raise ValueError(f"page indices must be a 1-d selection of this plan's {self.num_pages} pages")
         return dataclasses.replace(self, src_addr=self.src_addr[pages], dst_addr=self.dst_addr[pages],
                                    page_transfer=self.page_transfer[pages], page_layer=self.page_layer[pages],
-                                   engine_storage=self.engine_storage[pages])
+                                   engine_storage=self.engine_storage[pages], part=True)
 
 
 def _block_ids(ids: Sequence[int] | np.ndarray | torch.Tensor, index: int) -> np.ndarray:
@@ -141,7 +147,7 @@ class EnginePages:
     page_bytes: int
     layers: tuple[PagedLayers, ...]
     block_ids: tuple[np.ndarray, ...]  # int64, one per transfer
-    counts: np.ndarray  # int64 (T,): pages of each transfer
+    counts: np.ndarray  # int64 (T,): pages of each transfer that are copied (a scatter's holes left out)
     page_transfer: np.ndarray  # int64 (P,)
     page_k: np.ndarray  # int64 (P,): page index within its object
     page_layer: np.ndarray  # int64 (P,)
@@ -220,7 +226,12 @@ def plan_pages(direction: Direction, transfers: Sequence[tuple[PagedLayers, Sequ
     num_blocks = np.array([g.num_blocks for g in group_layers], dtype=np.int64)[tr_group_arr]
     ids_all = np.concatenate(ids_list)
     tr_of_id = np.repeat(np.arange(len(transfers)), n)
-    bad = np.flatnonzero((ids_all < 0) | (ids_all >= num_blocks[tr_of_id]))
+    holes = ids_all == HOLE
+    if direction == "gather" and holes.any():
+        which = int(tr_of_id[np.flatnonzero(holes)[0]])
+        raise ValueError(f"transfer {which}: block id {HOLE} (a hole) in a gather: every page of the object "
+                         "must come from an engine block")
+    bad = np.flatnonzero(((ids_all < 0) & ~holes) | (ids_all >= num_blocks[tr_of_id]))
     if bad.size:
         which = int(tr_of_id[bad[0]])
         raise ValueError(f"transfer {which}: block id {int(ids_all[bad[0]])} is out of range "
@@ -240,6 +251,10 @@ def plan_pages(direction: Direction, transfers: Sequence[tuple[PagedLayers, Sequ
     n_p = n[page_tr]
     layer = k // np.maximum(n_p, 1)
     block = ids_all[id_starts[page_tr] + k % np.maximum(n_p, 1)]
+    if holes.any():  # a scatter's holes: those pages of the objects go nowhere (k still counts them)
+        keep = block != HOLE
+        page_tr, k, layer, block = page_tr[keep], k[keep], layer[keep], block[keep]
+        counts = np.bincount(page_tr, minlength=len(transfers)).astype(np.int64)
     glayer = layer_off[tr_group_arr][page_tr] + layer
     engine = base_all[glayer] + block * stride_all[glayer]
     return EnginePages(direction, device, page_bytes, tuple(t[0] for t in transfers), tuple(ids_list), counts,

@@ -9,7 +9,7 @@ import tempfile
 import numpy as np
 import pytest
 import torch
-from hybridkv_kernels import available_impls, gather_pages, plan_gather, plan_scatter, run_plan
+from hybridkv_kernels import HOLE, available_impls, gather_pages, plan_gather, plan_scatter, run_plan
 from kernel_pools import POOLS, SENTINEL, assert_guards, guarded, qwen_like_groups, random_bytes
 
 IDS = [7, 0, 3, 8, 1]  # odd and unsorted, first and a late block
@@ -45,6 +45,23 @@ def test_scatter_writes_only_target_pages(pool_name, cpu_impl, gen):
             expected[o : o + pool.page_bytes] = src[layer, j]
     run_plan(plan_scatter([(layers, IDS, payload)]), cpu_impl)
     # The whole raw buffer: target pages hold the payload, every gap and other page is unchanged.
+    np.testing.assert_array_equal(pool.raw.reshape(-1).numpy(), expected)
+
+
+@pytest.mark.parametrize("pool_name", sorted(POOLS))
+def test_scatter_leaves_the_pages_of_holes_unwritten(pool_name, cpu_impl, gen):
+    pool = POOLS[pool_name](gen)
+    layers = pool.layers()
+    ids = [HOLE, 7, HOLE, 3, 8]  # a sliding window's chunk: blocks outside the window the engine freed
+    payload = random_bytes((layers.object_bytes(len(ids)),), gen)
+    expected = pool.raw.clone().reshape(-1).numpy()
+    src = payload.numpy().reshape(pool.num_layers, len(ids), pool.page_bytes)
+    for layer in range(pool.num_layers):
+        for j, b in enumerate(ids):
+            if b != HOLE:
+                o = pool.offset(layer, b)
+                expected[o : o + pool.page_bytes] = src[layer, j]
+    run_plan(plan_scatter([(layers, ids, payload)]), cpu_impl)
     np.testing.assert_array_equal(pool.raw.reshape(-1).numpy(), expected)
 
 

@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from hybridkv_kernels import PagedLayers, available_impls, cuda_batch, plan_gather, plan_scatter, run_plan
+from hybridkv_kernels import HOLE, PagedLayers, available_impls, cuda_batch, plan_gather, plan_scatter, run_plan
 from hybridkv_kernels.copy_dma import SLICE_RUNS, copy_pages_dma
 from kernel_pools import POOLS, SENTINEL, assert_guards, guarded, qwen_like_groups, random_bytes
 
@@ -88,6 +88,26 @@ def test_gather_and_scatter_on_gpu(pool_name, place, gpu_impl, shm_arena):
     _run(plan_scatter([(target.layers(), IDS, obj)]), gpu_impl)
     torch.cuda.synchronize()
     np.testing.assert_array_equal(target.raw.reshape(-1).cpu().numpy(), expected)
+
+
+@pytest.mark.parametrize("place", ["device", "pinned", "shm"])
+def test_scatter_with_holes_on_gpu(place, gpu_impl, shm_arena):
+    """A sliding-window load: the object's pages at holes are written nowhere, the others where they belong."""
+    gen = torch.Generator().manual_seed(9)
+    pool = POOLS["dense_bf16"](gen, device="cuda")
+    ids = [HOLE, 7, HOLE, 3, 8]
+    buf, obj = _object_buffer(place, pool.layers().object_bytes(len(ids)), shm_arena)
+    obj.copy_(random_bytes((obj.numel(),), gen).to(obj.device))
+    expected = pool.raw.reshape(-1).cpu().numpy().copy()
+    src = obj.cpu().numpy().reshape(pool.num_layers, len(ids), pool.page_bytes)
+    for layer in range(pool.num_layers):
+        for j, b in enumerate(ids):
+            if b != HOLE:
+                o = pool.offset(layer, b)
+                expected[o : o + pool.page_bytes] = src[layer, j]
+    _run(plan_scatter([(pool.layers(), ids, obj)]), gpu_impl)
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(pool.raw.reshape(-1).cpu().numpy(), expected)
 
 
 @pytest.mark.parametrize("place", ["device", "pinned", "shm"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hybridkv_kernels import PagedLayers, plan_gather, plan_scatter
+from hybridkv_kernels import HOLE, PagedLayers, plan_gather, plan_pages, plan_scatter
 from hybridkv_kernels.copy_dma import copy_runs
 from kernel_pools import POOLS, guarded, qwen_like_groups, random_bytes
 
@@ -71,7 +71,7 @@ def _engine_bytes(pool):
     return pool.raw.clone()
 
 
-@pytest.mark.parametrize("bad", [-1, 11, 1000])
+@pytest.mark.parametrize("bad", [-2, 11, 1000])
 def test_block_id_out_of_range(gen, bad):
     pool = POOLS["dense_bf16"](gen)
     before = _engine_bytes(pool)
@@ -79,6 +79,34 @@ def test_block_id_out_of_range(gen, bad):
     with pytest.raises(ValueError, match=rf"transfer 0: block id {bad} is out of range \[0, 11\)"):
         plan_scatter([(pool.layers(), [3, bad], payload)])
     assert torch.equal(pool.raw, before)
+
+
+def test_a_hole_is_a_scatter_page_written_nowhere_and_no_gather_may_have_one(gen):
+    pool = POOLS["dense_bf16"](gen)
+    layers = pool.layers()
+    payload = random_bytes((layers.object_bytes(3),), gen)
+    plan = plan_scatter([(layers, [HOLE, 5, HOLE], payload)])
+    assert plan.num_pages == pool.num_layers  # one page per layer: block 5's, the object's page j=1
+    np.testing.assert_array_equal(plan.dst_addr, [v[5].data_ptr() for v in layers.views])
+    np.testing.assert_array_equal(plan.src_addr, [payload.data_ptr() + (layer * 3 + 1) * layers.page_bytes
+                                                  for layer in range(pool.num_layers)])
+    before = _engine_bytes(pool)
+    with pytest.raises(ValueError, match=r"transfer 0: block id -1 \(a hole\) in a gather"):
+        plan_gather([(layers, [2, HOLE], torch.empty(layers.object_bytes(2), dtype=torch.uint8))])
+    assert torch.equal(pool.raw, before)
+
+
+def test_holes_in_a_two_half_plan_leave_other_transfers_in_place(gen):
+    pool = POOLS["dense_bf16"](gen)
+    layers = pool.layers()
+    half = plan_pages("scatter", [(layers, [HOLE, HOLE]), (layers, [1, HOLE, 2]), (layers, [3])])
+    objs = [random_bytes((layers.object_bytes(n),), gen) for n in (2, 3, 1)]
+    plan = half.bind([objs[0], None, objs[2]])  # the first transfer is all holes: no page of it moves
+    assert plan.num_pages == pool.num_layers
+    np.testing.assert_array_equal(plan.dst_addr, [v[3].data_ptr() for v in layers.views])
+    plan = half.bind(objs)
+    assert plan.num_pages == 3 * pool.num_layers
+    assert sorted(set(plan.page_transfer.tolist())) == [1, 2]
 
 
 def test_wrong_object_size(gen):

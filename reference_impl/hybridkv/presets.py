@@ -8,15 +8,19 @@ bucket per layer kind in the order the model first shows it, a group size of the
 when every bucket is under 1.5x the smallest), and group i of a bucket holding its layers i, i+n, i+2n, ... (n
 groups): GDN layer i of every attention period. A preset's layout is then vLLM's, up to layer naming, so a
 client built from a preset shares the vLLM connector's namespace (`tests/vllm/test_layout_from_vllm.py`).
+
+Sliding-window models (Gemma 3, gpt-oss) have no recurrent state to align to: every page is one attention
+layer's, the block is FlashAttention's 16 tokens, and sliding and full layers split into groups by the same
+rule (`tests/vllm/test_sliding_window_layout.py` holds vLLM's planner to these presets).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from math import ceil
 
-from hybridkv.layout import DTYPE_BYTES, GroupLayout, LayoutError, ModelLayout
+from hybridkv.layout import DTYPE_BYTES, GroupLayout, LayoutError, ModelLayout, vllm_groups
+from hybridkv.sliding_presets import SLIDING_CONFIGS, sliding_window_layout
 
 
 def _check_config(cfg, positive: tuple[str, ...]) -> None:
@@ -221,30 +225,6 @@ class Mamba1HybridConfig:
                 inner * self.ssm_state_size * DTYPE_BYTES[self.ssm_dtype])
 
 
-def vllm_group_size(layer_counts: list[int]) -> int:
-    """Layers per KV-cache group under vLLM's uniform-page-size grouping."""
-    lo, hi = min(layer_counts), max(layer_counts)
-    return hi if hi < lo * 1.5 else lo
-
-
-def vllm_groups(layer_kinds: Sequence[str | None] | Sequence[tuple[int, str]]) -> list[tuple[str, list[int]]]:
-    """(kind, layer indices) of each KV-cache group, in vLLM's order: buckets by first appearance, each split
-    into ceil(len / size) groups, group i taking the bucket's layers i::groups (vLLM pads the last ones).
-    `layer_kinds` is one kind per decoder layer (None: MLP, MoE, which keep no cache and join no group), or the
-    (layer index, kind) of each cache layer in vLLM's registration order (a config's `cache_layers()`)."""
-    buckets: dict[str, list[int]] = {}
-    for i, item in enumerate(layer_kinds):
-        index, kind = item if isinstance(item, tuple) else (i, item)
-        if kind is not None:
-            buckets.setdefault(kind, []).append(index)
-    size = vllm_group_size([len(v) for v in buckets.values()])
-    out: list[tuple[str, list[int]]] = []
-    for kind, idxs in buckets.items():
-        n = ceil(len(idxs) / size)
-        out.extend((kind, idxs[i::n]) for i in range(n))
-    return out
-
-
 HybridConfig = HybridModelConfig | Mamba2HybridConfig | Mamba1HybridConfig
 
 
@@ -369,14 +349,15 @@ JAMBA_V0_1 = Mamba1HybridConfig(
 MAMBA1_CONFIGS: dict[str, Mamba1HybridConfig] = {"jamba-v0.1": JAMBA_V0_1}
 
 
+
 def preset_names() -> list[str]:
     """The Qwen-style (Gated DeltaNet) presets, which scenarios can model."""
     return sorted(MODEL_CONFIGS)
 
 
 def layout_preset_names() -> list[str]:
-    """Every preset with a layout: the Gated DeltaNet ones and the Mamba-2 and Mamba-1 ones."""
-    return sorted([*MODEL_CONFIGS, *MAMBA2_CONFIGS, *MAMBA1_CONFIGS])
+    """Every preset with a layout: the Gated DeltaNet, Mamba-2, Mamba-1 and sliding-window ones."""
+    return sorted([*MODEL_CONFIGS, *MAMBA2_CONFIGS, *MAMBA1_CONFIGS, *SLIDING_CONFIGS])
 
 
 def model_config(name: str) -> HybridModelConfig:
@@ -387,11 +368,14 @@ def model_config(name: str) -> HybridModelConfig:
 
 
 def preset_layout(name: str, tp: int = 1) -> ModelLayout:
-    """The layout of preset `name` (Gated DeltaNet, Mamba-2 or Mamba-1) on one rank at tensor-parallel size `tp`."""
+    """The layout of preset `name` (Gated DeltaNet, Mamba-2, Mamba-1 or sliding window) on one rank at
+    tensor-parallel size `tp`."""
     if name in MAMBA2_CONFIGS:
         return hybrid_layout(MAMBA2_CONFIGS[name], tp)
     if name in MAMBA1_CONFIGS:
         return hybrid_layout(MAMBA1_CONFIGS[name], tp)
+    if name in SLIDING_CONFIGS:
+        return sliding_window_layout(SLIDING_CONFIGS[name], tp)
     if name not in MODEL_CONFIGS:
         raise LayoutError(f"unknown model preset {name!r}; known: {', '.join(layout_preset_names())}")
     return hybrid_layout(model_config(name), tp)

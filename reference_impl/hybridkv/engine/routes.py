@@ -184,7 +184,7 @@ class Route(ABC):
                 h.t_copy_start = time.perf_counter()  # for a payload wire: fetch, decode and copy
             move()
             h.t_done = h.t_committed = time.perf_counter()
-            h.nbytes, h.objects = hit.nbytes, len(hit.objects)
+            h.objects = len(hit.objects)  # h.nbytes: the bytes written, set by KVTransfer.retrieve
         except BaseException:
             self._release(hit.lease)
             raise

@@ -5,6 +5,9 @@ Shaped for a vLLM connector (KVConnectorBase_V1 + SupportsHMA): block ids come a
 lookups are synchronous, stores and retrieves are asynchronous handles, and `get_finished` reports
 requests whose transfers completed. Block j of a group covers tokens [j*B, (j+1)*B) of the request;
 for a recurrent group it holds the state after those tokens (vLLM's prefix-caching "align" mode).
+A block id of `HOLE` (-1) says the engine holds no block there (a sliding-window group's block outside
+the window, freed): a retrieve leaves that page of its object unwritten, a store leaves out every object
+that would read it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from concurrent.futures import Future
 
 import numpy as np
 import torch
-from hybridkv_kernels import choose_impl
+from hybridkv_kernels import HOLE, choose_impl
 
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
@@ -29,7 +32,7 @@ from hybridkv.keys import chunk_keys
 from hybridkv.layout import LayoutError, ModelLayout
 from hybridkv.policy import chunk_objects, object_blocks
 
-__all__ = ["COPY_ENGINES", "STREAM_MODES", "WIRE_FORMATS", "Hit", "KVTransfer", "PreparedStore", "Streams",
+__all__ = ["COPY_ENGINES", "HOLE", "STREAM_MODES", "WIRE_FORMATS", "Hit", "KVTransfer", "PreparedStore", "Streams",
            "TransferConfig", "TransferHandle"]
 
 
@@ -116,6 +119,9 @@ class KVTransfer:
         this thread (a CPU, a payload wire) `wait_layer` waits for the whole load."""
         h = TransferHandle("load", hit.request_id)
         jobs = self._object_blocks(hit.objects, block_ids)  # validate in the caller's thread
+        # the bytes written: a hole's pages (a sliding-window block the engine does not hold) stay in the object
+        h.nbytes = sum(int((ids != HOLE).sum()) * self.groups[o.group].num_layers * self.groups[o.group].page_bytes
+                       for o, ids in jobs)
         if not hit.objects:
             h.t_copy_start = h.t_done = h.t_committed = time.perf_counter()
             h.done.set_result(h)
@@ -133,11 +139,14 @@ class KVTransfer:
         """Reserve the server's slots for a store ahead of it (e.g. when the request is scheduled, before its
         prefill), so that the store itself is copy + commit. Returns at once; the reply comes on the
         client's I/O thread. Delta-aware: objects the server holds when it answers get no slot. With the
-        blocks the store will read (`block_ids`), they are validated now and the copy plan's engine half is
-        built while the prepare is in flight."""
+        blocks the store will read (`block_ids`), they are validated now, an object a HOLE would read is left
+        out (without them every object of the chunks is reserved), and the copy plan's engine half is built while
+        the prepare is in flight."""
         keys = self.keys(token_ids, extras)
         objects = chunk_objects(self.layout, self.config.store_policy, start_chunk, len(keys))
-        jobs = self._all_blocks(objects, block_ids) if block_ids is not None else None  # before reserving
+        jobs = None
+        if block_ids is not None:  # validated before reserving; an object a hole would read is left out
+            objects, jobs = self._store_blocks(objects, block_ids)
         t0 = time.perf_counter()
         if objects:
             reply = self.client.submit(P.PrepareStore(engine=self.engine_id, request=request_id, keys=keys,
@@ -166,22 +175,25 @@ class KVTransfer:
         reuse the blocks; `committed` that the server made the objects visible.
         """
         h = TransferHandle("store", request_id)
-        pages = None
         if prepared is None:
-            objects = chunk_objects(self.layout, self.config.store_policy, start_chunk,
-                                    len(token_ids) // self.chunk_tokens)
-            jobs = self._all_blocks(objects, block_ids)  # bad block ids reserve nothing
-            prepared = self.prepare_store(request_id, token_ids, start_chunk, extras=extras)
+            # bad block ids reserve nothing; objects a hole would read are left out; the plan is made here
+            prepared = self.prepare_store(request_id, token_ids, start_chunk, block_ids=block_ids, extras=extras)
             prepared.t_submit = h.t_submit  # one span: the store's own prepare is part of it
+            prepared.used = True
+            objects, jobs, pages = prepared.objects, prepared.jobs or [], prepared.pages
         else:
             self._check_prepared(prepared, request_id, token_ids, start_chunk)
             prepared.used = True  # before anything can fail: an aborted reservation is never used again
             objects = prepared.objects
             try:
+                pages = None
                 if prepared.jobs is not None and same_blocks(prepared.block_ids, block_ids):
                     jobs, pages = prepared.jobs, prepared.pages
                 else:
                     jobs = self._all_blocks(objects, block_ids)
+                    if any((ids == HOLE).any() for _, ids in jobs):
+                        raise ValueError("a prepared store's blocks now hold a hole where an object it reserved "
+                                         "reads: prepare it again with these blocks")
             except BaseException:
                 prepared.reply.add_done_callback(self.route.abort_prepared)
                 raise
@@ -240,6 +252,15 @@ class KVTransfer:
         self.close()
 
     # ---- block ids ----------------------------------------------------------------------------------
+
+    def _store_blocks(self, objects: list[tuple[int, int]], block_ids: Sequence[Sequence[int]]
+                      ) -> tuple[list[tuple[int, int]], list[ObjectJob]]:
+        """The objects a store can read whole, and their blocks: one whose blocks hold a hole is left out (a
+        sliding-window chunk whose tail the engine freed already)."""
+        jobs = [(o, ids) for o, ids in self._all_blocks(objects, block_ids) if not (ids == HOLE).any()]
+        if len(jobs) == len(objects):
+            return objects, jobs
+        return [(o.chunk, o.group) for o, _ in jobs], jobs
 
     def _all_blocks(self, objects: list[tuple[int, int]], block_ids: Sequence[Sequence[int]]) -> list[ObjectJob]:
         """Every (chunk, group) object's blocks, validated in the caller's thread before anything is reserved."""

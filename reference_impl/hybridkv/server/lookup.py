@@ -13,17 +13,33 @@ E = P.ErrorCode
 
 def hit_length(ctx: Context, eng: Engine, keys: list[bytes], policy: str, missing: set[ObjectKey],
                foreign: set[ObjectKey]) -> int:
-    """Longest n such that every needed object of chunks < n exists in the engine's namespace and every
-    recurrent group has its state at chunk n-1 (DESIGN.md: a prefix without its state is a miss at that
-    length). Objects of another namespace under these keys are misses, collected in `foreign`."""
+    """Longest n such that every needed object of chunks < n exists in the engine's namespace, every recurrent
+    group has its state at chunk n-1 (DESIGN.md: a prefix without its state is a miss at that length) and every
+    sliding-window group its objects of the chunks its window at n reaches (`GroupLayout.window_start_chunk`).
+    Objects of another namespace under these keys are misses, collected in `foreign`."""
     layout, ns = eng.layout, eng.ns
-    groups = layout.attention_groups if policy == "boundary" else range(len(layout.groups))
+    every = policy == "all"
+    groups = [g for g, grp in enumerate(layout.groups)
+              if grp.kind == "attention" or (every and grp.kind == "recurrent")]
     available = ctx.objects.available_prefix
-    full = available(keys, groups, eng.object_bytes, missing, ns, foreign)
+    lengths = eng.object_bytes
+    n = available(keys, groups, lengths, missing, ns, foreign)
     recurrent = layout.recurrent_groups
-    for n in range(full, 0, -1):
-        if available(keys[n - 1:n], recurrent, eng.object_bytes, missing, ns, foreign):
+    sliding = layout.sliding_groups
+    while n > 0:
+        if not available(keys[n - 1:n], recurrent, lengths, missing, ns, foreign):
+            n -= 1
+            continue
+        # A sliding object missing at chunk c fails every length in (c, n]: each of their windows reaches c.
+        # So the search jumps to c, and each chunk is looked at about once per window, not once per length.
+        at = n
+        for start, gs in _by_window_start(layout, sliding, n, eng.chunk_tokens).items():
+            have = available(keys[start:n], gs, lengths, missing, ns, foreign)
+            if have < n - start:
+                at = min(at, start + have)
+        if at == n:
             return n
+        n = at
     return 0
 
 
@@ -31,6 +47,14 @@ def count_foreign(ctx: Context, foreign: set[ObjectKey]) -> None:
     """A request that named objects of another namespace is counted once (namespace_refusals)."""
     if foreign:
         ctx.counters.namespace_refusals += 1
+
+
+def _by_window_start(layout, sliding: list[int], n: int, chunk_tokens: int) -> dict[int, list[int]]:
+    """The sliding groups by the first chunk their window at n reaches (one entry when they share a window)."""
+    out: dict[int, list[int]] = {}
+    for g in sliding:
+        out.setdefault(layout.groups[g].window_start_chunk(n, chunk_tokens), []).append(g)
+    return out
 
 
 def resume_request(ctx: Context, ident: bytes, msg: P.Lookup | P.Prefetch,
@@ -100,7 +124,7 @@ class LookupOp:
             return False
         objects = ctx.objects
         n = hit_length(ctx, eng, keys, msg.policy, self.missing, self.foreign)
-        needed = resume_objects(eng.layout, msg.policy, n, msg.skip_chunks)
+        needed = resume_objects(eng.layout, msg.policy, n, msg.skip_chunks, eng.chunk_tokens)
         if not self.pinned and not self.missing:
             # the common case, every needed object READY in L1: pin them all and answer in one pass
             ready = objects.ready([(keys[c], g) for c, g in needed])
@@ -137,7 +161,7 @@ class LookupOp:
             if not restart:
                 break
             n = hit_length(ctx, eng, keys, msg.policy, self.missing, self.foreign)  # a miss: the hit is shorter
-            needed = resume_objects(eng.layout, msg.policy, n, msg.skip_chunks)
+            needed = resume_objects(eng.layout, msg.policy, n, msg.skip_chunks, eng.chunk_tokens)
         if self.loading or any((keys[c], g) not in self.pinned for c, g in needed):
             if self.loading and not self.waited:
                 self.waited = True
@@ -159,7 +183,7 @@ class LookupOp:
         count_hit(self.ctx, eng, n, sum(1 for c in self.from_l2 if c < n), probe=False)
         count_foreign(self.ctx, self.foreign)
         self.ctx.counters.bytes_leased += resume_bytes(eng.layout, self.msg.policy, n, self.msg.skip_chunks,
-                                                       eng.object_bytes)
+                                                       eng.object_bytes, eng.chunk_tokens)
         self.ctx.send(self.ident, self.req_id, P.LookupResult(hit_chunks=n, lease=lid, objects=locs), ())
 
     def _unpin(self, keep: set[ObjectKey]) -> None:

@@ -34,7 +34,7 @@ def prefetch(ctx: Context, ident: bytes, msg: P.Prefetch, frames: Frames) -> Ans
     foreign: set[ObjectKey] = set()
     n = hit_length(ctx, eng, keys, msg.policy, set(), foreign)
     count_foreign(ctx, foreign)
-    objects = resume_objects(eng.layout, msg.policy, n, msg.skip_chunks)
+    objects = resume_objects(eng.layout, msg.policy, n, msg.skip_chunks, eng.chunk_tokens)
     todo = [((keys[c], g), eng.object_bytes[g]) for c, g in objects]
     capacity = ctx.objects.l1.alloc.size
     absent = sum(length for oid, length in todo if ctx.objects.get(oid) is None)

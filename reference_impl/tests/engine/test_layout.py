@@ -1,17 +1,17 @@
-"""Layouts and presets: vLLM's hybrid alignment rule reproduces the figures in ANCHORS.md."""
+"""Layouts and presets: vLLM's hybrid alignment rule reproduces the figures in ANCHORS.md; sliding-window groups
+hold what vLLM's sliding-window rule keeps."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
-from hybridkv.layout import GroupLayout, LayoutError, ModelLayout
+from hybridkv.layout import GroupLayout, LayoutError, ModelLayout, vllm_group_size, vllm_groups
 from hybridkv.presets import (
     QWEN3_NEXT_80B,
     QWEN36_27B,
     model_config,
     preset_layout,
     preset_names,
-    vllm_group_size,
-    vllm_groups,
 )
 
 
@@ -102,7 +102,7 @@ def test_layouts_validate_themselves():
     with pytest.raises(LayoutError, match="more than one group"):
         ModelLayout(model="m", groups=(g, g))
     rec = GroupLayout(kind="recurrent", layer_names=("r0",), page_bytes=4096, block_tokens=16)
-    with pytest.raises(LayoutError, match="at least one attention group"):
+    with pytest.raises(LayoutError, match="at least one attention or sliding-window group"):
         ModelLayout(model="m", groups=(rec,))
     lay = ModelLayout(model="m", groups=(g, GroupLayout(kind="recurrent", layer_names=("r0",), page_bytes=4096,
                                                          block_tokens=32)))
@@ -111,3 +111,65 @@ def test_layouts_validate_themselves():
         lay.check_chunk_tokens(48)
     # a chunk of 2 blocks: attention holds both blocks' pages, the recurrent group one state page
     assert lay.object_bytes(0, 32) == 2 * 4096 and lay.object_bytes(1, 32) == 4096
+
+
+def vllm_keeps(t: int, window: int, block: int) -> set[int]:
+    """vLLM's SlidingWindowManager at t computed tokens: it skips the first max(0, t - window + 1) tokens and
+    frees (nulls) every block wholly among them, keeping blocks skipped // block .. t / block - 1."""
+    skipped = max(0, t - window + 1)
+    return set(range(skipped // block, t // block))
+
+
+@pytest.mark.parametrize("block", [16, 32])
+def test_a_sliding_chunk_s_tail_holds_every_block_vllm_keeps_for_a_resume(block):
+    """Against vLLM's rule, over windows shorter and longer than a chunk and not a multiple of the block: a resume
+    at any chunk boundary n needs exactly the blocks vLLM keeps, each of them is in the tail (`tail_blocks`) of a
+    chunk from `window_start_chunk(n)` on, and every such chunk's tail holds at least one of them."""
+    for window in [1, 2, 17, block, block + 1, 3 * block - 5, 100, 4 * block, 7 * block + 3]:
+        for bpc in range(1, 7):
+            chunk = bpc * block
+            g = GroupLayout(kind="sliding", layer_names=("l0",), page_bytes=64, block_tokens=block, window=window)
+            tail = g.tail_blocks(chunk)
+            assert 1 <= tail <= bpc
+            for n in range(1, 12):
+                keeps = vllm_keeps(n * chunk, window, block)
+                start = g.window_start_chunk(n, chunk)
+                held = {j for c in range(start, n) for j in range((c + 1) * bpc - tail, (c + 1) * bpc)}
+                assert keeps <= held, (window, bpc, n)
+                assert all(keeps & set(range((c + 1) * bpc - tail, (c + 1) * bpc)) for c in range(start, n))
+                assert start == 0 or not keeps & set(range(start * bpc)), (window, bpc, n)
+
+
+def test_sliding_groups_validate_and_fingerprint_their_window():
+    s = GroupLayout(kind="sliding", layer_names=("model.layers.0",), page_bytes=4096, block_tokens=16, window=100)
+    a = GroupLayout(kind="attention", layer_names=("model.layers.1",), page_bytes=4096, block_tokens=16)
+    with pytest.raises(LayoutError, match="window must be in 1.."):
+        GroupLayout(kind="sliding", layer_names=("l0",), page_bytes=4096, block_tokens=16)
+    with pytest.raises(LayoutError, match="attention groups have no window"):
+        GroupLayout(kind="attention", layer_names=("l0",), page_bytes=4096, block_tokens=16, window=8)
+    lay = ModelLayout(model="m", groups=(s, a))
+    other = ModelLayout(model="m", groups=(GroupLayout(kind="sliding", layer_names=("model.layers.0",),
+                                                       page_bytes=4096, block_tokens=16, window=101), a))
+    assert lay.fingerprint() != other.fingerprint()  # the window decides which blocks an object holds
+    assert lay.signature()[0] == ("sliding", [0], 4096, 16, "bfloat16", 100)
+    assert lay.signature()[1] == ("attention", [1], 4096, 16, "bfloat16")  # other groups as before windows existed
+    # a 64-token chunk (4 blocks) of a 100-token window: its last ceil(99 / 16) = 7 > 4 blocks, i.e. all of them;
+    # a 256-token chunk keeps its last 7 of 16
+    assert lay.object_bytes(0, 64) == 4 * 4096 and lay.object_bytes(0, 256) == 7 * 4096
+    assert lay.object_bytes(1, 256) == 16 * 4096
+    # a layout of sliding groups alone is one (Mistral-style models); recurrent groups alone are not
+    assert ModelLayout(model="m", groups=(s,)).sliding_groups == [0]
+    # defaults stay off the wire: a layout without sliding groups encodes as it did before the field existed
+    assert "window" not in msgspec.to_builtins(a) and msgspec.to_builtins(s)["window"] == 100
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(lay), type=ModelLayout) == lay
+
+
+@pytest.mark.parametrize("name,windows,page_tp1", [("gemma-3-27b", {1024}, 131_072), ("gpt-oss-120b", {128}, 32_768)])
+def test_sliding_window_presets_at_every_tensor_parallel_size(name, windows, page_tp1):
+    for tp in (1, 2, 4, 8):
+        lay = preset_layout(name, tp)
+        assert {g.window for g in lay.groups if g.kind == "sliding"} == windows
+        assert {(g.block_tokens, g.page_bytes) for g in lay.groups} == {(16, page_tp1 // tp)}
+        assert [g.kind for g in lay.groups][-1] == "attention" and lay.default_chunk_tokens() == 16
+    with pytest.raises(LayoutError, match="power of two"):
+        preset_layout(name, 3)

@@ -40,3 +40,43 @@ def test_resume_bytes_is_the_sum_over_resume_objects(name, policy):
         for skip in range(0, 7):
             want = sum(sizes[g] for _, g in resume_objects(layout, policy, n, skip))
             assert resume_bytes(layout, policy, n, skip, sizes) == want, (n, skip)
+
+
+def sliding_layout(window: int, block: int = 16):
+    """gpt-oss's grouping at a small size: a sliding-window group, a full-attention group, and a GDN group."""
+    from hybridkv.layout import GroupLayout, ModelLayout
+
+    return ModelLayout(model="m", groups=(
+        GroupLayout(kind="sliding", layer_names=("model.layers.0",), page_bytes=256, block_tokens=block,
+                    window=window),
+        GroupLayout(kind="attention", layer_names=("model.layers.1",), page_bytes=256, block_tokens=block),
+        GroupLayout(kind="recurrent", layer_names=("model.layers.2",), page_bytes=256, block_tokens=block)))
+
+
+@pytest.mark.parametrize("policy", ["boundary", "all"])
+@pytest.mark.parametrize("window,chunk", [(40, 16), (40, 32), (100, 32), (20, 64), (1000, 16)])
+def test_a_sliding_group_stores_every_chunk_and_resumes_from_its_window(policy, window, chunk):
+    layout = sliding_layout(window)
+    g = layout.groups[0]
+    for first in range(0, 4):
+        for n in range(0, 9):
+            stored = chunk_objects(layout, policy, first, n)
+            assert [c for c, grp in stored if grp == 0] == list(range(first, n))  # a store writes every chunk's
+            for skip in range(0, 10):
+                got = resume_objects(layout, policy, n, skip, chunk)
+                start = g.window_start_chunk(n, chunk)
+                want = [(c, gg) for c in range(min(skip, n), n) for gg in range(3)
+                        if gg == 1 or (gg == 0 and c >= start) or (gg == 2 and (policy == "all" or c == n - 1))]
+                want += [(n - 1, 2)] if n and skip >= n else []
+                assert got == want, (first, n, skip)
+                sizes = [1000, 3000, 7000]
+                assert resume_bytes(layout, policy, n, skip, sizes, chunk) == sum(sizes[gg] for _, gg in got)
+
+
+def test_a_layout_with_sliding_groups_needs_the_chunk_size_to_resume():
+    layout = sliding_layout(40)
+    # a 40-token window resumed at 8 chunks of 16 tokens reads tokens 89.. : chunks 5, 6, 7
+    assert resume_objects(layout, "boundary", 8, 0, 16)[-7:] == [(5, 0), (5, 1), (6, 0), (6, 1), (7, 0), (7, 1),
+                                                                  (7, 2)]
+    with pytest.raises(ValueError, match="needs chunk_tokens"):
+        resume_objects(layout, "boundary", 3)

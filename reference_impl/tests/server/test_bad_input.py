@@ -407,7 +407,9 @@ def test_negative_skip_chunks(server, client):
 @pytest.mark.parametrize("field, value, needle", [
     ("page_bytes", 0, "page_bytes must be in 1..1099511627776, got 0"),
     ("block_tokens", -16, "block_tokens must be in 1..16777216, got -16"),
-    ("kind", "sliding", "'sliding'"),
+    ("kind", "chunked_local", "'chunked_local'"),
+    ("kind", "sliding", "a sliding group's window must be in 1..4294967296 tokens, got 0"),
+    ("window", 512, "recurrent groups have no window (got 512)"),
     ("dtype", "float7", "'float7'"),
 ])
 def test_register_with_an_invalid_group(server, raw, field, value, needle):

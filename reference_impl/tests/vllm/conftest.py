@@ -19,6 +19,7 @@ from hybridkv.engine.vllm.settings import kv_transfer_config  # noqa: E402
 from hybridkv.server.cli import parse  # noqa: E402
 from hybridkv.server.launch import ServerProcess, start_server  # noqa: E402
 from hybridkv_bench import vllm_offline as offline  # noqa: E402
+from hybridkv_bench import vllm_planning as planning  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +32,7 @@ def model_dir() -> Iterator[Path]:
 @pytest.fixture(scope="session")
 def tiny_model(model_dir):
     """vLLM's ModelConfig of the tiny hybrid (built once: vLLM inspects the architecture in a subprocess)."""
-    return offline.model_config(offline.write_config(offline.TINY, model_dir / "tiny"), max_model_len=4096)
+    return planning.model_config(planning.write_config(planning.TINY, model_dir / "tiny"), max_model_len=4096)
 
 
 @pytest.fixture
@@ -72,9 +73,9 @@ def make_engine(tiny_model) -> Iterator:
 
     def make(endpoint: str, *, step_tokens: int = 80, num_blocks: int = 128, retention: int | None = 80,
              model=None, max_loras: int = 0, kv_events: dict | None = None, **extra) -> offline.OfflineEngine:
-        vc = offline.vllm_config(model or tiny_model, offline.TINY, max_num_batched_tokens=step_tokens,
-                                 kv_transfer=kv_transfer_config(endpoint, **extra), retention_interval=retention,
-                                 max_loras=max_loras, kv_events=kv_events)
+        vc = planning.vllm_config(model or tiny_model, planning.TINY, max_num_batched_tokens=step_tokens,
+                                  kv_transfer=kv_transfer_config(endpoint, **extra), retention_interval=retention,
+                                  max_loras=max_loras, kv_events=kv_events)
         e = offline.OfflineEngine(vc, num_blocks=num_blocks)
         engines.append(e)
         return e

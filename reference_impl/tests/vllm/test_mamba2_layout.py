@@ -16,7 +16,7 @@ pytest.importorskip("vllm.config", reason="vLLM is not installed here; `nox -s v
 from hybridkv.engine.vllm.layout_from_vllm import check_matches_preset, layout_from_kv_cache_config
 from hybridkv.layout import LayoutError, layer_index
 from hybridkv.presets import MAMBA1_CONFIGS, MAMBA2_CONFIGS, preset_layout
-from hybridkv_bench import vllm_offline as offline
+from hybridkv_bench import vllm_planning as planning
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ def model_configs(model_dir):
         if name not in made:
             d = model_dir / name
             CASES[name].hf_config().save_pretrained(d)
-            made[name] = offline.model_config(d, max_model_len=4096)
+            made[name] = planning.model_config(d, max_model_len=4096)
         return made[name]
 
     return get
@@ -157,7 +157,7 @@ def _kv_cache_config(case: Case, mc, tp: int):
     class Shape:
         ssm_dtype = case.cfg.ssm_dtype
 
-    vc = offline.vllm_config(mc, Shape, tp=tp)
+    vc = planning.vllm_config(mc, Shape, tp=tp)
     cc = vc.cache_config
     specs = {}
     for name, kind in case.cache_layers(mc.hf_text_config):

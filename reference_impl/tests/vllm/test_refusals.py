@@ -11,12 +11,12 @@ import pytest
 pytest.importorskip("vllm.config", reason="vLLM is not installed here; `nox -s vllm` builds an environment with it")
 from hybridkv.engine.vllm.connector import check_supported
 from hybridkv.engine.vllm.settings import kv_transfer_config
-from hybridkv_bench import vllm_offline as offline
+from hybridkv_bench import vllm_planning as planning
 
 
 @pytest.fixture(scope="module")
 def base(tiny_model):
-    vc = offline.vllm_config(tiny_model, offline.TINY, kv_transfer=kv_transfer_config("ipc:///tmp/unused.sock"))
+    vc = planning.vllm_config(tiny_model, planning.TINY, kv_transfer=kv_transfer_config("ipc:///tmp/unused.sock"))
     check_supported(vc)  # the configuration the tests and the README use is accepted
     return vc
 

@@ -1,11 +1,13 @@
-"""Helpers of the real-engine tests: a tiny random-weight hybrid model written locally (config, weights and a
-tokenizer; nothing is downloaded), vLLM engines with the connector, greedy generation, and the tools that
-look inside: vLLM's KV cache zeroed, the server's stored objects corrupted on purpose."""
+"""Helpers of the real-engine tests: tiny random-weight models written locally (config, weights and a tokenizer;
+nothing is downloaded: the Qwen3-Next-shaped hybrid, and a Gemma 3 text model with sliding-window layers), vLLM
+engines with the connector, greedy generation, and the tools that look inside: vLLM's KV cache zeroed, the
+connector's counters, the server's stored objects corrupted on purpose."""
 
 from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,6 +115,54 @@ def _connector_layout(worker):
     return msgspec.msgpack.encode(c.layout), c.chunk_tokens  # bytes: vLLM's RPC would turn a Struct into a dict
 
 
+def write_gemma3_model(directory: Path, sliding_window: int, pattern: str = "SSSF", seed: int = 0) -> Path:
+    """A tiny random-weight Gemma 3 text model (Gemma3ForCausalLM): one character of `pattern` per layer, `S` a
+    sliding-window layer of `sliding_window` tokens, `F` a full-attention one; the word-level tokenizer of the
+    hybrid's vocabulary. Untied output weights and a wide initialisation keep its greedy tokens depending on the
+    context (tied ones make Gemma repeat its input token)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, PreTrainedTokenizerFast
+
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=len(pattern),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64,
+        sliding_window=sliding_window, layer_types=["sliding_attention" if c == "S" else "full_attention"
+                                                    for c in pattern],
+        max_position_embeddings=1 << 14, tie_word_embeddings=False, initializer_range=0.08,
+        architectures=["Gemma3ForCausalLM"], pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    torch.manual_seed(seed)
+    model: Any = Gemma3ForCausalLM(cfg)
+    model.to(torch.bfloat16).save_pretrained(directory)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1", pad_token="t0").save_pretrained(
+        directory)
+    return directory
+
+
+def _worker_counters(worker) -> dict[str, int]:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    st = get_kv_transfer_group().worker_side.stats
+    return {k: getattr(st, k) for k in st.__slots__ if isinstance(getattr(st, k), int)}
+
+
+def worker_counters(llm) -> dict[str, int]:
+    """The connector's worker-side counters (loads, loaded_bytes, stores, stored_bytes, ...) of rank 0."""
+    return llm.collective_rpc(_worker_counters)[0]
+
+
+def connector_layout(llm):
+    """The layout and chunk size the engine's connector derived from vLLM's KV-cache config."""
+    import msgspec
+    from hybridkv.layout import ModelLayout
+
+    (encoded, chunk), *_ = llm.collective_rpc(_connector_layout)
+    return msgspec.msgpack.decode(encoded, type=ModelLayout), chunk
+
+
 def external_hits(llm) -> int:
     """vLLM's own counter of prefix tokens that came from the connector."""
     return int(sum(m.value for m in llm.get_metrics() if m.name == "vllm:external_prefix_cache_hits"))
@@ -122,14 +172,23 @@ def corrupt_stored(llm, endpoint: str, tokens: list[int], kind: str, salt: str =
     """Overwrite, in the server's L1 arena, the stored objects of `tokens`' prefix of group kind `kind`
     ('attention' or 'recurrent') with other bytes: the negative control that shows a test can see wrong KV.
     Returns the number of objects changed."""
-    import msgspec
+    def every_page(layout, chunk: int, o) -> range | None:
+        g = layout.groups[o.group]
+        return range(g.num_layers * g.tail_blocks(chunk)) if g.kind == kind else None
+
+    return corrupt_stored_pages(llm, endpoint, tokens, every_page, salt)
+
+
+def corrupt_stored_pages(llm, endpoint: str, tokens: list[int], pages: Callable[[Any, int, Any], Any],
+                         salt: str = "") -> int:
+    """Overwrite, in the server's L1 arena, pages of the objects a lookup of `tokens`' prefix hands out:
+    `pages(layout, chunk_tokens, object)` names the pages of that object to change (page l * blocks + j is
+    layer l's copy of the object's block j), or None. Returns the number of objects changed."""
     from hybridkv import protocol as P
     from hybridkv.engine.client import CacheClient
     from hybridkv.keys import chunk_keys
-    from hybridkv.layout import ModelLayout
 
-    (encoded, chunk), *_ = llm.collective_rpc(_connector_layout)
-    layout = msgspec.msgpack.decode(encoded, type=ModelLayout)
+    layout, chunk = connector_layout(llm)
     with CacheClient(endpoint, timeout_s=10) as c:
         reg, _ = c.call(P.Register(layout=layout, chunk_tokens=chunk, tp_rank=0, salt=salt, name="corrupter"))
         keys = chunk_keys(reg.namespace, tokens, chunk)
@@ -139,14 +198,17 @@ def corrupt_stored(llm, endpoint: str, tokens: list[int], kind: str, salt: str =
         try:
             with mmap.mmap(fd, reg.arena_bytes) as arena:
                 for o in hit.objects:
-                    if layout.groups[o.group].kind == kind:
-                        view = np.frombuffer(arena, np.uint8, o.length, o.offset)
+                    which = pages(layout, chunk, o)
+                    if which is None:
+                        continue
+                    page = layout.groups[o.group].page_bytes
+                    for p in which:
+                        view = np.frombuffer(arena, np.uint8, page, o.offset + p * page)
                         view += 77  # every byte other than it was (wraps around)
                         del view
-                        changed += 1
+                    changed += 1
         finally:
             os.close(fd)
         c.call(P.EndSession(engine=reg.engine, request="corrupt"))
         c.call(P.Unregister(engine=reg.engine))
     return changed
-

@@ -1,4 +1,6 @@
 """HybridKVConnector: vLLM 0.33's KV-connector interface (KVConnectorBase_V1 + SupportsHMA) over hybridkv.
+SupportsHMA keeps vLLM's hybrid KV-cache manager on: sliding-window layers get groups of their own, whose
+blocks outside the window vLLM frees (and hybridkv neither stores nor loads).
 
 Load it without patching vLLM:
     --kv-transfer-config '{"kv_connector": "HybridKVConnector",
@@ -248,10 +250,12 @@ def check_supported(vllm_config: VllmConfig) -> None:
     """Refuse at start-up, naming the setting, what the connector cannot serve correctly."""
     cache, tc = vllm_config.cache_config, vllm_config.kv_transfer_config
     assert tc is not None
-    if not cache.enable_prefix_caching or cache.mamba_cache_mode != "align":
+    # a model with Mamba/GDN layers also needs them in align mode (a state per block boundary), which prefix
+    # caching selects: layout_from_kv_cache_config refuses a Mamba group in any other mode
+    if not cache.enable_prefix_caching:
         raise ValueError("HybridKVConnector needs --enable-prefix-caching (which puts Mamba/GDN caching in align mode: "
-                         "a state per block boundary); got prefix caching "
-                         f"{cache.enable_prefix_caching}, mamba_cache_mode {cache.mamba_cache_mode!r}")
+                         f"a state per block boundary); got prefix caching {cache.enable_prefix_caching}, "
+                         f"mamba_cache_mode {cache.mamba_cache_mode!r}")
     if tc.kv_load_failure_policy != "recompute":
         raise ValueError("HybridKVConnector needs kv_load_failure_policy 'recompute' in --kv-transfer-config: "
                          f"a lost load must cost a recompute, not fail the request (got {tc.kv_load_failure_policy!r})")

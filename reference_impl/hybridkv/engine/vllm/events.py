@@ -175,7 +175,8 @@ class KVEventTracker:
     def _events(self, req: Request, start_chunk: int, end_chunk: int) -> tuple[list[BlockStored],
                                                                               list[BlockRemoved]]:
         """BlockStored per group for chunks start..end-1 (attention: every block; Mamba/GDN: the last block,
-        whose state the store holds), and the BlockRemoved that would undo them."""
+        whose state the store holds; sliding window: the last chunk's stored tail, the blocks a resume at its end
+        reads), and the BlockRemoved that would undo them."""
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash, resolve_block_hashes
 
         stored: list[BlockStored] = []
@@ -186,7 +187,8 @@ class KVEventTracker:
             hashes = resolve_block_hashes(req.block_hashes, self.hash_block_size, bs)
             bpc = self.chunk_tokens // bs
             last = end_chunk * bpc
-            first = start_chunk * bpc if grp.kind == "attention" else last - 1
+            first = (start_chunk * bpc if grp.kind == "attention" else
+                     last - grp.tail_blocks(self.chunk_tokens) if grp.kind == "sliding" else last - 1)
             block_hashes = [maybe_convert_block_hash(hashes[j]) for j in range(first, last)]
             stored.append(BlockStored(
                 block_hashes=block_hashes,

@@ -17,13 +17,16 @@ log = logging.getLogger(__name__)
 
 
 def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig, model: str, tp_size: int) -> ModelLayout:
-    """One group per vLLM KV-cache group: full attention -> attention, Mamba/GDN -> recurrent."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, UniformTypeKVCacheSpecs
+    """One group per vLLM KV-cache group: full attention -> attention, sliding window -> sliding (with vLLM's
+    window: its SlidingWindowManager frees the KV of positions < t - window + 1 at t computed tokens, so the
+    window here is `sliding_window` plus any tokens vLLM retains below it), Mamba/GDN -> recurrent."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec, UniformTypeKVCacheSpecs
 
     groups = []
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
         spec = g.kv_cache_spec
         kind: GroupKind
+        window = 0
         if isinstance(spec, UniformTypeKVCacheSpecs):
             spec = next(iter(spec.kv_cache_specs.values()))
         if isinstance(spec, MambaSpec):
@@ -31,16 +34,20 @@ def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig, model: str, tp_s
                 raise LayoutError(f"KV-cache group {i} keeps Mamba state in mode {spec.mamba_cache_mode!r}; "
                                   "hybridkv needs --mamba-cache-mode align (a state per block boundary)")
             kind, dtype = "recurrent", "uint8"
-        elif type(spec) is FullAttentionSpec and spec.sliding_window is None and spec.attention_chunk_size is None:
+        elif type(spec) is FullAttentionSpec and spec.attention_chunk_size is None:
+            # A sliding window here is vLLM without its hybrid manager (--disable-hybrid-kv-cache-manager): it
+            # keeps every block of such a layer, so every block is cached like full attention's.
             kind, dtype = "attention", str(spec.dtype).removeprefix("torch.")
+        elif type(spec) is SlidingWindowSpec:  # not its MLA subclass (DeepSeek V4: a replayed window)
+            kind, dtype = "sliding", str(spec.dtype).removeprefix("torch.")
+            window = spec.sliding_window + getattr(spec, "extra_retained_tokens", 0)
         else:
             layers = ", ".join(g.layer_names[:2]) + (", ..." if len(g.layer_names) > 2 else "")
             raise LayoutError(f"KV-cache group {i} ({layers}) is {group_kind_name(spec)}: hybridkv caches "
-                              "full-attention and Mamba/GDN groups only; sliding-window, chunked-local and MLA "
-                              "groups (Gemma 3, gpt-oss, Llama 4, DeepSeek) are not supported yet "
-                              "(hybridkv/engine/vllm/README.md)")
+                              "full-attention, sliding-window and Mamba/GDN groups only; chunked-local and MLA "
+                              "groups (Llama 4, DeepSeek) are not supported yet (hybridkv/engine/vllm/README.md)")
         groups.append(GroupLayout(kind=kind, layer_names=tuple(g.layer_names), page_bytes=spec.page_size_bytes,
-                                  block_tokens=spec.block_size, dtype=dtype))
+                                  block_tokens=spec.block_size, dtype=dtype, window=window))
     return ModelLayout(model=model, groups=tuple(groups), tp_size=tp_size)
 
 
@@ -49,12 +56,12 @@ def group_kind_name(spec) -> str:
     window = getattr(spec, "sliding_window", None)
     chunk = getattr(spec, "attention_chunk_size", None)
     name = type(spec).__name__
-    if "SlidingWindow" in name or window is not None:
-        return f"sliding-window attention ({name}, window {window} tokens)"
+    if "MLA" in name:
+        return f"multi-head latent attention ({name}{f', window {window} tokens' if window else ''})"
     if "ChunkedLocal" in name or chunk is not None:
         return f"chunked local attention ({name}, chunks of {chunk} tokens)"
-    if "MLA" in name:
-        return f"multi-head latent attention ({name})"
+    if "SlidingWindow" in name or window is not None:
+        return f"sliding-window attention of a kind hybridkv does not cache ({name}, window {window} tokens)"
     return f"a {name}"
 
 

@@ -11,12 +11,20 @@ import logging
 import time
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerError
-from hybridkv.engine.vllm.plan import HybridKVMetadata, LoadJob, StoreJob, chunk_extras
+from hybridkv.engine.vllm.books import HitTier, PendingHit, RequestTrack, SchedulerStats
+from hybridkv.engine.vllm.plan import (
+    HybridKVMetadata,
+    LoadJob,
+    StoreJob,
+    boundary_stores,
+    chunk_extras,
+    load_job,
+    step_stores,
+)
 from hybridkv.engine.vllm.settings import ConnectorSettings
 from hybridkv.keys import chunk_keys
 from hybridkv.layout import LayoutError, ModelLayout
@@ -31,44 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-HitTier = Literal["l1", "l2", "unknown"]
 RESET_TIMEOUT_S = 5.0  # how long vLLM's reset of the external cache waits for the server's answer
-
-@dataclass(slots=True)
-class _Pending:
-    """A hit reported to vLLM, waiting for its blocks."""
-
-    token_ids: list[int]
-    skip_tokens: int
-    leases: list[tuple[int, int]]  # (engine, lease) per rank: one pin set per request, however often vLLM asks
-    extras: list[bytes] | None
-    tier: HitTier
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    """Counters of what the scheduler side decided (hits in tokens)."""
-
-    lookups: int = 0
-    lookups_deferred: int = 0  # "not yet" answers: the prefix's L2 reads were still running
-    lookup_failures: int = 0
-    lookup_s: float = 0.0
-    hit_tokens: int = 0
-    hit_tokens_l1: int = 0  # the hit's objects were all in the server's memory
-    hit_tokens_l2: int = 0  # part of the prefix was read back from the server's disk first
-    hit_tokens_unknown: int = 0  # the lookup read L2 itself, if at all (a server with L2, l2_wait_s 0)
-    loads_planned: int = 0
-    stores_planned: int = 0
-
-
-@dataclass(slots=True)
-class _Request:
-    """What the scheduler side remembers of a live request."""
-
-    stored_chunks: int = 0
-    looked_up: bool = False
-    tier: HitTier | None = None  # of the load planned for it (vLLM asks after update_state_after_alloc)
-    l2_since: float = 0.0  # when its first "not yet" was answered (its prefix's L2 reads started); 0: never
 
 
 class SchedulerSide:
@@ -90,8 +61,8 @@ class SchedulerSide:
         self._ranks: list[tuple[int, bytes]] = []  # (engine, namespace) of each rank, rank 0 first
         self._l2 = False  # the server has an L2: only then can a prefix have to come back from disk
         self._next_try = 0.0
-        self._pending: dict[str, _Pending] = {}
-        self._requests: dict[str, _Request] = {}
+        self._pending: dict[str, PendingHit] = {}
+        self._requests: dict[str, RequestTrack] = {}
         self._loads: list[LoadJob] = []
         self._ending: list[Future] = []  # EndSession replies not in yet (vLLM never waits for them)
         self._registering: tuple[CacheClient, list[Future]] | None = None  # a reconnect in flight
@@ -168,8 +139,10 @@ class SchedulerSide:
         """External hit beyond the local one: whole chunks, at most N-1 tokens (vLLM computes >= 1 token).
         None ("ask again next step") while the reads of a prefix partly in L2 run (`l2_wait_s`)."""
         rid = request.request_id
-        track = self._requests.setdefault(rid, _Request())
+        track = self._requests.setdefault(rid, RequestTrack())
         track.looked_up = True
+        if track.refused:
+            return 0, False  # its load was refused once: vLLM recomputes it, and would get the same blocks again
         if (pending := self._pending.get(rid)) is not None:
             if pending.skip_tokens == num_computed_tokens:
                 return len(pending.token_ids) - num_computed_tokens, False  # pinned already: no second lookup
@@ -212,7 +185,7 @@ class SchedulerSide:
         # without L2, came from memory; a lookup on a server with L2 and no Prefetch may have read either
         tier: HitTier = "l2" if track.l2_since else "l1" if (p is not None or not self._l2) else "unknown"
         leases = [(engine, r.lease) for (engine, _), r in zip(self._ranks, results, strict=True)]
-        pending = _Pending(tokens[:hit], num_computed_tokens, leases, extras, tier)
+        pending = PendingHit(tokens[:hit], num_computed_tokens, leases, extras, tier)
         if hit <= num_computed_tokens:
             self._release(pending)
             return 0, False
@@ -229,7 +202,7 @@ class SchedulerSide:
         first, _ = self._client.call(msgs[0], timeout=timeout)
         return [first, *(f.result(timeout=max(0.0, until - time.monotonic()))[0] for f in others)]
 
-    def _release(self, pending: _Pending) -> None:
+    def _release(self, pending: PendingHit) -> None:
         """Drop a hit's pins on every rank without waiting (vLLM did not take it, or asks again from another
         point)."""
         if self._client is None:
@@ -241,7 +214,7 @@ class SchedulerSide:
         except Exception as e:
             self._drop_connection(e)
 
-    def _prefetch(self, track: _Request, keys: list[tuple[int, list[bytes]]], policy: Policy,
+    def _prefetch(self, track: RequestTrack, keys: list[tuple[int, list[bytes]]], policy: Policy,
                   skip: int) -> P.Prefetching | None:
         """A Prefetch of the request's prefix (answered at once, pinning nothing; it starts the reads of what
         is only in L2), so that a prefix on disk waits in vLLM's queue instead of holding up the scheduler in a
@@ -276,60 +249,60 @@ class SchedulerSide:
             # vLLM trimmed the hit (e.g. a local sub-block tail); load only what it accepted, in whole chunks
             hit = (pending.skip_tokens + num_external_tokens) // self.chunk_tokens * self.chunk_tokens
             pending.token_ids = pending.token_ids[:hit]
-        self._loads.append(LoadJob(request.request_id, pending.token_ids, pending.skip_tokens,
-                                   tuple(list(b) for b in blocks.get_block_ids()), pending.extras))
+        job = load_job(self.layout, self.chunk_tokens, request.request_id, pending.token_ids, pending.skip_tokens,
+                       blocks.get_block_ids(), pending.extras)
+        self._loads.append(job)
+        if job.refused:  # vLLM expects KV the objects lack: the worker fails the load, vLLM recomputes
+            log.warning("hybridkv: refusing the hit of %s: %s", request.request_id, job.refused)
+            self._requests.setdefault(request.request_id, RequestTrack()).refused = True
+            self._release(pending)
+            return
         self.stats.hit_tokens += num_external_tokens
         setattr(self.stats, f"hit_tokens_{pending.tier}", getattr(self.stats, f"hit_tokens_{pending.tier}")
                 + num_external_tokens)
-        self._requests.setdefault(request.request_id, _Request()).tier = pending.tier
+        self._requests.setdefault(request.request_id, RequestTrack()).tier = pending.tier
         self.stats.loads_planned += 1
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> HybridKVMetadata:
-        """This step's loads, and stores of the chunks up to each boundary state vLLM offers."""
+        """This step's loads, and stores of the chunks up to each boundary state vLLM offers (a model without
+        recurrent groups: of every chunk this step completes)."""
         meta = HybridKVMetadata(loads=self._loads)
         self._loads = []
         state = scheduler_output.kv_connector_block_state
         if state is None:
             return meta
+        if not self.layout.recurrent_groups:
+            meta.stores.extend(self._plan_step_stores(scheduler_output, requests, state))
+            return meta
         for rid, offers in state.boundary_state_offloads.items():
-            req = requests.get(rid)
-            blocks = state.get_block_ids(rid)
-            if req is None or blocks is None:
-                continue
-            meta.stores.extend(self._plan_stores(rid, req, offers, blocks))
+            req, track, blocks = requests.get(rid), self._requests.get(rid), state.get_block_ids(rid)
+            if req is not None and track is not None and blocks is not None:
+                meta.stores.extend(self._count(track, req, boundary_stores(self.layout, self.chunk_tokens, req,
+                                                                           offers, blocks, track.stored_chunks)))
         return meta
 
-    def _plan_stores(self, rid: str, req: Request, offers: list[tuple[int, int, int]],
-                     blocks: tuple[list[int], ...]) -> list[StoreJob]:
-        """One store per offered boundary that ends a chunk and has a state for every recurrent group."""
-        track = self._requests.setdefault(rid, _Request())
-        recurrent = set(self.layout.recurrent_groups)
-        by_boundary: dict[int, dict[int, int]] = {}
-        for group, block_id, boundary in offers:
-            if boundary % self.chunk_tokens == 0 and group in recurrent:
-                by_boundary.setdefault(boundary, {})[group] = block_id
+    def _plan_step_stores(self, scheduler_output: SchedulerOutput, requests: dict[str, Request],
+                          state) -> list[StoreJob]:
+        """Attention and sliding-window groups alone (Gemma 3, gpt-oss): every chunk this step completes."""
         jobs = []
-        for boundary in sorted(by_boundary):
-            states = by_boundary[boundary]
-            n = boundary // self.chunk_tokens
-            if set(states) != recurrent or n <= track.stored_chunks or boundary > req.num_tokens:
+        for rid, scheduled in scheduler_output.num_scheduled_tokens.items():
+            if (req := requests.get(rid)) is None or (track := self._requests.get(rid)) is None:
                 continue
-            ids = tuple(list(b) for b in blocks)
-            for g, block_id in states.items():
-                # the state is where vLLM says it is, not where its position would put it
-                bpc = self.chunk_tokens // self.layout.groups[g].block_tokens
-                at = n * bpc - 1
-                if len(ids[g]) <= at:
-                    ids[g].extend([0] * (at + 1 - len(ids[g])))
-                ids[g][at] = block_id
-            if any(len(ids[g]) < n * (self.chunk_tokens // self.layout.groups[g].block_tokens)
-                   for g in self.layout.attention_groups):
-                continue
-            jobs.append(StoreJob(rid, list(req.all_token_ids[:boundary]), track.stored_chunks, ids,
-                                 chunk_extras(req, n, self.chunk_tokens)))
+            # computed by the end of this step; only known tokens (an async step's next input is a placeholder)
+            end = min(req.num_computed_tokens + scheduled, req.num_tokens)
+            if end // self.chunk_tokens > track.stored_chunks and (blocks := state.get_block_ids(rid)) is not None:
+                jobs.extend(self._count(track, req, step_stores(self.layout, self.chunk_tokens, req, end, blocks,
+                                                                track.stored_chunks)))
+        return jobs
+
+    def _count(self, track: RequestTrack, req: Request, jobs: list[StoreJob]) -> list[StoreJob]:
+        """Stores planned for a request: it is stored up to their last chunk (KV events: each is announced once
+        every rank committed it)."""
+        for job in jobs:
+            end = len(job.token_ids) // self.chunk_tokens
             if self.events is not None:
-                self.events.planned(req, track.stored_chunks, n)
-            track.stored_chunks = max(track.stored_chunks, n)
+                self.events.planned(req, job.start_chunk, end)
+            track.stored_chunks = max(track.stored_chunks, end)
             self.stats.stores_planned += 1
         return jobs
 

@@ -35,7 +35,7 @@ from hybridkv.engine.client import ServerError
 from hybridkv.engine.paged import engine_pages
 from hybridkv.engine.transfer import KVTransfer, PreparedStore, TransferConfig, TransferHandle
 from hybridkv.engine.vllm.events import StoreReports
-from hybridkv.engine.vllm.plan import HybridKVMetadata, LoadJob
+from hybridkv.engine.vllm.plan import HybridKVMetadata, LoadJob, LoadRefused
 from hybridkv.engine.vllm.settings import ConnectorSettings
 from hybridkv.layout import LayoutError, ModelLayout
 from hybridkv.protocol import ErrorCode
@@ -203,7 +203,10 @@ class WorkerSide:
         return ev
 
     def _start_load(self, job: LoadJob, ready: torch.cuda.Event | None) -> TransferHandle:
-        """Pin the hit under this rank's engine and start copying it into vLLM's blocks."""
+        """Pin the hit under this rank's engine and start copying it into the blocks the scheduler side named
+        (`plan.load_block_ids`: the ones vLLM expects from the connector); a load it refused fails here."""
+        if job.refused:
+            raise LoadRefused(job.refused)
         t = self.transfer
         if t is None:
             self._connect_soon()
