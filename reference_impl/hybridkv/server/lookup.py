@@ -26,16 +26,20 @@ def hit_length(ctx: Context, eng: Engine, keys: list[bytes], policy: str, missin
     n = available(keys, groups, lengths, missing, ns, foreign)
     recurrent = layout.recurrent_groups
     sliding = layout.sliding_groups
+    # Per sliding group, the first chunk c such that its objects of chunks c..n-1 are known available: a
+    # shorter length re-reads only the chunks its window reaches below c, so each chunk is read once per group
+    # however often the search steps down (re-reading a whole long window per step was keys^2 / 2 reads).
+    known: dict[int, int] = {}
     while n > 0:
         if not available(keys[n - 1:n], recurrent, lengths, missing, ns, foreign):
             n -= 1
             continue
         # A sliding object missing at chunk c fails every length in (c, n]: each of their windows reaches c.
-        # So the search jumps to c, and each chunk is looked at about once per window, not once per length.
+        # So the search jumps to c.
         at = n
-        for start, gs in _by_window_start(layout, sliding, n, eng.chunk_tokens).items():
-            have = available(keys[start:n], gs, lengths, missing, ns, foreign)
-            if have < n - start:
+        for (start, lo), gs in _by_window_start(layout, sliding, n, eng.chunk_tokens, known).items():
+            have = available(keys[start:lo], gs, lengths, missing, ns, foreign)
+            if have < lo - start:
                 at = min(at, start + have)
         if at == n:
             return n
@@ -49,11 +53,16 @@ def count_foreign(ctx: Context, foreign: set[ObjectKey]) -> None:
         ctx.counters.namespace_refusals += 1
 
 
-def _by_window_start(layout, sliding: list[int], n: int, chunk_tokens: int) -> dict[int, list[int]]:
-    """The sliding groups by the first chunk their window at n reaches (one entry when they share a window)."""
-    out: dict[int, list[int]] = {}
+def _by_window_start(layout, sliding: list[int], n: int, chunk_tokens: int,
+                     known: dict[int, int]) -> dict[tuple[int, int], list[int]]:
+    """The sliding groups with chunks to read at n, by (first chunk their window at n reaches, first chunk
+    already known available); one entry when they share a window. `known` moves down to those first chunks."""
+    out: dict[tuple[int, int], list[int]] = {}
     for g in sliding:
-        out.setdefault(layout.groups[g].window_start_chunk(n, chunk_tokens), []).append(g)
+        start, lo = layout.groups[g].window_start_chunk(n, chunk_tokens), known.get(g, n)
+        if start < lo:
+            out.setdefault((start, lo), []).append(g)
+            known[g] = start
     return out
 
 
