@@ -134,22 +134,28 @@ class RedisL2Spec:
     def __post_init__(self) -> None:
         from urllib.parse import urlsplit
 
+        shown = self.shown_url
+        user = self.url.split("://", 1)[-1].rpartition("@")[0]
+        if any(c in user for c in ":/?#"):  # checked first: urlsplit's own errors would quote bits of it
+            raise L2ConfigError(f"redis L2 url {shown} carries a " + ("user or password: give username and "
+                                if self.cluster else "password: it would show in ps and logs; give ")
+                                + "password_file or password_env instead")
         try:
             u = urlsplit(self.url)
             port = None if self.cluster else u.port
         except ValueError as e:
-            raise L2ConfigError(f"redis L2 url {self.url!r} does not parse: {e}") from None
+            raise L2ConfigError(f"redis L2 url {shown!r} does not parse: {e}") from None
         if u.scheme not in _SCHEMES:
             raise L2ConfigError(f"redis L2 url must be redis://HOST:PORT/DB (or rediss://, unix://, "
-                                f"redis+cluster://HOST:PORT,HOST:PORT), got {self.url!r}")
+                                f"redis+cluster://HOST:PORT,HOST:PORT), got {shown!r}")
         if self.cluster:
             self.seeds  # noqa: B018 -- parsed here to reject a bad seed list at the door
         elif u.scheme != "unix" and not u.hostname:
-            raise L2ConfigError(f"redis L2 url {self.url!r} has no host")
+            raise L2ConfigError(f"redis L2 url {shown!r} has no host")
         if u.scheme != "unix" and u.path.strip("/") and not u.path.strip("/").isdigit():
-            raise L2ConfigError(f"redis L2 url {self.url!r}: the path must be a database number")
+            raise L2ConfigError(f"redis L2 url {shown!r}: the path must be a database number")
         if self.cluster and u.path.strip("/") not in ("", "0"):
-            raise L2ConfigError(f"redis L2 url {self.url!r}: a cluster has database 0 only")
+            raise L2ConfigError(f"redis L2 url {shown!r}: a cluster has database 0 only")
         del port  # parsed above only to reject a bad port with this message
         if not self.prefix or any(c.isspace() or c in "{}" for c in self.prefix):
             raise L2ConfigError(f"redis L2 prefix must be non-empty without spaces, {{ or }} (a cluster's hash tag "
@@ -168,7 +174,7 @@ class RedisL2Spec:
                                 "it would show in ps and logs; give password_file or password_env instead")
         for name in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
             if getattr(self, name) and not self.tls:
-                raise L2ConfigError(f"redis L2 {name} needs a rediss:// (TLS) url, got {self.url!r}")
+                raise L2ConfigError(f"redis L2 {name} needs a rediss:// (TLS) url, got {shown!r}")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise L2ConfigError("redis L2 tls_cert_file and tls_key_file go together (a client certificate and "
                                 "its key)")
@@ -179,6 +185,13 @@ class RedisL2Spec:
     def cluster(self) -> bool:
         """A Redis Cluster (redis+cluster://, rediss+cluster://, valkey+cluster://, valkeys+cluster://)."""
         return self.url.split("://", 1)[0].endswith("+cluster")
+
+    @property
+    def shown_url(self) -> str:
+        """The url as error messages show it: without anything before its last '@' (a user and password, which
+        may hold '/', '#' or ':' and so end up anywhere in what urlsplit makes of it)."""
+        scheme, sep, rest = self.url.rpartition("://")[0], "://", self.url.split("://", 1)[-1]
+        return (scheme + sep if scheme else "") + ("***@" + rest.rsplit("@", 1)[-1] if "@" in rest else rest)
 
     @property
     def tls(self) -> bool:
@@ -192,8 +205,7 @@ class RedisL2Spec:
 
         netloc = self.url.split("://", 1)[-1].split("/", 1)[0]
         if "@" in netloc:
-            shown = self.url.split("://", 1)[0] + "://" + self.url.split("@", 1)[-1]  # without the secret
-            raise L2ConfigError(f"redis L2 url {shown} carries a user or password: give username and "
+            raise L2ConfigError(f"redis L2 url {self.shown_url} carries a user or password: give username and "
                                 "password_file or password_env instead")
         seeds = []
         for part in netloc.split(","):
@@ -201,9 +213,9 @@ class RedisL2Spec:
                 u = urlsplit(f"//{part}")
                 seeds.append((u.hostname or "", u.port or 6379))
             except ValueError as e:
-                raise L2ConfigError(f"redis L2 url {self.url!r}: seed {part!r} does not parse: {e}") from None
+                raise L2ConfigError(f"redis L2 url {self.shown_url!r}: seed {part!r} does not parse: {e}") from None
             if not seeds[-1][0]:
-                raise L2ConfigError(f"redis L2 url {self.url!r}: seed {part!r} has no host")
+                raise L2ConfigError(f"redis L2 url {self.shown_url!r}: seed {part!r} has no host")
         return tuple(seeds)
 
     @classmethod
