@@ -51,16 +51,20 @@ def test_the_hit_over_random_holes_is_the_longest_length_every_window_covers(ser
     literally, length by length, over random holes in groups of different windows."""
     s = server_factory()
     rng = np.random.default_rng(7)
-    groups = (sliding("a", 3), sliding("b", 6), sliding("c", 17), sliding("d", 6))
+    groups = (sliding("a", 3), sliding("b", 6), sliding("c", 17), sliding("d", 6),
+              GroupLayout(kind="attention", layer_names=("e",), page_bytes=2, block_tokens=1),
+              GroupLayout(kind="recurrent", layer_names=("f",), page_bytes=2, block_tokens=1))
     layout = ModelLayout(model="m", groups=groups)
+    starts = [lambda m: 0, lambda m: max(0, m - 1)]  # attention: every chunk; recurrent: the last (m > 0)
     n = 40
     with CacheClient(s.endpoint, timeout_s=30) as c:
         reg = c.call(P.Register(layout=layout, chunk_tokens=2))[0]
         for trial in range(30):
             keys = chunk_keys(reg.namespace, rng.integers(0, 1 << 30, n * 2), 2)
-            held = {(i, g) for i in range(n) for g in range(4) if rng.random() > 0.04 * (trial % 4)}
+            held = {(i, g) for i in range(n) for g in range(6) if rng.random() > 0.02 * (trial % 4)}
             prep = c.call(P.PrepareStore(engine=reg.engine, request="r", keys=keys, objects=sorted(held)))[0]
             c.call(P.CommitStore(engine=reg.engine, reservation=prep.reservation))
             want = max(m for m in range(n + 1) if all(
-                (i, g) in held for g, grp in enumerate(groups) for i in range(grp.window_start_chunk(m, 2), m)))
+                (i, g) in held for g, grp in enumerate(groups)
+                for i in range(grp.window_start_chunk(m, 2) if g < 4 else starts[g - 4](m), m)))
             assert c.call(P.Lookup(engine=reg.engine, request="r", keys=keys))[0].hit_chunks == want, trial
