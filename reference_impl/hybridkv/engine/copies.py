@@ -117,25 +117,26 @@ class PageCopies:
                      steps: LayerSteps) -> Issued:
         """Each stream's plan cut into `steps`' parts, queued step after step; `h.layer_ready` names each
         layer's events (one per stream that copies some of it)."""
-        step_of = np.full((len(self.groups), max(g.num_layers for g in self.groups)), len(steps), dtype=np.int64)
+        step_of = np.full((len(self.groups), max(g.num_layers for g in self.groups)), -1, dtype=np.int64)
         for k, (_, pairs) in enumerate(steps):
             for g, j in pairs:
                 step_of[g, j] = k
         parts = []
         for s, plan, groups in plans:
             step = step_of[np.asarray(groups, dtype=np.int64)[plan.page_transfer], plan.page_layer]
+            if step.size and step.min() < 0:  # `layer_steps` names every layer; a page left out would never move
+                raise ValueError("layer steps do not name every layer the load copies")
             order = np.argsort(step, kind="stable")
-            bounds = np.searchsorted(step[order], np.arange(len(steps) + 2))
-            parts.append((s, plan, order, bounds))
+            parts.append((s, plan, order, np.searchsorted(step[order], np.arange(len(steps) + 1))))
         ready: dict[str, list[Any]] = {}
         issued: Issued = []
-        for k in range(len(steps) + 1):  # the last part: pages of layers no step names (none, for a layout's own)
+        for k, (names, _) in enumerate(steps):
             for s, plan, order, bounds in parts:
                 if bounds[k + 1] > bounds[k]:
                     part = plan.take(order[bounds[k]:bounds[k + 1]])
                     ev = self._run(part, s)
                     issued.append((ev, part))
-                    for name in steps[k][0] if k < len(steps) else ():
+                    for name in names:
                         ready.setdefault(name, []).append(ev)
         h.layer_ready = ready
         return issued

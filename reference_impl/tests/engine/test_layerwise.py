@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import pytest
 import torch
 from hybridkv.engine.copies import layer_steps
@@ -113,3 +114,27 @@ def test_wait_layer_orders_a_reader_on_another_stream_after_that_layer_s_copies(
         assert torch.equal(read, want), "a reader ordered by wait_layer saw pages before they were loaded"
         assert not torch.equal(early, want), "the unordered reader saw the loaded pages: the control proves nothing"
         assert set(h.layer_ready) == {n for grp in layout.groups for n in grp.layer_names}
+
+
+def test_the_layer_steps_cut_a_load_into_parts_that_copy_every_page_once_in_forward_order(server_factory):
+    """The cutting that a CUDA layer-wise load does (`PageCopies._issue_steps`), run on CPU pages."""
+    from hybridkv.engine.handles import TransferHandle
+    from hybridkv_kernels import build_plan
+
+    with _stored(server_factory, "tiny-hybrid", 1, "cpu", 4) as (kv, pools, hit, src, dst, bpc):
+        items = kv.wire.slots(kv._object_blocks(hit.objects, dst))
+        plan = build_plan("scatter", [(kv.groups[o.group], ids, host) for o, ids, host in items])
+        steps = layer_steps(kv.layout)
+        h = TransferHandle("load", "parts")
+        issued = kv.copies._issue_steps(h, [(None, plan, [o.group for o, _, _ in items])], steps)
+        assert sorted(np.concatenate([p.dst_addr for _, p in issued]).tolist()) == sorted(plan.dst_addr.tolist())
+        step_of = {(g, j): k for k, (_, pairs) in enumerate(steps) for g, j in pairs}
+        groups = np.array([o.group for o, _, _ in items])
+        order = [step_of[int(groups[t]), int(j)]
+                 for _, p in issued for t, j in zip(p.page_transfer, p.page_layer, strict=True)]
+        assert order == sorted(order)  # queued step after step
+        assert set(h.layer_ready) == {n for g in kv.layout.groups for n in g.layer_names}
+        for g, grp in enumerate(kv.layout.groups):
+            for j in range(grp.num_layers):
+                for s, d in _pairs(kv.layout, g, src[g], dst[g], bpc[g], CHUNKS):
+                    assert torch.equal(pools[g][j][s], pools[g][j][d])
