@@ -31,7 +31,12 @@ def shm_free_bytes(directory: str | Path) -> int:
 class Arena:
     """A shared-memory file mapped read-write by this process."""
 
-    def __init__(self, size: int, directory: str | Path = "/dev/shm", prefix: str = "hybridkv"):
+    def __init__(self, size: int, directory: str | Path = "/dev/shm", prefix: str = "hybridkv",
+                 fence_bytes: int = 0):
+        """`size`: the slots' bytes; `fence_bytes` (a multiple of SLOT_ALIGN) more follow them in the file, the
+        fence words (`hybridkv.server.fences`): engines map the whole file (`file_bytes`), slots lie below `size`."""
+        if fence_bytes % SLOT_ALIGN or fence_bytes < 0:
+            raise ArenaError(f"fence region {fence_bytes} B is not a multiple of {SLOT_ALIGN} B")
         if size < SLOT_ALIGN:
             raise ArenaError(f"L1 size {size} B is smaller than one {SLOT_ALIGN} B slot")
         directory = Path(directory)
@@ -39,10 +44,13 @@ class Arena:
             raise ArenaError(f"arena directory {directory} does not exist")
         free = shm_free_bytes(directory)
         # the quick answer; posix_fallocate below is the one that holds when others share the mount
-        if size > free:
+        if size + fence_bytes + SLOT_ALIGN > free:
             raise ArenaError(f"L1 size {size / 2**30:.2f} GiB exceeds the {free / 2**30:.2f} GiB free "
                              f"in {directory}; lower --l1-gib or enlarge the mount")
         self.size = size
+        # the fence words start on a page boundary above the slots (the slots' allocator rounds `size` down)
+        self.fence_base = -(-size // SLOT_ALIGN) * SLOT_ALIGN
+        self.file_bytes = self.fence_base + fence_bytes if fence_bytes else size
         name = f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
         # Created under a temporary name and locked before it gets its final one, so a starting server that
         # sweeps dead arenas (remove_dead_arenas) never sees an arena whose owner has not locked it yet.
@@ -51,12 +59,12 @@ class Arena:
         fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while this process lives: "owner alive"
-            os.ftruncate(fd, size)
+            os.ftruncate(fd, self.file_bytes)
             # tmpfs allocates a page on first touch, and a touch the mount cannot back is SIGBUS, not an
             # error: whoever fills the mount after our start would kill the server (and any shm engine
             # mid-copy). Backing every page now turns that into ENOSPC here, before anything is served.
-            os.posix_fallocate(fd, 0, size)
-            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            os.posix_fallocate(fd, 0, self.file_bytes)
+            self._mm = mmap.mmap(fd, self.file_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             os.rename(tmp, self.path)
         except OSError as e:
             os.close(fd)
@@ -65,7 +73,7 @@ class Arena:
                 raise ArenaError(f"L1 size {size / 2**30:.2f} GiB does not fit in {directory} "
                                  f"({shm_free_bytes(directory) / 2**30:.2f} GiB free once others took "
                                  "their share); lower --l1-gib or enlarge the mount") from None
-            raise ArenaError(f"cannot map {size} B at {self.path}: {e}") from e
+            raise ArenaError(f"cannot map {self.file_bytes} B at {self.path}: {e}") from e
         self._fd = fd  # kept open: the lock lasts exactly as long as this process or close()
         self.buf = memoryview(self._mm)
 

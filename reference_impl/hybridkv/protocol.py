@@ -81,11 +81,14 @@ class PrepareStore(Message, tag="prepare_store"):
 
 class CommitStore(Message, tag="commit_store"):
     """Make a reservation's objects visible. For raw and legacy formats one payload frame per slot follows;
-    for cuda_ipc, `blocks` names each slot's engine blocks and the server copies them itself."""
+    for cuda_ipc, `blocks` names each slot's engine blocks and the server copies them itself. `fenced` (shm,
+    a reservation with a fence word): sent with the copies, not after them; the server publishes once the
+    fence word holds the reservation id (`hybridkv.server.fences`)."""
     engine: int
     reservation: int
     format: WireFormat = DEFAULT_FORMAT
     blocks: list[list[int]] = []
+    fenced: bool = False
 
 
 class AbortStore(Message, tag="abort_store"):
@@ -212,6 +215,7 @@ class Prepared(Message, tag="prepared"):
     slots: list[ObjectLoc]       # reserved, to be written then committed, in this order
     present: list[tuple[int, int]]
     refused: list[Refusal]
+    fence: int = 0               # the reservation's fence word (arena offset) for a fenced commit; 0: none
 
 
 class Committed(Message, tag="committed"):

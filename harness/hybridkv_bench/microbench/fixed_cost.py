@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
+from hybridkv.engine.config import COMMIT_MODES, CommitMode, TransferConfig
 from hybridkv.engine.transfer import KVTransfer, TransferHandle
 from hybridkv.engine.wire import DirectWire
 from hybridkv.layout import ModelLayout
@@ -173,8 +174,11 @@ def _loads(kv: KVTransfer, stored: np.ndarray, dst: list[list[int]], rounds: int
     return out
 
 
-def profile(endpoint: str, layout: ModelLayout, chunks: int, rounds: int, device: str = "cpu") -> dict[str, float]:
-    """p50 microseconds of each step of a `chunks`-chunk store and load, and of the whole calls."""
+def profile(endpoint: str, layout: ModelLayout, chunks: int, rounds: int, device: str = "cpu",
+            commit: CommitMode = "fenced") -> dict[str, float]:
+    """p50 microseconds of each step of a `chunks`-chunk store and load, and of the whole calls, with the
+    stores' commits as `commit` says (fenced ones leave with the copies where the wire and device allow:
+    their `to_send` is then negative, the commit sent before the copies ended)."""
     blocks_per_group = chunks + 1
     num_blocks = blocks_per_group * len(layout.groups) * 2
     pools = vllm_pools(layout, num_blocks, device)
@@ -183,7 +187,8 @@ def profile(endpoint: str, layout: ModelLayout, chunks: int, rounds: int, device
     src = [alloc.allocate(blocks_per_group) for _ in layout.groups]
     dst = [alloc.allocate(blocks_per_group) for _ in layout.groups]
     rng = np.random.default_rng(chunks)
-    with KVTransfer(endpoint, layout, pools) as kv:
+    # a namespace per mode: a row after another on this server would find its objects present
+    with KVTransfer(endpoint, layout, pools, TransferConfig(commit=commit, salt=f"fixed-cost-{commit}")) as kv:
         ct = kv.chunk_tokens
         fresh = iter(range(1 << 30))
 
@@ -269,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--l1-gib", type=float, default=0.25)
     ap.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
+    ap.add_argument("--commit", nargs="+", choices=COMMIT_MODES, default=["fenced"],
+                    help="the stores' commit modes to profile, each its own row (default: fenced)")
     ap.add_argument("--presets", nargs="+", default=[f"{n}:{tp}" for n, tp in PRESETS], metavar="NAME:TP",
                     help="the layouts to profile (default: " + " ".join(f"{n}:{tp}" for n, tp in PRESETS) + ")")
     gaps = ", ".join(f"{g * 1e3:g}" for g in IDLE_GAPS_S)
@@ -302,14 +309,16 @@ def main(argv: list[str] | None = None) -> int:
                           f"{args.rounds} rounds each")
                     print(profile_issue(server.endpoint, layout, chunks, args.rounds, args.device, args.cprofile))
                     continue
-                row = profile(server.endpoint, layout, chunks, args.rounds, args.device)
-                if args.json:
-                    print(json.dumps({"preset": name, "tp": tp, "chunks": chunks, "device": args.device,
-                                      "page_bytes": layout.groups[0].page_bytes, "p50_us": row}))
-                else:
-                    print(f"{name} TP{tp} {chunks} chunks (p50 us): " +
-                          "  ".join(f"{k} {v:.0f}" for k, v in row.items()))
-                sys.stdout.flush()
+                for commit in args.commit:
+                    row = profile(server.endpoint, layout, chunks, args.rounds, args.device, commit)
+                    if args.json:
+                        print(json.dumps({"preset": name, "tp": tp, "chunks": chunks, "device": args.device,
+                                          "commit": commit, "page_bytes": layout.groups[0].page_bytes,
+                                          "p50_us": row}))
+                    else:
+                        print(f"{name} TP{tp} {chunks} chunks, commit {commit} (p50 us): " +
+                              "  ".join(f"{k} {v:.0f}" for k, v in row.items()))
+                    sys.stdout.flush()
     finally:
         server.close()
         shutil.rmtree(d, ignore_errors=True)

@@ -12,6 +12,11 @@ from hybridkv.wire_formats import DEFAULT_FORMAT, FORMATS, WireFormat
 
 Streams = Literal["single", "per_group"]
 STREAM_MODES: tuple[Streams, ...] = get_args(Streams)
+# fenced: a store over the shm wire on CUDA with DMA copies sends its commit with the copies, and the server
+# publishes once the fence word the GPU writes after them shows (hybridkv.server.fences); after_copies: the
+# commit is a round trip after the copies were waited for (always so elsewhere: a CPU, a payload wire, kernels)
+CommitMode = Literal["fenced", "after_copies"]
+COMMIT_MODES: tuple[CommitMode, ...] = get_args(CommitMode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,10 +37,11 @@ class TransferConfig:
     salt: str = ""
     timeout_s: float = 60.0
     name: str = ""
+    commit: CommitMode = "fenced"
 
     def __post_init__(self) -> None:
         for fld, allowed in (("wire_format", FORMATS), ("copy_engine", COPY_ENGINES),
-                             ("streams", STREAM_MODES)):
+                             ("streams", STREAM_MODES), ("commit", COMMIT_MODES)):
             if getattr(self, fld) not in allowed:
                 raise ValueError(f"{fld} must be one of {allowed}, got {getattr(self, fld)!r}")
         check_policy(self.retrieve_policy)

@@ -21,6 +21,7 @@ from hybridkv.engine.wire import ObjectJob
 from hybridkv.layout import ModelLayout, layer_index
 
 Direction = Literal["gather", "scatter"]
+FENCE_RING = 64  # device words for fences in flight on one stream (the 65th reuses the first, in stream order)
 # What `issue` queued: per stream, the event recorded after its copies and the plan (it holds the tensors).
 Issued = list[tuple["torch.cuda.Event | None", Any]]
 # Per stream: the engine half of a plan, and the (chunk, group) objects it lists in order.
@@ -58,6 +59,8 @@ class PageCopies:
         self.streams: dict[str, list[torch.cuda.Stream | None]] = {
             k: [torch.cuda.Stream(device) for _ in range(n_streams)] if device.type == "cuda" else [None]
             for k in ("store", "load")}
+        self._fence_src: torch.Tensor | None = None  # the device words fences are copied from (`fence`)
+        self._fence_next = 0
 
     def plan_pages(self, direction: Direction, jobs: list[ObjectJob]) -> PlannedPages:
         """Per stream: the engine half of the copy plan over `jobs`' blocks, and the (chunk, group) it lists."""
@@ -140,6 +143,27 @@ class PageCopies:
                         ready.setdefault(name, []).append(ev)
         h.layer_ready = ready
         return issued
+
+    def fence(self, issued: Issued, word: torch.Tensor, value: int) -> Issued:
+        """Queue, after every copy of `issued` (a store's), the write of `value` into the 8-byte host `word`
+        (the reservation's fence word in the arena): on the first store stream, a fill of a device word and
+        its DMA copy out. The copy engine writes in stream order, so once the word shows `value`, every page
+        before it has landed. Returns `issued` with that step added (its event, and the device word it holds)."""
+        s = self.streams["store"][0]
+        assert s is not None, "a fence is for CUDA stores"
+        for ev, _ in issued:
+            if ev is not None:
+                s.wait_event(ev)
+        if self._fence_src is None:
+            self._fence_src = torch.zeros(FENCE_RING, dtype=torch.int64, device=self.device)
+        src = self._fence_src[self._fence_next % FENCE_RING:][:1]  # reused in order: one stream writes them
+        self._fence_next += 1
+        with torch.cuda.stream(s):
+            src.fill_(value)
+            word.view(torch.int64).copy_(src, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(s)
+        return [*issued, (ev, src)]
 
     @staticmethod
     def wait(h: TransferHandle, issued: Issued) -> None:

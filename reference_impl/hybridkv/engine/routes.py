@@ -19,7 +19,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent import futures
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from typing import Literal
 
 import torch
@@ -103,13 +103,21 @@ class Route(ABC):
     @staticmethod
     def _fail(h: TransferHandle, e: BaseException) -> None:
         for f in (h.done, h.committed):
-            if not f.done():
+            try:
                 f.set_exception(e)
+            except futures.InvalidStateError:
+                pass  # resolved already (a fenced store's commit answer may resolve it on another thread)
 
     def _resolve_done(self, h: TransferHandle) -> None:
-        """The engine's pages are free: report the request to get_finished, then wake waiters."""
+        """The engine's pages are free: report the request to get_finished, then wake waiters. Once: a fenced
+        store learns it from its copies' events or from the commit's answer, whichever comes first."""
         with self._finished_lock:
+            if h.resolved:
+                return
+            h.resolved = True
             self._finished[h.kind].add(h.request_id)
+            if not h.t_done:
+                h.t_done = time.perf_counter()
         h.done.set_result(h)
 
     def _scatter(self, h: TransferHandle, ready: torch.cuda.Event | None) -> CopyFn:
@@ -157,13 +165,14 @@ class Route(ABC):
             self._commits.discard(commit)
         exc = commit.exception()
         if exc is None:
+            # a fenced commit's answer may come before the worker saw the copies' events: the fence showed,
+            # so every page was read
+            self._resolve_done(h)
             h.t_committed = time.perf_counter()
             h.committed.set_result(h)
             return
         self._abort(reservation, wait=False)  # on the I/O thread: never wait for a reply here
-        for f in (h.done, h.committed):
-            if not f.done():
-                f.set_exception(exc)
+        self._fail(h, exc)
 
     def _abort(self, reservation: int, wait: bool = True) -> None:
         """Nothing half-written may stay reserved on the server."""
@@ -207,10 +216,14 @@ class Route(ABC):
 class DirectRoute(Route):
     """Copies to or from the arena's slots, then a payload-free commit (a store) or the release (a load)."""
 
-    def __init__(self, wire: DirectWire, client: CacheClient, engine_id: int, copies: PageCopies, timeout_s: float):
+    def __init__(self, wire: DirectWire, client: CacheClient, engine_id: int, copies: PageCopies, timeout_s: float,
+                 fenced: bool = False):
         super().__init__(client, engine_id, copies, timeout_s)
         self.wire = wire
         self._in_caller = copies.device.type == "cuda"  # copies only queue there: the caller queues them
+        # commits sent with the copies (hybridkv.server.fences): CUDA, DMA copies (the copy engine writes the
+        # fence after the pages, in stream order), a wire with fence words, and the config asking for it
+        self.fenced = fenced and self._in_caller and copies.impl == "dma" and wire.fences
 
     def store(self, h, prepared, jobs, pages, ready) -> None:
         reply = prepared.reply
@@ -218,9 +231,27 @@ class DirectRoute(Route):
             answer = reply.result()[0]
             if (issued := self._issue_store(h, answer, jobs, pages, ready)) is not None:
                 h.queued = [ev for ev, _ in issued if ev is not None]
-                self._store_q.put((h, self._finish_store, (answer, issued)))
+                self._store_q.put(self._after_issue(h, answer, issued))
         else:
             self._store_q.put((h, self._do_store, (prepared, jobs, pages, ready)))
+
+    def _after_issue(self, h: TransferHandle, reply: P.Prepared, issued: Issued) -> _Item:
+        """The worker's step once a store's copies are queued: with a fence, the fence is queued and the
+        commit sent now (the worker only waits for the copies); without, wait for them, then commit."""
+        if self.fenced and reply.fence:
+            try:
+                h.proceed()  # the commit leaves now: from here cancel() says the store goes on
+            except CancelledError:
+                return h, self._finish_store, (reply, issued)  # never commits: _pages_read raises, aborted
+            try:
+                issued = self.copies.fence(issued, self.wire.fence_word(reply.fence), reply.reservation)
+                h.nbytes, h.objects = sum(s.length for s in reply.slots), len(reply.slots)
+                commit = self.wire.commit_fenced(h, reply.reservation)
+            except BaseException as e:
+                return h, self._abort_after_copies, (reply, issued, e)
+            self._track_commit(h, reply.reservation, commit)
+            return h, self._finish_fenced, (reply, issued)
+        return h, self._finish_store, (reply, issued)
 
     def load(self, h, hit, jobs, ready, steps=None) -> None:
         if not self._in_caller:
@@ -240,7 +271,8 @@ class DirectRoute(Route):
                   ready: torch.cuda.Event | None) -> None:
         reply = prep.wait(self.timeout_s + 5)
         if (issued := self._issue_store(h, reply, jobs, pages, ready)) is not None:
-            self._finish_store(h, reply, issued)
+            _, step, args = self._after_issue(h, reply, issued)
+            step(h, *args)
 
     def _issue_store(self, h: TransferHandle, reply: P.Prepared, jobs: list[ObjectJob], pages: PlannedPages | None,
                      ready: torch.cuda.Event | None) -> Issued | None:
@@ -266,6 +298,24 @@ class DirectRoute(Route):
             self._abort(reply.reservation)
             raise
         self._track_commit(h, reply.reservation, commit)
+
+    def _finish_fenced(self, h: TransferHandle, reply: P.Prepared, issued: Issued) -> None:
+        """A fenced store, its commit sent: wait for the copies; the commit's answer resolves `committed`."""
+        try:
+            self.copies.wait(h, issued)
+        except BaseException:
+            self._abort(reply.reservation)  # the server ends the waiting commit: nothing becomes visible
+            raise
+        self._resolve_done(h)
+
+    def _abort_after_copies(self, h: TransferHandle, reply: P.Prepared, issued: Issued, e: BaseException) -> None:
+        """The fence or the commit could not be sent: the reservation is aborted once the queued copies no
+        longer write into its slots, and the store fails with that error."""
+        try:
+            self.copies.wait(h, issued)
+        finally:
+            self._abort(reply.reservation)
+        raise e
 
 
 class PayloadRoute(Route):
@@ -299,11 +349,12 @@ class PayloadRoute(Route):
 
 
 def open_route(wire: DirectWire | PayloadWire, client: CacheClient, engine_id: int, copies: PageCopies,
-               timeout_s: float) -> Route:
+               timeout_s: float, fenced: bool = False) -> Route:
     """The route its format's traits name (`hybridkv.wire_formats.TRAITS`: direct or not; `engine.wire` checks
-    that each format's strategy is of that kind)."""
+    that each format's strategy is of that kind). `fenced`: a direct route's stores send their commit with the
+    copies where it can (`DirectRoute.fenced`)."""
     if traits(wire.format).direct:
         assert isinstance(wire, DirectWire)
-        return DirectRoute(wire, client, engine_id, copies, timeout_s)
+        return DirectRoute(wire, client, engine_id, copies, timeout_s, fenced)
     assert isinstance(wire, PayloadWire)
     return PayloadRoute(wire, client, engine_id, copies, timeout_s)

@@ -66,7 +66,8 @@ class KVTransfer:
         self.copies = PageCopies(self.groups, self.impl, len(self.groups) if config.streams == "per_group" else 1)
         self._layer_steps = layer_steps(layout)
         # the format's route, chosen once: a direct wire's copies reach the arena, a payload wire sends frames
-        self.route = open_route(self.wire, self.client, self.engine_id, self.copies, config.timeout_s)
+        self.route = open_route(self.wire, self.client, self.engine_id, self.copies, config.timeout_s,
+                                fenced=config.commit == "fenced")
 
     # ---- public API -------------------------------------------------------------------------------
 

@@ -152,9 +152,20 @@ class DirectWire(WireStrategy):
     def slots(self, jobs: list[ObjectJob]) -> list[tuple[P.ObjectLoc, np.ndarray, torch.Tensor]]:
         """The (object, blocks, host bytes) triples for the objects' locations."""
 
+    fences = False  # whether `fence_word` and `commit_fenced` work (a reservation's fence word is in host memory)
+
     @abstractmethod
     def commit(self, h: TransferHandle, reservation: int) -> Future:
         """The commit of a reservation whose objects were copied; resolved when answered."""
+
+    def fence_word(self, offset: int) -> torch.Tensor:
+        """The 8 host bytes of the fence word at `offset` (`Prepared.fence`)."""
+        raise NotImplementedError(f"the {self.format} wire has no fence words")
+
+    def commit_fenced(self, h: TransferHandle, reservation: int) -> Future:
+        """The commit of a reservation whose copies and fence are queued, sent now; resolved when answered
+        (once the server saw the fence word)."""
+        raise NotImplementedError(f"the {self.format} wire has no fenced commit")
 
 
 class PayloadWire(WireStrategy):
@@ -201,6 +212,19 @@ class ShmWire(DirectWire):
         except Exception as e:
             out.set_exception(e)
         return out
+
+    fences = True
+
+    def fence_word(self, offset: int) -> torch.Tensor:
+        if offset % 8:
+            raise ValueError(f"fence word offset {offset} is not 8-byte aligned")
+        return self.arena.slot(offset, 8)
+
+    def commit_fenced(self, h: TransferHandle, reservation: int) -> Future:
+        # submit, not call: the caller's thread goes on at once, the answer comes on whichever thread receives
+        h.t_commit_sent = time.perf_counter()
+        return self.ctx.client.submit(P.CommitStore(engine=self.ctx.engine_id, reservation=reservation,
+                                                    format=self.format, fenced=True))
 
     def close(self) -> None:
         self.arena.release()

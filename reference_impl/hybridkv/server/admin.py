@@ -10,6 +10,7 @@ from hybridkv import __version__
 from hybridkv import protocol as P
 from hybridkv.keys import namespace
 from hybridkv.layout import LayoutError
+from hybridkv.server import store
 from hybridkv.server.context import Answer, Context, Frames, RequestError, no_frames
 from hybridkv.server.sessions import Engine
 from hybridkv.server.telemetry import STATUS_FIGURES, limits, server_figures
@@ -36,7 +37,7 @@ def register(ctx: Context, ident: bytes, msg: P.Register, frames: Frames) -> Ans
     eng = ctx.sessions.add_engine(ident, msg.name, layout, ns, chunk, sizes)
     ctx.counters.engines_registered += 1
     return P.Registered(engine=eng.id, namespace=ns, object_bytes=sizes, arena_path=str(ctx.arena.path),
-                        arena_bytes=ctx.arena.size, heartbeat_s=ctx.config.client_timeout_s / 3,
+                        arena_bytes=ctx.arena.file_bytes, heartbeat_s=ctx.config.client_timeout_s / 3,
                         l2=ctx.config.has_l2), []
 
 
@@ -57,7 +58,13 @@ def drop_engine(ctx: Context, eng: Engine, reclaimed: bool) -> None:
     leases, reservations = ctx.sessions.remove_engine(eng)
     for lease in leases:
         ctx.objects.unpin_all(lease.entries)
+    fences = ctx.sessions.fences
     for res in reservations:
+        if res.committing and fences is not None and (p := fences.drop(res.id)) is not None:
+            # a fenced commit waiting for the engine's copies, which may still land: slots quarantined
+            store.end_fenced(ctx, p, E.UNKNOWN_ENGINE, f"engine {eng.id} was unregistered or reclaimed before the "
+                             f"fence word of reservation {res.id} showed: nothing of it became visible")
+            continue
         if res.committing:
             res.dead = True  # the copy finishes on its thread, then its slots are freed
             continue

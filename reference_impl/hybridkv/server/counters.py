@@ -24,6 +24,8 @@ class Counters:
     objects_skipped_present: int = 0
     objects_refused: int = 0
     objects_aborted: int = 0
+    commits_fenced: int = 0             # commits sent with their copies, published once the fence word showed
+    fence_timeouts: int = 0             # fenced commits whose word never showed within --client-timeout
     l2_spills: int = 0
     l2_spill_bytes: int = 0
     l2_spill_failures: int = 0

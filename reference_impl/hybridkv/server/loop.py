@@ -25,6 +25,7 @@ from hybridkv.server.config import ServerConfig
 from hybridkv.server.connections import ConnectionGate, listen_backlog
 from hybridkv.server.context import Answer, Context, Frames, RequestError
 from hybridkv.server.counters import Counters
+from hybridkv.server.fences import Fences, fence_region_bytes
 from hybridkv.server.formats import Formats
 from hybridkv.server.heap import LARGE_FRAME, HeapTrim
 from hybridkv.server.l2.base import L2Adapter
@@ -66,7 +67,7 @@ class CacheServer:
         self.started = time.monotonic()
         for path in remove_dead_arenas(config.l1_dir):
             log.info("removed the arena of a dead server: %s", path)
-        self.arena = Arena(config.l1_bytes, config.l1_dir)
+        self.arena = Arena(config.l1_bytes, config.l1_dir, fence_bytes=fence_region_bytes(config.l1_bytes))
         try:  # from here on, any failure (a bad --l2-dir, SIGTERM during start) must remove the arena
             l2: L2Adapter | None = config.l2.open() if config.l2 is not None else None
             self.workers = Workers(config.io_threads)
@@ -74,7 +75,7 @@ class CacheServer:
             self.objects = ObjectStore(config, self.arena, l2, self.workers, self.counters)
             self.sessions = Sessions(SessionLimits(config.max_engines, config.max_engines_per_client,
                                                    config.max_leases, config.max_reservations),
-                                     config.client_timeout_s)
+                                     config.client_timeout_s, Fences(self.arena))
             self.ctx = Context(config, self.arena, self.sessions, self.objects, self.workers, self.counters,
                                Formats(self.arena, config.cuda_ipc), self.started, self._send_later,
                                telemetry=telemetry or Telemetry())
@@ -136,18 +137,26 @@ class CacheServer:
                 on_ready()
             next_tick = time.monotonic()
             ctx = self.ctx
+            fences = self.sessions.fences
+            assert fences is not None
             while not self._stopping:
                 # One request per turn: the next poll finds any request still queued at once (its first pass
                 # does not wait), so a busy socket costs one poll a request, as a drain loop's poll(0) did,
                 # and a lone request (the latency case) costs one poll instead of two; completions and
                 # timers are looked at between any two requests.
-                for what, _ in zmq_poll(items, 0 if ctx.another_turn else 200):
+                # a fenced commit pending: its word is looked at after every poll, which then waits little
+                wait_ms = 0 if ctx.another_turn else 200
+                if fences.pending:
+                    wait_ms = min(wait_ms, fences.poll_timeout_ms() or 0)
+                for what, _ in zmq_poll(items, wait_ms):
                     if what is sock:
                         self._receive()
                     elif gate is not None and what is gate.monitor:
                         gate.drain()
                     elif self.workers.drain():
                         self._run_parked()
+                if fences.pending:
+                    store.check_fences(ctx)
                 if ctx.another_turn:  # a large request goes on after every other client had its turn
                     ctx.another_turn = False
                     self._run_parked()
@@ -200,6 +209,13 @@ class CacheServer:
         parked, self.ctx.parked[:] = self.ctx.parked[:], []
         for op in parked:
             self.ctx.fail(op.ident, op.req_id, E.SHUTTING_DOWN, "the server is shutting down")
+        fences = self.sessions.fences
+        if fences is not None and fences.pending:
+            store.check_fences(self.ctx)  # what showed is published (a flush at exit then writes it to L2)
+            for rid in list(fences.pending):
+                p = fences.drop(rid)
+                assert p is not None
+                store.end_fenced(self.ctx, p, E.SHUTTING_DOWN, "the server is shutting down")
         sock = self._sock
         if sock is None:
             return

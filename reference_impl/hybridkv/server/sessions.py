@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from hybridkv import protocol as P
 from hybridkv.layout import ModelLayout
 from hybridkv.server.errors import RequestError
+from hybridkv.server.fences import Fences
 from hybridkv.server.l1 import Entry
 
 E = P.ErrorCode
@@ -35,6 +36,7 @@ class Reservation:
     slots: list[Slot]
     committing: bool = False
     dead: bool = False  # its engine was dropped while a commit copy was in flight
+    fence: int = 0  # its fence word's arena offset (0: none), given back when it closes
 
 
 @dataclass(slots=True, eq=False)
@@ -72,8 +74,9 @@ class SessionLimits:
 class Sessions:
     """Every live engine, reservation and lease, indexed by id."""
 
-    def __init__(self, limits: SessionLimits, client_timeout_s: float):
+    def __init__(self, limits: SessionLimits, client_timeout_s: float, fences: Fences | None = None):
         self.limits = limits
+        self.fences = fences  # where each reservation's fence word comes from and goes back to
         self.client_timeout_s = client_timeout_s
         self.engines: dict[int, Engine] = {}
         self._per_client: dict[bytes, int] = {}  # engines registered by each connection
@@ -117,7 +120,7 @@ class Sessions:
         if len(eng.reservations) >= self.limits.max_reservations:
             raise RequestError(E.LIMIT, f"engine {eng.id} holds {len(eng.reservations)} open reservations, "
                                f"the limit (--max-reservations {self.limits.max_reservations})")
-        res = Reservation(self._new_id(), eng, request, slots)
+        res = Reservation(self._new_id(), eng, request, slots, fence=self.fences.take() if self.fences else 0)
         self.reservations[res.id] = eng.reservations[res.id] = res
         return res
 
@@ -151,6 +154,8 @@ class Sessions:
     def close_reservation(self, res: Reservation) -> None:
         if self.reservations.pop(res.id, None) is not None:
             self.released_objects += len(res.slots)
+            if self.fences is not None:
+                self.fences.give_back(res.fence)
         res.engine.reservations.pop(res.id, None)
 
     def close_lease(self, lease: Lease) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 from hybridkv import protocol as P
 from hybridkv.server.context import Answer, Context, Frames, RequestError, check_keys, no_frames
+from hybridkv.server.fences import Pending
 from hybridkv.server.l1 import NoSlot
 from hybridkv.server.objects import Held
 from hybridkv.server.sessions import Engine, Reservation, Slot
@@ -105,10 +106,11 @@ class PrepareOp:
                     self.slots.append(Slot(c, g, r))
                     self.locs.append(P.ObjectLoc(c, g, r.offset, r.length))  # made here: no long last turn
             self.next += 1
-        rid = 0
+        rid = fence = 0
         if self.slots:
             try:  # another prepare of this engine, parked meanwhile, may have taken the last reservation
-                rid = ctx.sessions.add_reservation(eng, self.msg.request, self.slots).id
+                res = ctx.sessions.add_reservation(eng, self.msg.request, self.slots)
+                rid, fence = res.id, res.fence
             except RequestError:
                 objects.discard([s.entry for s in self.slots], quarantine=False)
                 raise
@@ -116,13 +118,15 @@ class PrepareOp:
         ctx.counters.objects_refused += len(self.refused)
         ctx.counters.namespace_refusals += self.foreign
         ctx.send(self.ident, self.req_id, P.Prepared(reservation=rid, slots=self.locs, present=self.present,
-                                                     refused=self.refused), ())
+                                                     refused=self.refused, fence=fence), ())
         return True
 
 
 def commit(ctx: Context, ident: bytes, msg: P.CommitStore, frames: Frames) -> Answer:
     eng = ctx.sessions.engine(ident, msg.engine)
     res = ctx.sessions.reservation(eng, msg.reservation)
+    if msg.fenced:
+        return _commit_fenced(ctx, ident, msg, frames, res)
     job = ctx.formats[msg.format].commit(eng, res, msg, list(frames))
     if job is None:
         return finish_commit(ctx, res), []
@@ -148,6 +152,46 @@ def commit(ctx: Context, ident: bytes, msg: P.CommitStore, frames: Frames) -> An
     return None
 
 
+def _commit_fenced(ctx: Context, ident: bytes, msg: P.CommitStore, frames: Frames, res: Reservation) -> Answer:
+    """A commit sent with its copies: published now if the fence word holds the reservation id, else when it
+    does (`check_fences`, between requests), or failed after --client-timeout."""
+    no_frames(msg, frames)
+    fences = ctx.sessions.fences
+    if msg.format != "shm":
+        raise RequestError(E.BAD_REQUEST, f"a fenced commit is a commit of the shm wire, not of {msg.format!r}")
+    if not res.fence or fences is None:
+        raise RequestError(E.BAD_REQUEST, f"reservation {res.id} has no fence word (Prepared.fence was 0): "
+                           "commit it after its copies, unfenced")
+    if fences.shown(res.fence, res.id):
+        ctx.counters.commits_fenced += 1
+        return finish_commit(ctx, res), []
+    res.committing = True
+    fences.wait(res, ident, msg.id, res.fence, ctx.config.client_timeout_s)
+    return None
+
+
+def check_fences(ctx: Context) -> None:
+    """Publish the pending fenced commits whose word showed; fail those past their deadline."""
+    assert ctx.sessions.fences is not None
+    shown, late = ctx.sessions.fences.ready()
+    for p in shown:
+        ctx.counters.commits_fenced += 1
+        ctx.send(p.ident, p.req_id, finish_commit(ctx, p.res), ())
+    for p in late:
+        ctx.counters.fence_timeouts += 1
+        end_fenced(ctx, p, E.BAD_PAYLOAD, f"the fence word of reservation {p.res.id} did not show within "
+                   f"{ctx.config.client_timeout_s:g} s (--client-timeout): nothing of it became visible")
+
+
+def end_fenced(ctx: Context, p: Pending, code: E, message: str) -> None:
+    """A pending fenced commit that will never publish: its slots are quarantined (the engine's copies may
+    still land in them), the commit is answered with the error."""
+    ctx.sessions.close_reservation(p.res)
+    ctx.objects.discard([s.entry for s in p.res.slots], quarantine=True)
+    ctx.counters.objects_aborted += len(p.res.slots)
+    ctx.fail(p.ident, p.req_id, code, message)
+
+
 def finish_commit(ctx: Context, res: Reservation) -> P.Committed:
     entries = [s.entry for s in res.slots]
     ctx.objects.publish(entries)
@@ -161,6 +205,13 @@ def finish_commit(ctx: Context, res: Reservation) -> P.Committed:
 def abort(ctx: Context, ident: bytes, msg: P.AbortStore, frames: Frames) -> Answer:
     no_frames(msg, frames)
     eng = ctx.sessions.engine(ident, msg.engine)
+    fences = ctx.sessions.fences
+    res = eng.reservations.get(msg.reservation)
+    if res is not None and fences is not None and (p := fences.drop(res.id)) is not None:
+        # its fenced commit waits for copies that failed (or were given up): it is answered with the abort
+        end_fenced(ctx, p, E.UNKNOWN_RESERVATION, f"reservation {res.id} was aborted by its engine before its "
+                   "fence word showed: nothing of it became visible")
+        return P.Done(count=len(res.slots)), []
     res = ctx.sessions.reservation(eng, msg.reservation)
     ctx.sessions.close_reservation(res)
     ctx.objects.discard([s.entry for s in res.slots], quarantine=False)
