@@ -40,11 +40,18 @@ for (preset, tp, chunks, commit), ps in sorted(rows.items()):
 EOF
     ;;
   tp8|next)
+    # the scenario as committed (after_copies) and a copy of it with commit = "fenced", store policy `all`
+    # (CASES overrides), one after the other on the same machine
     scenario=$([ "$part" = tp8 ] && echo h200_cov_qwen36_tp8 || echo h200_cov_qwen3next_tp1)
     runs=$(mktemp -d)
-    timeout 560 python3 -m hybridkv.cli bench scenarios/$scenario.toml --out $runs/$scenario > $OUT/$scenario.log 2>&1
-    echo "$scenario rc=$?"
-    grep -E "^\[[0-9]+/[0-9]+\]|Error" $OUT/$scenario.log | cut -c1-260 | tail -24
+    sed -e "s/^name = \"$scenario\"/name = \"$scenario-fenced\"\ncommit = \"fenced\"/" scenarios/$scenario.toml \
+      > $runs/$scenario-fenced.toml
+    for s in scenarios/$scenario.toml $runs/$scenario-fenced.toml; do
+      name=$(basename $s .toml)
+      timeout 270 python3 -m hybridkv.cli bench $s --out $runs/$name --cases "${CASES:-*-all}" > $OUT/$name.log 2>&1
+      echo "$name rc=$?"
+      grep -E "^\[[0-9]+/[0-9]+\]|Error" $OUT/$name.log | cut -c1-260 | tail -12
+    done
     tar czf $OUT/$scenario.tgz -C $runs .
     ;;
   *) echo "unknown part $part" >&2; exit 2 ;;

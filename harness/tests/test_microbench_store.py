@@ -144,6 +144,16 @@ def test_idle_round_trips_time_every_gap(endpoint):
     assert len(row) == len(IDLE_GAPS_S) and all(v > 0 for v in row.values()), row
 
 
+def test_commit_latencies_time_both_commits_after_every_copy_time(endpoint):
+    """The protocol's part of a commit, classic (a round trip after the copies) and fenced (sent before them,
+    answered once the fence word shows), runs for real: every store it makes is committed and visible."""
+    from hybridkv_bench.microbench.fixed_cost import IDLE_GAPS_S, commit_latencies
+
+    row = commit_latencies(endpoint, rounds=2)
+    assert len(row) == 2 * len(IDLE_GAPS_S) and all(v > 0 for v in row.values()), row
+    assert {k.split()[0] for k in row} == {"after_copies", "fenced"}
+
+
 def test_issue_profile_profiles_the_library_s_queueing(endpoint):
     """--cprofile runs PageCopies.issue for a prepared store and a load, and reports it."""
     from hybridkv_bench.microbench.fixed_cost import profile_issue

@@ -143,6 +143,7 @@ def test_unknown_field_names_the_key_path_and_file():
     (dict(replace={'preset = "tiny-hybrid"': 'preset = "tiny-hybrid"\n[model.overrides]\nkv_dtyp = "x"'}),
      "unknown field `kv_dtyp` at $.model.overrides"),
     (dict(replace={'name = "t"': 'name = "t"\ndevice = "tpu"'}), "invalid enum value 'tpu' at $.device"),
+    (dict(replace={'name = "t"': 'name = "t"\ncommit = "later"'}), "invalid enum value 'later' at $.commit"),
 ])
 def test_bad_values_are_rejected_at_the_door(kw, expected):
     msg = error_of(**kw)

@@ -175,7 +175,7 @@ def _loads(kv: KVTransfer, stored: np.ndarray, dst: list[list[int]], rounds: int
 
 
 def profile(endpoint: str, layout: ModelLayout, chunks: int, rounds: int, device: str = "cpu",
-            commit: CommitMode = "fenced") -> dict[str, float]:
+            commit: CommitMode = "after_copies") -> dict[str, float]:
     """p50 microseconds of each step of a `chunks`-chunk store and load, and of the whole calls, with the
     stores' commits as `commit` says (fenced ones leave with the copies where the wire and device allow:
     their `to_send` is then negative, the commit sent before the copies ended)."""
@@ -265,6 +265,67 @@ def idle_round_trips(endpoint: str, rounds: int) -> dict[str, float]:
     return out
 
 
+def commit_latencies(endpoint: str, rounds: int) -> dict[str, float]:
+    """p50 microseconds from the last byte of a store landing in the arena to its commit's answer in the
+    waiting thread, per simulated copy time (the gaps). A "copier" thread stands for the GPU and the route's
+    worker: it sleeps the gap, writes the slots, then for the classic commit sends it (a round trip after the
+    copies, both sides idle meanwhile) and hands the answer over, as the worker does; for a fenced commit,
+    sent by the waiting thread before the copies, it writes the fence word and the server answers once it
+    sees it. Both hand the answer to the waiting thread once. The CPU writes what the copy engine writes on
+    CUDA: this is the protocol's part, not the copies'."""
+    import threading
+    from concurrent.futures import Future
+
+    from hybridkv.arena import map_arena
+    from hybridkv.keys import chunk_keys
+
+    layout = small_pages(preset_layout("tiny-hybrid"), 64)
+    out: dict[str, float] = {}
+    with CacheClient(endpoint, timeout_s=30) as c:
+        reg, _ = c.call(P.Register(layout=layout, chunk_tokens=0, tp_rank=0, salt="commit-latency", name=""))
+        arena = np.frombuffer(map_arena(reg.arena_path, reg.arena_bytes), dtype=np.uint8)
+        ct = layout.default_chunk_tokens()
+        fresh = iter(range(1 << 30))
+
+        def copier(prep: P.Prepared, commit: P.CommitStore, gap: float, fenced: bool, t0: list[float],
+                   answer: Future) -> None:
+            time.sleep(gap)
+            for sl in prep.slots:
+                arena[sl.offset:sl.offset + sl.length] = 7
+            if fenced:
+                t0.append(time.perf_counter())
+                arena[prep.fence:prep.fence + 8] = np.frombuffer(prep.reservation.to_bytes(8, "little"), np.uint8)
+                return
+            t0.append(time.perf_counter())
+            try:
+                answer.set_result(c.call(commit))
+            except Exception as e:  # noqa: BLE001 - handed to the waiting thread
+                answer.set_exception(e)
+
+        for gap in IDLE_GAPS_S:
+            for mode in ("after_copies", "fenced"):
+                spans = []
+                for _ in range(rounds):
+                    keys = chunk_keys(reg.namespace, np.full(ct, next(fresh), dtype=np.int64), ct)
+                    prep, _ = c.call(P.PrepareStore(engine=reg.engine, request="c", keys=keys,
+                                                    objects=[(0, g) for g in range(len(layout.groups))]))
+                    fenced = mode == "fenced"
+                    commit = P.CommitStore(engine=reg.engine, reservation=prep.reservation, format="shm",
+                                           fenced=fenced)
+                    t0: list[float] = []
+                    answer: Future = c.submit(commit) if fenced else Future()
+                    th = threading.Thread(target=copier, args=(prep, commit, gap, fenced, t0, answer))
+                    th.start()
+                    reply = answer.result(30)[0]
+                    spans.append(time.perf_counter() - t0[0])
+                    th.join()
+                    assert isinstance(reply, P.Committed), reply
+                    c.call(P.EndSession(engine=reg.engine, request="c"))
+                out[f"{mode} after {gap * 1e3:g} ms copies"] = statistics.median(spans) * 1e6
+        c.call(P.Unregister(engine=reg.engine))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hybridkv_bench.microbench.fixed_cost",
                                  description=__doc__.split("\n")[0])
@@ -274,12 +335,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--l1-gib", type=float, default=0.25)
     ap.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
-    ap.add_argument("--commit", nargs="+", choices=COMMIT_MODES, default=["fenced"],
-                    help="the stores' commit modes to profile, each its own row (default: fenced)")
+    ap.add_argument("--commit", nargs="+", choices=COMMIT_MODES, default=list(COMMIT_MODES),
+                    help="the stores' commit modes to profile, each its own row (default: both)")
     ap.add_argument("--presets", nargs="+", default=[f"{n}:{tp}" for n, tp in PRESETS], metavar="NAME:TP",
                     help="the layouts to profile (default: " + " ".join(f"{n}:{tp}" for n, tp in PRESETS) + ")")
     gaps = ", ".join(f"{g * 1e3:g}" for g in IDLE_GAPS_S)
     ap.add_argument("--idle-rt", action="store_true", help=f"instead: a round trip's p50 after idle gaps of {gaps} ms")
+    ap.add_argument("--commit-latency", action="store_true",
+                    help="instead: last byte in the arena -> commit answered, classic vs fenced, after copies of "
+                         f"{gaps} ms (the protocol's part, on any machine)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="TOP",
                     help="instead: cProfile the queueing of a prepared store's and a load's copies, top TOP lines")
     args = ap.parse_args(argv)
@@ -294,6 +358,11 @@ def main(argv: list[str] | None = None) -> int:
     d = tempfile.mkdtemp(prefix="hkv-", dir="/tmp")
     server = start_server(ServerConfig(endpoint=f"ipc://{d}/s.sock", l1_bytes=int(args.l1_gib * GIB)))
     try:
+        if args.commit_latency:
+            row = commit_latencies(server.endpoint, args.rounds)
+            print(json.dumps({"commit_latency_p50_us": row}) if args.json else
+                  "Last byte -> commit answered (p50 us): " + "  ".join(f"{k} {v:.0f}" for k, v in row.items()))
+            return 0
         if args.idle_rt:
             row = idle_round_trips(server.endpoint, args.rounds)
             print(json.dumps({"idle_rt_p50_us": row}) if args.json else

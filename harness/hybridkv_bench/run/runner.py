@@ -14,6 +14,7 @@ removes temp files and leaves run.json marked incomplete.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import shutil
@@ -28,7 +29,7 @@ import msgspec
 import torch
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
-from hybridkv.engine.transfer import WIRE_FORMATS
+from hybridkv.engine.transfer import WIRE_FORMATS, TransferConfig
 from hybridkv.server.config import ServerConfig
 from hybridkv.server.l2.specs import FsL2Spec
 from hybridkv.server.launch import ServerProcess, start_server
@@ -257,7 +258,7 @@ class Runner:
             clients.append(c := CacheClient(endpoint, timeout_s=CLIENT_TIMEOUT_S))
             return c
 
-        transfer = case.transfer
+        transfer = self._transfer(case)
         for e, rank in enumerate(plan.ranks):
             site = EngineSite(scenario=self.scenario, cfg=self.cfg, layout=self.layout, chunk=self.chunk,
                               endpoint=endpoint, transfer=transfer, salt=salt, name=f"{label}#{e}", engine=e, rank=rank,
@@ -271,10 +272,14 @@ class Runner:
         """What each engine process of the workload builds: the placement and pool size threads get."""
         plan, label = self.plans[workload.label], f"{workload.label}/{case.name}"
         return [EngineSpec(engine=e, rank=rank, device=device, endpoint=endpoint, model=self.scenario.model,
-                           prefill=self.scenario.prefill, transfer=case.transfer, chunk=self.chunk, salt=salt,
+                           prefill=self.scenario.prefill, transfer=self._transfer(case), chunk=self.chunk, salt=salt,
                            name=f"{label}#{e}", case=case.name, workload=workload.label,
                            pool_tokens=self._pool_tokens(e), plan=plan)
                 for e, (rank, device) in enumerate(zip(plan.ranks, self.engine_devices(workload), strict=True))]
+
+    def _transfer(self, case: Case) -> TransferConfig:
+        """The case's transfer settings with the scenario's own (the commit mode: not a matrix axis)."""
+        return dataclasses.replace(case.transfer, commit=self.scenario.commit)
 
     def _prefill(self, new: int, cached: int) -> float:
         return prefill_seconds(self.scenario.prefill, self.cfg, self.scenario.model.tp, new, cached)

@@ -15,7 +15,7 @@ import re
 from typing import TYPE_CHECKING, Literal
 
 import msgspec
-from hybridkv.engine.config import Streams
+from hybridkv.engine.config import CommitMode, Streams
 from hybridkv.layout import ModelLayout
 from hybridkv.policy import Policy
 from hybridkv.presets import HybridModelConfig, hybrid_layout, model_config
@@ -199,6 +199,7 @@ class Scenario(Strict, frozen=True):
     engine: EngineKind = "sim"
     transformers: TransformersSpec = TransformersSpec()  # read when engine = "transformers"
     engines_as: EnginesAs = "auto"
+    commit: CommitMode = "after_copies"  # every case's stores' commit (TransferConfig.commit)
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):

@@ -20,8 +20,9 @@ and words are reused oldest-freed first. A fence that never shows ends in the co
 `client_timeout_s` (the slots quarantined: the engine's copies may still land); an AbortStore (the engine's
 copies failed), the engine's unregister or its reclaim end it at once the same way.
 
-While a fence is pending the loop polls without sleeping: at once for fences younger than SPIN_S (the short
-stores this is for), every millisecond after (a long store's copies take tens of ms).
+While a fence is pending the loop does not sleep in its poll: it spins for fences younger than SPIN_S (the
+short stores this is for), and past that naps NAP_S between looks (a long store's copies take tens of ms;
+the nap hands the GIL and the core to others, and costs its length at most in latency).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ if TYPE_CHECKING:
 
 FENCE_WORD = 8
 FENCE_WORDS = 16384  # 128 KiB: more reservations open at once than that commit the classic way
-SPIN_S = 0.02
+SPIN_S = 0.01
+NAP_S = 0.0001
 
 
 def fence_region_bytes(l1_bytes: int) -> int:
@@ -112,11 +114,10 @@ class Fences:
             self._stale = True
         return p
 
-    def poll_timeout_ms(self) -> int | None:
-        """How long the loop may sleep in its poll: None (no fence pending), 0 (spin), or 1 ms."""
-        if not self.pending:
-            return None
-        return 0 if time.monotonic() - self._youngest < SPIN_S else 1
+    def nap_s(self) -> float:
+        """How long the loop sleeps after a poll that found nothing, while fences are pending: 0 (spin) for a
+        fence younger than SPIN_S, else NAP_S."""
+        return 0.0 if time.monotonic() - self._youngest < SPIN_S else NAP_S
 
     def ready(self) -> tuple[list[Pending], list[Pending]]:
         """(fences that showed, commits past their deadline): both removed from `pending`."""

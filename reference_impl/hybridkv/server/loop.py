@@ -144,11 +144,9 @@ class CacheServer:
                 # does not wait), so a busy socket costs one poll a request, as a drain loop's poll(0) did,
                 # and a lone request (the latency case) costs one poll instead of two; completions and
                 # timers are looked at between any two requests.
-                # a fenced commit pending: its word is looked at after every poll, which then waits little
-                wait_ms = 0 if ctx.another_turn else 200
-                if fences.pending:
-                    wait_ms = min(wait_ms, fences.poll_timeout_ms() or 0)
-                for what, _ in zmq_poll(items, wait_ms):
+                # a fenced commit pending: its word is looked at after every poll, which then does not wait
+                events = zmq_poll(items, 0 if ctx.another_turn or fences.pending else 200)
+                for what, _ in events:
                     if what is sock:
                         self._receive()
                     elif gate is not None and what is gate.monitor:
@@ -157,6 +155,8 @@ class CacheServer:
                         self._run_parked()
                 if fences.pending:
                     store.check_fences(ctx)
+                    if not events and fences.pending and (nap := fences.nap_s()):
+                        time.sleep(nap)
                 if ctx.another_turn:  # a large request goes on after every other client had its turn
                     ctx.another_turn = False
                     self._run_parked()

@@ -119,6 +119,9 @@ def families(snap: Snapshot, now: float) -> Iterator:
     yield _labelled(CounterMetricFamily, "hybridkv_store_objects", "objects of store requests, by outcome",
                     "result", {"committed": f["objects_committed"], "present": f["objects_skipped_present"],
                                "refused": f["objects_refused"], "aborted": f["objects_aborted"]})
+    yield _labelled(CounterMetricFamily, "hybridkv_fenced_commits", "commits sent with their copies, by outcome: "
+                    "published (the fence word showed), timeout (it did not within --client-timeout)", "result",
+                    {"published": f["commits_fenced"], "timeout": f["fence_timeouts"]})
     yield _labelled(CounterMetricFamily, "hybridkv_prefetch_objects", "objects of Prefetch requests, by outcome",
                     "result", {"started": f["prefetch_objects_started"], "in_l1": f["prefetch_objects_in_l1"],
                                "refused": f["prefetch_objects_refused"]})

@@ -11,6 +11,7 @@ from hybridkv.server.fences import Pending
 from hybridkv.server.l1 import NoSlot
 from hybridkv.server.objects import Held
 from hybridkv.server.sessions import Engine, Reservation, Slot
+from hybridkv.wire_formats import traits
 
 E = P.ErrorCode
 
@@ -157,8 +158,9 @@ def _commit_fenced(ctx: Context, ident: bytes, msg: P.CommitStore, frames: Frame
     does (`check_fences`, between requests), or failed after --client-timeout."""
     no_frames(msg, frames)
     fences = ctx.sessions.fences
-    if msg.format != "shm":
-        raise RequestError(E.BAD_REQUEST, f"a fenced commit is a commit of the shm wire, not of {msg.format!r}")
+    if not traits(msg.format).direct:
+        raise RequestError(E.BAD_REQUEST, f"a fenced commit is a commit of a wire that writes the arena itself "
+                           f"(shm), not of {msg.format!r}")
     if not res.fence or fences is None:
         raise RequestError(E.BAD_REQUEST, f"reservation {res.id} has no fence word (Prepared.fence was 0): "
                            "commit it after its copies, unfenced")
