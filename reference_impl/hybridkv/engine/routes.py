@@ -221,9 +221,11 @@ class DirectRoute(Route):
         super().__init__(client, engine_id, copies, timeout_s)
         self.wire = wire
         self._in_caller = copies.device.type == "cuda"  # copies only queue there: the caller queues them
-        # commits sent with the copies (hybridkv.server.fences): CUDA, DMA copies (the copy engine writes the
-        # fence after the pages, in stream order), a wire with fence words, and the config asking for it
-        self.fenced = fenced and self._in_caller and copies.impl == "dma" and wire.fences
+        # commits sent with the copies (hybridkv.server.fences): a wire with fence words, the config asking for
+        # it, and on CUDA DMA copies (the copy engine writes the fence after the pages, in stream order). On a
+        # CPU the copies are synchronous: the fence is written and the commit sent once they are done (the
+        # same protocol, nothing to overlap)
+        self.fenced = fenced and wire.fences and (not self._in_caller or copies.impl == "dma")
 
     def store(self, h, prepared, jobs, pages, ready) -> None:
         reply = prepared.reply

@@ -44,21 +44,51 @@ def test_commit_mode_is_validated():
         TransferConfig(commit="later")  # type: ignore[arg-type]
 
 
-def test_on_a_cpu_a_store_commits_after_its_copies_whatever_the_mode(server_factory):
+@pytest.mark.parametrize("mode", ["fenced", "after_copies"])
+def test_on_a_cpu_a_store_writes_its_fence_after_its_copies(server_factory, mode):
+    """On a CPU the copies are synchronous: a fenced store writes its fence word and sends its commit once they
+    are done (the protocol and the route's fenced steps, with nothing to overlap). Many stores, none waited
+    for before the next: every one is committed once, holds its pages, and `done` precedes `committed`."""
     srv = server_factory()
     layout = preset_layout("tiny-hybrid", 1)
-    pools = vllm_pools(layout, NUM_BLOCKS, "cpu")
+    pools = vllm_pools(layout, 4 * NUM_BLOCKS, "cpu")
     fill_random(pools, 1)
+    alloc = BlockAllocator(4 * NUM_BLOCKS)
+    with KVTransfer(srv.endpoint, layout, pools, TransferConfig(commit=mode, salt=f"cpu-{mode}")) as kv:
+        assert kv.route.fenced == (mode == "fenced")
+        ct = kv.chunk_tokens
+        src = [alloc.allocate(ct // g.block_tokens) for g in layout.groups]
+        prompts = [np.random.default_rng(10 + i).integers(0, 150_000, ct) for i in range(20)]
+        handles = [kv.store(f"s{i}", t, src) for i, t in enumerate(prompts)]
+        for i, h in enumerate(handles):
+            h.wait_committed(30)
+            assert h.done.done() and h.t_done <= h.t_committed and h.objects == len(layout.groups)
+            kv.end_session(f"s{i}")
+        st = _counters(kv)
+        assert st["commits_fenced"] == (20 if mode == "fenced" else 0) and st["objects_committed"] == 20 * 4
+        for i, t in enumerate(prompts):
+            assert kv.lookup(f"c{i}", t).hit_chunks == 1
+            kv.end_session(f"c{i}")
+        assert _stored_equal(kv, pools, alloc, prompts[-1], src, 1)
+
+
+def test_a_fenced_store_to_a_server_that_died_fails_and_never_hangs(server_factory):
+    srv = server_factory(client_timeout=2.0)
+    layout = preset_layout("tiny-hybrid", 1)
+    pools = vllm_pools(layout, NUM_BLOCKS, "cpu")
     alloc = BlockAllocator(NUM_BLOCKS)
-    with KVTransfer(srv.endpoint, layout, pools, TransferConfig(commit="fenced", salt="cpu-fenced")) as kv:
-        assert not kv.route.fenced  # copies are synchronous on a CPU: nothing to overlap the commit with
-        chunks = 2
-        tokens = np.random.default_rng(1).integers(0, 150_000, chunks * kv.chunk_tokens)
-        src = [alloc.allocate(chunks * (kv.chunk_tokens // g.block_tokens)) for g in layout.groups]
-        h = kv.store("s", tokens, src).wait_committed(30)
-        kv.end_session("s")
-        assert h.t_commit_sent >= h.t_done and _counters(kv)["commits_fenced"] == 0
-        assert _stored_equal(kv, pools, alloc, tokens, src, chunks)
+    cfg = TransferConfig(commit="fenced", salt="cpu-died", timeout_s=3.0)
+    with KVTransfer(srv.endpoint, layout, pools, cfg) as kv:
+        ct = kv.chunk_tokens
+        src = [alloc.allocate(ct // g.block_tokens) for g in layout.groups]
+        prep = kv.prepare_store("d", np.arange(ct), block_ids=src)
+        prep.wait(10)
+        srv.close()  # SIGKILL: the commit is never answered
+        h = kv.store("d", np.arange(ct), src, prepared=prep)
+        with pytest.raises(Exception) as ei:
+            h.wait_committed(20)
+        assert "ServerTimeout" in type(ei.value).__name__ or "timeout" in str(ei.value).lower(), ei.value
+        assert h.done.done()
 
 
 @cuda

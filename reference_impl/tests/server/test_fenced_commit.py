@@ -191,3 +191,52 @@ def test_shutdown_answers_a_waiting_fenced_commit(server_factory):
         with pytest.raises(ServerError) as ei:
             commit.result(5)
         assert ei.value.code == "shutting_down" and time.monotonic() - t < 5
+
+
+def test_fence_words_run_out_then_come_back_oldest_freed_first(tmp_path):
+    """The pool itself, over a real arena file: a word per take until none is left (0: the classic commit),
+    words given back are handed out again in the order they came back, each zeroed."""
+    from hybridkv.arena import Arena
+    from hybridkv.server.fences import FENCE_WORD, Fences, fence_region_bytes
+
+    arena = Arena(1 << 20, tmp_path, fence_bytes=fence_region_bytes(1 << 20))
+    try:
+        f = Fences(arena)
+        n = len(f.words)
+        assert n == fence_region_bytes(1 << 20) // FENCE_WORD and arena.fence_base >= 1 << 20
+        got = [f.take() for _ in range(n)]
+        assert len(set(got)) == n and all(g >= arena.fence_base for g in got) and f.take() == 0
+        f.words[:] = 12345
+        f.give_back(got[7])
+        f.give_back(got[3])
+        assert f.take() == got[7] and f.words[7] == 0 and f.take() == got[3] and f.take() == 0
+        with pytest.raises(ValueError):
+            f.word(arena.fence_base + 3)
+    finally:
+        arena.close()
+
+
+def test_many_pending_fences_publish_each_on_its_own_word(server):
+    """200 fenced commits waiting at once, their words written in a shuffled order: each publishes exactly
+    its own reservation, none another's."""
+    with CacheClient(server.endpoint, timeout_s=20) as c:
+        eng = Engine(c)
+        keys = [eng.keys(1, seed=1000 + i) for i in range(200)]
+        preps = [prepare(eng, k, request=f"m{i}") for i, k in enumerate(keys)]
+        commits = [fenced(eng, p) for p in preps]
+        order = np.random.default_rng(0).permutation(200)
+        for i in order[:100]:
+            write_slots(eng, keys[i], preps[i])
+            write_fence(eng, preps[i])
+        for i in order[:100]:
+            assert isinstance(commits[i].result(5)[0], P.Committed)
+        assert not any(commits[i].done() for i in order[100:])
+        for i in order[100:]:
+            write_slots(eng, keys[i], preps[i])
+            write_fence(eng, preps[i])
+        assert all(isinstance(f.result(5)[0], P.Committed) for f in commits)
+        for i, k in enumerate(keys):
+            res = eng.lookup(k, policy="all", request=f"l{i}")
+            assert res.hit_chunks == 1
+            eng.check(k, res)
+        assert counters(c)["commits_fenced"] == 200
