@@ -9,7 +9,7 @@ import msgspec
 from hybridkv_kernels import CopyEngine
 
 from hybridkv.endpoints import default_endpoint
-from hybridkv.engine.config import Streams
+from hybridkv.engine.config import CommitMode, Streams
 from hybridkv.policy import Policy
 from hybridkv.wire_formats import DEFAULT_FORMAT, WireFormat, traits
 
@@ -23,6 +23,7 @@ class ConnectorSettings:
     wire_format: WireFormat = DEFAULT_FORMAT  # the engine's GPU writes straight into the server's arena
     copy_engine: CopyEngine = "auto"
     streams: Streams = "single"
+    commit: CommitMode = "after_copies"  # fenced: a store's commit leaves with its copies (protocol.md)
     store_policy: Policy = "boundary"  # attention of every chunk, the recurrent state wherever vLLM offers one
     retrieve_policy: Policy = "boundary"  # attention of every hit chunk, the recurrent state at the hit's end
     chunk_tokens: int = 0           # 0: vLLM's block size (the unified hybrid block)

@@ -123,7 +123,7 @@ class WorkerSide:
                              retrieve_policy=s.retrieve_policy, store_policy="boundary",
                              chunk_tokens=self.chunk_tokens, tp_rank=self.tp_rank, salt=s.salt,
                              timeout_s=s.timeout_s if at_start else s.lookup_timeout_s,
-                             name=f"vllm-rank{self.tp_rank}")
+                             name=f"vllm-rank{self.tp_rank}", commit=s.commit)
         try:
             t = KVTransfer(s.endpoint, self.layout, self._pages, cfg)
         except (ServerError, LayoutError) as e:
