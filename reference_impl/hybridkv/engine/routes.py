@@ -112,13 +112,16 @@ class Route(ABC):
         """The engine's pages are free: report the request to get_finished, then wake waiters. Once: a fenced
         store learns it from its copies' events or from the commit's answer, whichever comes first."""
         with self._finished_lock:
-            if h.resolved:
+            if h.resolved or h.done.done():  # done already, or failed (a fenced commit's error came first)
                 return
             h.resolved = True
             self._finished[h.kind].add(h.request_id)
             if not h.t_done:
                 h.t_done = time.perf_counter()
-        h.done.set_result(h)
+        try:
+            h.done.set_result(h)
+        except futures.InvalidStateError:
+            pass  # failed meanwhile on another thread: the failure stands
 
     def _scatter(self, h: TransferHandle, ready: torch.cuda.Event | None) -> CopyFn:
         """A load's copy step: the last moment a cancel can stop it (nothing written yet), then the copies."""
