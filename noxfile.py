@@ -39,14 +39,14 @@ def _install(session: nox.Session) -> None:
     want = " ".join([*CPU_TORCH, EXTRAS, hashlib.sha256(project.encode()).hexdigest()[:16]])
     if not (bin_dir / "python").exists():
         session.log(f"creating the shared environment {SHARED}")
-        session.run(sys.executable, "-m", "venv", str(SHARED), external=True)
+        session.run_install(sys.executable, "-m", "venv", str(SHARED), external=True)  # run by --install-only too
     if not stamp.exists() or stamp.read_text() != want:
         session.log(f"installing into {SHARED}: {', '.join(CPU_TORCH)} (CPU build, ~2 GB once) and the project "
                     f"({EXTRAS}, editable)")
         pip = [str(bin_dir / "python"), "-m", "pip", "install", "-q"]
-        session.run(*pip, "--upgrade", "pip", external=True)
-        session.run(*pip, *CPU_TORCH, external=True)
-        session.run(*pip, "-e", EXTRAS, external=True)
+        session.run_install(*pip, "--upgrade", "pip", external=True)
+        session.run_install(*pip, *CPU_TORCH, external=True)
+        session.run_install(*pip, "-e", EXTRAS, external=True)
         stamp.write_text(want)
     else:
         session.log(f"using the shared environment {SHARED} ({want.rsplit(' ', 1)[0]})")
