@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 from enginekit import (
     BLOCK,
+    Generated,
     close_llm,
     corrupt_stored,
     departure,
@@ -111,6 +112,24 @@ def test_corrupted_pages_change_the_output(llm, server, kind):
     assert warm.cached == expected_hit(len(p))
     assert warm.tokens != cold.tokens, f"corrupting the {kind} objects did not change the output"
     assert departure(warm, cold) is not None, f"the batched tests' comparison takes the corrupted {kind} for a near-tie"
+
+
+def test_departure_lets_only_a_near_tie_go_another_way():
+    """`departure` on the numbers of the 777-token prompt's third token (cold: 275 and 472 tied at -3.69616;
+    batched under another step layout: 472 one 1/64 above 275): that divergence is a near-tie; the same
+    divergence where the recompute's margin is 0.08, a logprob 0.1 off before it, or fewer tokens are not."""
+    def run(tokens, tops):
+        return Generated(tokens, 768, tuple(tops))
+
+    same = {274: -1.25, 9: -2.5}
+    cold = run([274, 275, 136], [same, {275: -3.6961612701416016, 472: -3.6961612701416016}, {136: -0.5, 3: -4.0}])
+    warm = run([274, 472, 473], [same, {472: -3.6815147399902344, 275: -3.6971397399902344}, {473: -0.7, 4: -3.0}])
+    assert departure(warm, cold) is None and departure(cold, warm) is None and departure(cold, cold) is None
+    wide = run(cold.tokens, [same, {275: -3.65, 472: -3.73}, cold.top[2]])  # each within 2**-4 of warm's
+    assert "not a near-tie" in (departure(warm, wide) or "")
+    drift = run(warm.tokens, [{274: -1.35, 9: -2.5}, *warm.top[1:]])
+    assert "logprob of 274" in (departure(drift, cold) or "")
+    assert "tokens" in (departure(run(warm.tokens[:2], warm.top[:2]), cold) or "")
 
 
 def test_new_engine_resumes_from_the_server(model_dir, server, llm, stored):
