@@ -1,13 +1,16 @@
 """Helpers of the real-engine tests: tiny random-weight models written locally (config, weights and a tokenizer;
 nothing is downloaded: the Qwen3-Next-shaped hybrid, and a Gemma 3 text model with sliding-window layers), vLLM
-engines with the connector, greedy generation, and the tools that look inside: vLLM's KV cache zeroed, the
-connector's counters, the server's stored objects corrupted on purpose."""
+engines with the connector, greedy generation (with the top-2 logprobs that `departure` reads), and the tools that
+look inside: vLLM's KV cache zeroed, the connector's counters, the server's stored objects corrupted on purpose,
+the blocks a request's first forward reads its prefix from compared byte for byte with the server's objects."""
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,11 +66,13 @@ def close_llm(llm) -> None:
 class Generated:
     tokens: list[int]
     cached: int  # vLLM's num_cached_tokens: its own prefix cache plus the connector's hit
+    top: tuple[dict[int, float], ...] = ()  # per generated token, the logprobs of vLLM's two likeliest tokens
 
 
 def generate(llm, prompts: list[list[int]], max_tokens: int = 12, salts: list[str | None] | None = None
              ) -> list[Generated]:
-    """Greedy continuations of `prompts`, all in one batch (vLLM schedules them together)."""
+    """Greedy continuations of `prompts`, all in one batch (vLLM schedules them together), with the top two
+    logprobs at every position (`departure` reads them)."""
     from vllm import SamplingParams
 
     items: list[dict[str, Any]] = []
@@ -76,9 +81,45 @@ def generate(llm, prompts: list[list[int]], max_tokens: int = 12, salts: list[st
         if salts is not None and salts[i] is not None:
             item["cache_salt"] = salts[i]
         items.append(item)
-    outs = llm.generate(items, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+    outs = llm.generate(items, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2),
                         use_tqdm=False)
-    return [Generated(list(o.outputs[0].token_ids), int(o.num_cached_tokens or 0)) for o in outs]
+    return [Generated(list(o.outputs[0].token_ids), int(o.num_cached_tokens or 0),
+                      tuple({t: float(lp.logprob) for t, lp in d.items()} for d in o.outputs[0].logprobs or ()))
+            for o in outs]
+
+
+# The tiny model's logits are bfloat16, and two tokens' logits are often exactly equal (in one run here, of the
+# 264 greedy steps of the restore tests' 22 prompts, 9 were exact ties and 36 within NEAR_TIE). A step that
+# batches a request's tokens with other requests' tokens (another step layout: which requests share a forward
+# depends, with asynchronous loads, on when each load ends) moves a logit by a unit in the last place, 1/64
+# for logits in [2, 4): vLLM alone, without the connector, continues the same prompt differently under two
+# layouts from its own prefix cache (results/cpu/2026-12-02/batched_ties).
+NEAR_TIE = 2.0**-4
+
+
+def departure(got: Generated, ref: Generated, tol: float = NEAR_TIE) -> str | None:
+    """Why `got` is not `ref`'s continuation computed under another step layout, or None when it is: the same
+    tokens, with the logprobs both report within `tol`, up to the end or up to a position where the two took
+    different tokens that are a near-tie in both (top two within `tol`: each run's argmax of two equal logits
+    can go either way; past it the contexts differ, so nothing later is compared). KV that is not what the
+    forward would have computed moves logprobs by far more than `tol` (`test_corrupted_pages_change_the_output`)."""
+    if len(got.tokens) != len(ref.tokens) or len(got.top) != len(got.tokens) or len(ref.top) != len(ref.tokens):
+        return f"{len(got.tokens)} tokens ({len(got.top)} with logprobs) against {len(ref.tokens)} ({len(ref.top)})"
+    for pos, (g, r, gl, rl) in enumerate(zip(got.tokens, ref.tokens, got.top, ref.top, strict=True)):
+        for t in gl.keys() & rl.keys():
+            if abs(gl[t] - rl[t]) > tol:
+                return f"at token {pos} the logprob of {t} is {gl[t]:.5f}, recomputed {rl[t]:.5f}"
+        if g != r:
+            if r in gl and g in rl and gl[g] - gl[r] <= tol and rl[r] - rl[g] <= tol:
+                return None
+            return (f"at token {pos} {g} (logprobs {gl}) where the recompute took {r} ({rl}): not a near-tie "
+                    f"within {tol:g}")
+    return None
+
+
+def departures(got: list[Generated], ref: list[Generated], tol: float = NEAR_TIE) -> list[tuple[int, str]]:
+    """(index, why) of each of `got` that is not the continuation of its `ref` (`departure`)."""
+    return [(i, why) for i, (g, r) in enumerate(zip(got, ref, strict=True)) if (why := departure(g, r, tol))]
 
 
 def _zero_kv(worker) -> int:
@@ -179,36 +220,156 @@ def corrupt_stored(llm, endpoint: str, tokens: list[int], kind: str, salt: str =
     return corrupt_stored_pages(llm, endpoint, tokens, every_page, salt)
 
 
-def corrupt_stored_pages(llm, endpoint: str, tokens: list[int], pages: Callable[[Any, int, Any], Any],
-                         salt: str = "") -> int:
-    """Overwrite, in the server's L1 arena, pages of the objects a lookup of `tokens`' prefix hands out:
-    `pages(layout, chunk_tokens, object)` names the pages of that object to change (page l * blocks + j is
-    layer l's copy of the object's block j), or None. Returns the number of objects changed."""
+@contextmanager
+def _stored_objects(llm, endpoint: str, tokens: list[int], salt: str = ""):
+    """(layout, chunk_tokens, the objects a lookup of `tokens`' prefix hands out, the server's arena mapped for
+    writing), pinned until the block ends."""
     from hybridkv import protocol as P
     from hybridkv.engine.client import CacheClient
     from hybridkv.keys import chunk_keys
 
     layout, chunk = connector_layout(llm)
     with CacheClient(endpoint, timeout_s=10) as c:
-        reg, _ = c.call(P.Register(layout=layout, chunk_tokens=chunk, tp_rank=0, salt=salt, name="corrupter"))
-        keys = chunk_keys(reg.namespace, tokens, chunk)
-        hit, _ = c.call(P.Lookup(engine=reg.engine, request="corrupt", keys=keys, policy="boundary"))
-        changed = 0
-        fd = os.open(reg.arena_path, os.O_RDWR)
+        reg, _ = c.call(P.Register(layout=layout, chunk_tokens=chunk, tp_rank=0, salt=salt, name="inspector"))
         try:
-            with mmap.mmap(fd, reg.arena_bytes) as arena:
-                for o in hit.objects:
-                    which = pages(layout, chunk, o)
-                    if which is None:
-                        continue
-                    page = layout.groups[o.group].page_bytes
-                    for p in which:
-                        view = np.frombuffer(arena, np.uint8, page, o.offset + p * page)
-                        view += 77  # every byte other than it was (wraps around)
-                        del view
-                    changed += 1
+            keys = chunk_keys(reg.namespace, tokens, chunk)
+            hit, _ = c.call(P.Lookup(engine=reg.engine, request="inspect", keys=keys, policy="boundary"))
+            fd = os.open(reg.arena_path, os.O_RDWR)
+            try:
+                with mmap.mmap(fd, reg.arena_bytes) as arena:
+                    yield layout, chunk, hit.objects, arena
+            finally:
+                os.close(fd)
+            c.call(P.EndSession(engine=reg.engine, request="inspect"))
         finally:
-            os.close(fd)
-        c.call(P.EndSession(engine=reg.engine, request="corrupt"))
-        c.call(P.Unregister(engine=reg.engine))
+            c.call(P.Unregister(engine=reg.engine))
+
+
+def corrupt_stored_pages(llm, endpoint: str, tokens: list[int], pages: Callable[[Any, int, Any], Any],
+                         salt: str = "") -> int:
+    """Overwrite, in the server's L1 arena, pages of the objects a lookup of `tokens`' prefix hands out:
+    `pages(layout, chunk_tokens, object)` names the pages of that object to change (page l * blocks + j is
+    layer l's copy of the object's block j), or None. Returns the number of objects changed."""
+    changed = 0
+    with _stored_objects(llm, endpoint, tokens, salt) as (layout, chunk, objects, arena):
+        for o in objects:
+            which = pages(layout, chunk, o)
+            if which is None:
+                continue
+            page = layout.groups[o.group].page_bytes
+            for p in which:
+                view = np.frombuffer(arena, np.uint8, page, o.offset + p * page)
+                view += 77  # every byte other than it was (wraps around)
+                del view
+            changed += 1
     return changed
+
+
+def _digest(pages) -> str:
+    """One block's pages, every layer's, as one digest."""
+    h = hashlib.blake2b(digest_size=16)
+    for p in pages:
+        h.update(p)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixRead:
+    """What a request's first forward found in the blocks of its computed prefix (`watch_prefix_reads`)."""
+
+    tokens: list[int]  # the prefix: num_computed_tokens when first scheduled
+    block_ids: list[list[int]]  # vLLM's block table then, per group
+    digests: dict[tuple[int, int], str]  # (group, block id) -> digest of its pages, taken before that forward
+
+
+def _watch_prefix_reads(worker) -> int:
+    """In the worker: from now on, right before each forward, digest every block that a request scheduled for the
+    first time with a computed prefix reads it from (attention: the prefix's blocks; recurrent: the state block
+    at its end, which vLLM's align mode copies into the request's running block before the forward)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    runner = worker.model_runner
+    if hasattr(runner, "_hkv_prefix_reads"):  # watched already
+        runner._hkv_prefix_reads.clear()
+        return 0
+    ws = get_kv_transfer_group().worker_side
+    groups = ws.layout.groups
+    reads = runner._hkv_prefix_reads = []
+    pending: list = []
+    execute, forward = runner.execute_model, runner._model_forward
+
+    def watched_execute(scheduler_output, *args, **kwargs):
+        pending[:] = [r for r in scheduler_output.scheduled_new_reqs if r.num_computed_tokens > 0]
+        return execute(scheduler_output, *args, **kwargs)
+
+    def watched_forward(*args, **kwargs):
+        for r in pending:
+            n = r.num_computed_tokens
+            digests = []
+            for g, (grp, ids) in enumerate(zip(groups, r.block_ids, strict=True)):
+                read = [ids[(n - 1) // grp.block_tokens]] if grp.kind == "recurrent" else ids[:n // grp.block_tokens]
+                digests += [[g, b, _digest(t[b].numpy().tobytes() for t in ws._pages[g])] for b in read]
+            reads.append([list(r.prompt_token_ids[:n]), [list(x) for x in r.block_ids], digests])
+        pending.clear()
+        return forward(*args, **kwargs)
+
+    runner.execute_model, runner._model_forward = watched_execute, watched_forward
+    return 0
+
+
+def _digest_blocks(worker, blocks: list[list[int]]) -> list[str]:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    pages = get_kv_transfer_group().worker_side._pages
+    return [_digest(t[b].numpy().tobytes() for t in pages[g]) for g, b in blocks]
+
+
+def read_again(llm, read: PrefixRead) -> PrefixRead:
+    """The same blocks' digests now (e.g. after `forget_local` zeroed them): `unlike_stored`'s negative control."""
+    blocks = [list(k) for k in read.digests]
+    now = llm.collective_rpc(_digest_blocks, args=(blocks,))[0]
+    return PrefixRead(read.tokens, read.block_ids, {(g, b): d for (g, b), d in zip(blocks, now, strict=True)})
+
+
+def _take_prefix_reads(worker) -> list:
+    reads = worker.model_runner._hkv_prefix_reads
+    taken = list(reads)
+    reads.clear()
+    return taken
+
+
+def watch_prefix_reads(llm) -> None:
+    """Digest, in rank 0's worker, the blocks each request's first forward reads its computed prefix from
+    (`prefix_reads` returns them). It only reads: vLLM's forward and the connector run as they would."""
+    llm.collective_rpc(_watch_prefix_reads)
+
+
+def prefix_reads(llm) -> list[PrefixRead]:
+    """The prefixes read since the last call (`watch_prefix_reads`)."""
+    return [PrefixRead(tokens, ids, {(g, b): d for g, b, d in digests})
+            for tokens, ids, digests in llm.collective_rpc(_take_prefix_reads)[0]]
+
+
+def unlike_stored(llm, endpoint: str, read: PrefixRead, salt: str = "") -> list[str]:
+    """Where the blocks a forward read its prefix from (`prefix_reads`) are not the bytes of the server's objects
+    of that prefix, page for page: each block vLLM's block table names for an object's chunk, or a missing
+    object or block. Empty when the forward read exactly what the server holds."""
+    from hybridkv.policy import object_blocks
+
+    bad: list[str] = []
+    covered: set[tuple[int, int]] = set()
+    with _stored_objects(llm, endpoint, read.tokens, salt) as (layout, chunk, objects, arena):
+        if len(objects) == 0 or max(o.chunk for o in objects) + 1 != len(read.tokens) // chunk:
+            bad.append(f"the server's objects end at chunk {max((o.chunk for o in objects), default=-1)}, the "
+                       f"prefix at {len(read.tokens) // chunk}")
+        for o in objects:
+            grp = layout.groups[o.group]
+            ids = object_blocks(layout, chunk, o.group, o.chunk, read.block_ids[o.group])
+            for j, b in enumerate(ids):
+                covered.add((o.group, b))
+                at = [o.offset + (layer * len(ids) + j) * grp.page_bytes for layer in range(grp.num_layers)]
+                stored = _digest(arena[a:a + grp.page_bytes] for a in at)
+                if read.digests.get((o.group, b)) != stored:
+                    bad.append(f"group {o.group} chunk {o.chunk}: block {b} holds other bytes than the object")
+    bad += [f"group {g}: block {b} read, no object carries it" for g, b in read.digests if (g, b) not in covered]
+    return bad
