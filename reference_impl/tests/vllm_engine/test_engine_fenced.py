@@ -5,7 +5,18 @@ copies are done (on CUDA the GPU writes it after them); the protocol and the con
 
 from __future__ import annotations
 
-from enginekit import BLOCK, close_llm, forget_local, generate, make_llm, prompt
+from enginekit import (
+    BLOCK,
+    close_llm,
+    departures,
+    forget_local,
+    generate,
+    make_llm,
+    prefix_reads,
+    prompt,
+    unlike_stored,
+    watch_prefix_reads,
+)
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 
@@ -21,8 +32,14 @@ def test_fenced_commits_store_what_warm_requests_resume_exactly(model_dir, serve
             st = c.call(P.Stats())[0].counters
         assert st["commits_fenced"] > 0 and st["fence_timeouts"] == 0, st
         assert st["objects_committed"] > 0
+        watch_prefix_reads(llm)
         warm = generate(llm, prompts)
         assert [g.cached for g in warm] == [(len(p) - 1) // BLOCK * BLOCK for p in prompts]
-        assert [g.tokens for g in warm] == [g.tokens for g in cold]
+        # the bytes each warm forward read its prefix from are the server's objects, page for page; the tokens
+        # continue the cold runs (up to a near-tie of the random-weight model, under another step layout)
+        reads = prefix_reads(llm)
+        assert sorted(len(r.tokens) for r in reads) == sorted(g.cached for g in warm)
+        assert not (bad := [why for r in reads if (why := unlike_stored(llm, server.endpoint, r))]), bad
+        assert not (bad := departures(warm, cold)), bad
     finally:
         close_llm(llm)
