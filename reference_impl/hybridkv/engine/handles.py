@@ -88,7 +88,6 @@ class TransferHandle:
     layer_ready: dict[str, list[Any]] | None = None
     # cancel() against the point of no return (a load's first write into the engine's pages, a store's
     # commit after its pages were read): whichever comes first wins, under the lock
-    resolved: bool = False  # `done` claimed (under the route's lock): a fenced store has two threads that may
     _gate: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _cancelled: bool = False
     _passed: bool = False

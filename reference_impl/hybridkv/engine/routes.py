@@ -112,16 +112,15 @@ class Route(ABC):
         """The engine's pages are free: report the request to get_finished, then wake waiters. Once: a fenced
         store learns it from its copies' events or from the commit's answer, whichever comes first."""
         with self._finished_lock:
-            if h.resolved or h.done.done():  # done already, or failed (a fenced commit's error came first)
+            if h.done.done():  # done already, or failed (a fenced commit's error came first)
                 return
-            h.resolved = True
             self._finished[h.kind].add(h.request_id)
             if not h.t_done:
                 h.t_done = time.perf_counter()
         try:
             h.done.set_result(h)
         except futures.InvalidStateError:
-            pass  # failed meanwhile on another thread: the failure stands
+            pass  # the other thread resolved or failed it meanwhile: the first one stands
 
     def _scatter(self, h: TransferHandle, ready: torch.cuda.Event | None) -> CopyFn:
         """A load's copy step: the last moment a cancel can stop it (nothing written yet), then the copies."""
@@ -153,8 +152,13 @@ class Route(ABC):
         """The store's pages are read; it commits unless cancel() came first (then the caller may have
         reused the blocks while they were read: CancelledError, and the reservation is aborted)."""
         h.proceed()
-        h.nbytes, h.objects = sum(s.length for s in reply.slots), len(reply.slots)
+        self._count_slots(h, reply)
         self._resolve_done(h)
+
+    @staticmethod
+    def _count_slots(h: TransferHandle, reply: P.Prepared) -> None:
+        """A store's bytes and objects: what its reservation's slots hold."""
+        h.nbytes, h.objects = sum(s.length for s in reply.slots), len(reply.slots)
 
     def _track_commit(self, h: TransferHandle, reservation: int, commit: Future) -> None:
         """`committed` follows the commit's reply, on whichever thread receives it (the I/O thread for a
@@ -250,7 +254,7 @@ class DirectRoute(Route):
                 return h, self._finish_store, (reply, issued)  # never commits: _pages_read raises, aborted
             try:
                 issued = self.copies.fence(issued, self.wire.fence_word(reply.fence), reply.reservation)
-                h.nbytes, h.objects = sum(s.length for s in reply.slots), len(reply.slots)
+                self._count_slots(h, reply)
                 commit = self.wire.commit_fenced(h, reply.reservation)
             except BaseException as e:
                 return h, self._abort_after_copies, (reply, issued, e)

@@ -58,12 +58,11 @@ def drop_engine(ctx: Context, eng: Engine, reclaimed: bool) -> None:
     leases, reservations = ctx.sessions.remove_engine(eng)
     for lease in leases:
         ctx.objects.unpin_all(lease.entries)
-    fences = ctx.sessions.fences
     for res in reservations:
-        if res.committing and fences is not None and (p := fences.drop(res.id)) is not None:
-            # a fenced commit waiting for the engine's copies, which may still land: slots quarantined
-            store.end_fenced(ctx, p, E.UNKNOWN_ENGINE, f"engine {eng.id} was unregistered or reclaimed before the "
-                             f"fence word of reservation {res.id} showed: nothing of it became visible")
+        # a fenced commit waiting for the engine's copies, which may still land: its slots quarantined
+        if res.committing and store.end_pending_fence(
+                ctx, res, E.UNKNOWN_ENGINE, f"engine {eng.id} was unregistered or reclaimed before the fence word "
+                f"of reservation {res.id} showed: nothing of it became visible"):
             continue
         if res.committing:
             res.dead = True  # the copy finishes on its thread, then its slots are freed

@@ -59,7 +59,6 @@ class Pending:
     ident: bytes
     req_id: int
     word: int
-    since: float
     deadline: float
 
 
@@ -104,7 +103,7 @@ class Fences:
 
     def wait(self, res: Reservation, ident: bytes, req_id: int, offset: int, timeout_s: float) -> None:
         now = time.monotonic()
-        self.pending[res.id] = Pending(res, ident, req_id, self.word(offset), now, now + timeout_s)
+        self.pending[res.id] = Pending(res, ident, req_id, self.word(offset), now + timeout_s)
         self._youngest = now
         self._stale = True
 

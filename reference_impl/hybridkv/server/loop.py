@@ -138,7 +138,6 @@ class CacheServer:
             next_tick = time.monotonic()
             ctx = self.ctx
             fences = self.sessions.fences
-            assert fences is not None
             while not self._stopping:
                 # One request per turn: the next poll finds any request still queued at once (its first pass
                 # does not wait), so a busy socket costs one poll a request, as a drain loop's poll(0) did,
@@ -209,13 +208,10 @@ class CacheServer:
         parked, self.ctx.parked[:] = self.ctx.parked[:], []
         for op in parked:
             self.ctx.fail(op.ident, op.req_id, E.SHUTTING_DOWN, "the server is shutting down")
-        fences = self.sessions.fences
-        if fences is not None and fences.pending:
+        if self.sessions.fences.pending:
             store.check_fences(self.ctx)  # what showed is published (a flush at exit then writes it to L2)
-            for rid in list(fences.pending):
-                p = fences.drop(rid)
-                assert p is not None
-                store.end_fenced(self.ctx, p, E.SHUTTING_DOWN, "the server is shutting down")
+            for p in list(self.sessions.fences.pending.values()):
+                store.end_pending_fence(self.ctx, p.res, E.SHUTTING_DOWN, "the server is shutting down")
         sock = self._sock
         if sock is None:
             return

@@ -74,7 +74,7 @@ class SessionLimits:
 class Sessions:
     """Every live engine, reservation and lease, indexed by id."""
 
-    def __init__(self, limits: SessionLimits, client_timeout_s: float, fences: Fences | None = None):
+    def __init__(self, limits: SessionLimits, client_timeout_s: float, fences: Fences):
         self.limits = limits
         self.fences = fences  # where each reservation's fence word comes from and goes back to
         self.client_timeout_s = client_timeout_s
@@ -120,7 +120,7 @@ class Sessions:
         if len(eng.reservations) >= self.limits.max_reservations:
             raise RequestError(E.LIMIT, f"engine {eng.id} holds {len(eng.reservations)} open reservations, "
                                f"the limit (--max-reservations {self.limits.max_reservations})")
-        res = Reservation(self._new_id(), eng, request, slots, fence=self.fences.take() if self.fences else 0)
+        res = Reservation(self._new_id(), eng, request, slots, fence=self.fences.take())
         self.reservations[res.id] = eng.reservations[res.id] = res
         return res
 
@@ -154,8 +154,7 @@ class Sessions:
     def close_reservation(self, res: Reservation) -> None:
         if self.reservations.pop(res.id, None) is not None:
             self.released_objects += len(res.slots)
-            if self.fences is not None:
-                self.fences.give_back(res.fence)
+            self.fences.give_back(res.fence)
         res.engine.reservations.pop(res.id, None)
 
     def close_lease(self, lease: Lease) -> None:

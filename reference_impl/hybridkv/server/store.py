@@ -161,7 +161,7 @@ def _commit_fenced(ctx: Context, ident: bytes, msg: P.CommitStore, frames: Frame
     if not traits(msg.format).direct:
         raise RequestError(E.BAD_REQUEST, f"a fenced commit is a commit of a wire that writes the arena itself "
                            f"(shm), not of {msg.format!r}")
-    if not res.fence or fences is None:
+    if not res.fence:
         raise RequestError(E.BAD_REQUEST, f"reservation {res.id} has no fence word (Prepared.fence was 0): "
                            "commit it after its copies, unfenced")
     if fences.shown(res.fence, res.id):
@@ -174,7 +174,6 @@ def _commit_fenced(ctx: Context, ident: bytes, msg: P.CommitStore, frames: Frame
 
 def check_fences(ctx: Context) -> None:
     """Publish the pending fenced commits whose word showed; fail those past their deadline."""
-    assert ctx.sessions.fences is not None
     shown, late = ctx.sessions.fences.ready()
     for p in shown:
         ctx.counters.commits_fenced += 1
@@ -183,6 +182,16 @@ def check_fences(ctx: Context) -> None:
         ctx.counters.fence_timeouts += 1
         end_fenced(ctx, p, E.BAD_PAYLOAD, f"the fence word of reservation {p.res.id} did not show within "
                    f"{ctx.config.client_timeout_s:g} s (--client-timeout): nothing of it became visible")
+
+
+def end_pending_fence(ctx: Context, res: Reservation, code: E, message: str) -> bool:
+    """End `res`'s fenced commit if it waits for its word (answered with the error, nothing published):
+    what an abort, the engine's unregister or reclaim, and shutdown do to it. False when none waits."""
+    p = ctx.sessions.fences.drop(res.id)
+    if p is None:
+        return False
+    end_fenced(ctx, p, code, message)
+    return True
 
 
 def end_fenced(ctx: Context, p: Pending, code: E, message: str) -> None:
@@ -207,12 +216,11 @@ def finish_commit(ctx: Context, res: Reservation) -> P.Committed:
 def abort(ctx: Context, ident: bytes, msg: P.AbortStore, frames: Frames) -> Answer:
     no_frames(msg, frames)
     eng = ctx.sessions.engine(ident, msg.engine)
-    fences = ctx.sessions.fences
     res = eng.reservations.get(msg.reservation)
-    if res is not None and fences is not None and (p := fences.drop(res.id)) is not None:
-        # its fenced commit waits for copies that failed (or were given up): it is answered with the abort
-        end_fenced(ctx, p, E.UNKNOWN_RESERVATION, f"reservation {res.id} was aborted by its engine before its "
-                   "fence word showed: nothing of it became visible")
+    # a fenced commit waiting for copies that failed (or were given up) is answered with the abort
+    if res is not None and end_pending_fence(ctx, res, E.UNKNOWN_RESERVATION, f"reservation {res.id} was "
+                                             "aborted by its engine before its fence word showed: nothing of it "
+                                             "became visible"):
         return P.Done(count=len(res.slots)), []
     res = ctx.sessions.reservation(eng, msg.reservation)
     ctx.sessions.close_reservation(res)

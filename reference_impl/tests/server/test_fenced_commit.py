@@ -16,6 +16,13 @@ from serverkit import Engine
 L1_BYTES = int(0.05 * 2**30)
 
 
+@pytest.fixture
+def eng(server):
+    """An engine registered by hand on its own client (`serverkit.Engine`: it maps the arena)."""
+    with CacheClient(server.endpoint, timeout_s=10) as c:
+        yield Engine(c)
+
+
 def counters(c: CacheClient) -> dict:
     return c.call(P.Stats())[0].counters
 
@@ -41,19 +48,17 @@ def fenced(eng: Engine, prep: P.Prepared):
     return eng.client.submit(P.CommitStore(engine=eng.id, reservation=prep.reservation, format="shm", fenced=True))
 
 
-def test_every_reservation_gets_a_zeroed_fence_word_above_the_slots(server):
-    with CacheClient(server.endpoint, timeout_s=10) as c:
-        eng = Engine(c)
-        preps = [prepare(eng, eng.keys(2, seed=i), request=f"r{i}") for i in range(3)]
-        offsets = [p.fence for p in preps]
-        assert len(set(offsets)) == 3 and all(o >= L1_BYTES and o % 8 == 0 for o in offsets), offsets
-        assert all(o + 8 <= eng.reg.arena_bytes for o in offsets)
-        assert all(not eng.arena[o:o + 8].any() for o in offsets)
-        # nothing to reserve (every object present): no reservation, no fence word
-        keys = eng.keys(1, seed=9)
-        eng.store(keys)
-        again = prepare(eng, keys)
-        assert again.reservation == 0 and again.fence == 0
+def test_every_reservation_gets_a_zeroed_fence_word_above_the_slots(eng):
+    preps = [prepare(eng, eng.keys(2, seed=i), request=f"r{i}") for i in range(3)]
+    offsets = [p.fence for p in preps]
+    assert len(set(offsets)) == 3 and all(o >= L1_BYTES and o % 8 == 0 for o in offsets), offsets
+    assert all(o + 8 <= eng.reg.arena_bytes for o in offsets)
+    assert all(not eng.arena[o:o + 8].any() for o in offsets)
+    # nothing to reserve (every object present): no reservation, no fence word
+    keys = eng.keys(1, seed=9)
+    eng.store(keys)
+    again = prepare(eng, keys)
+    assert again.reservation == 0 and again.fence == 0
 
 
 def test_a_fenced_commit_publishes_only_once_its_word_shows_and_others_are_served_meanwhile(server):
@@ -82,16 +87,14 @@ def test_a_fenced_commit_publishes_only_once_its_word_shows_and_others_are_serve
         assert st["commits_fenced"] == 1 and st["fence_timeouts"] == 0
 
 
-def test_a_fence_that_shows_before_the_commit_arrives_publishes_at_once(server):
-    with CacheClient(server.endpoint, timeout_s=10) as c:
-        eng = Engine(c)
-        keys = eng.keys(2, seed=2)
-        prep = prepare(eng, keys)
-        write_slots(eng, keys, prep)
-        write_fence(eng, prep)
-        reply, _ = fenced(eng, prep).result(5)
-        assert isinstance(reply, P.Committed)
-        assert eng.lookup(keys, policy="all").hit_chunks == 2
+def test_a_fence_that_shows_before_the_commit_arrives_publishes_at_once(eng):
+    keys = eng.keys(2, seed=2)
+    prep = prepare(eng, keys)
+    write_slots(eng, keys, prep)
+    write_fence(eng, prep)
+    reply, _ = fenced(eng, prep).result(5)
+    assert isinstance(reply, P.Committed)
+    assert eng.lookup(keys, policy="all").hit_chunks == 2
 
 
 def test_a_fence_that_never_shows_fails_its_commit_after_the_client_timeout(server_factory):
@@ -114,69 +117,66 @@ def test_a_fence_that_never_shows_fails_its_commit_after_the_client_timeout(serv
         assert eng.lookup(keys, request="late").hit_chunks == 0
 
 
-def test_abort_unregister_and_a_second_commit_end_a_waiting_fenced_commit(server):
-    with CacheClient(server.endpoint, timeout_s=10) as c:
-        eng = Engine(c)
-        keys = eng.keys(2, seed=4)
-        prep = prepare(eng, keys)
-        commit = fenced(eng, prep)
-        time.sleep(0.05)
-        with pytest.raises(ServerError) as twice:  # one commit per reservation
-            c.call(P.CommitStore(engine=eng.id, reservation=prep.reservation, format="shm", fenced=True))
-        assert twice.value.code == "unknown_reservation"
-        done, _ = c.call(P.AbortStore(engine=eng.id, reservation=prep.reservation))
-        assert done.count == len(prep.slots)
-        with pytest.raises(ServerError) as ei:
-            commit.result(5)
-        assert ei.value.code == "unknown_reservation" and "aborted" in str(ei.value)
-        write_fence(eng, prep)
-        time.sleep(0.05)
-        assert eng.lookup(keys).hit_chunks == 0
+def test_abort_unregister_and_a_second_commit_end_a_waiting_fenced_commit(eng):
+    c = eng.client
+    keys = eng.keys(2, seed=4)
+    prep = prepare(eng, keys)
+    commit = fenced(eng, prep)
+    time.sleep(0.05)
+    with pytest.raises(ServerError) as twice:  # one commit per reservation
+        c.call(P.CommitStore(engine=eng.id, reservation=prep.reservation, format="shm", fenced=True))
+    assert twice.value.code == "unknown_reservation"
+    done, _ = c.call(P.AbortStore(engine=eng.id, reservation=prep.reservation))
+    assert done.count == len(prep.slots)
+    with pytest.raises(ServerError) as ei:
+        commit.result(5)
+    assert ei.value.code == "unknown_reservation" and "aborted" in str(ei.value)
+    write_fence(eng, prep)
+    time.sleep(0.05)
+    assert eng.lookup(keys).hit_chunks == 0
 
-        keys2 = eng.keys(2, seed=5)
-        prep2 = prepare(eng, keys2, request="u")
-        commit2 = fenced(eng, prep2)
-        time.sleep(0.05)
-        c.call(P.Unregister(engine=eng.id))
-        with pytest.raises(ServerError) as ei2:
-            commit2.result(5)
-        assert ei2.value.code == "unknown_engine"
-        st = counters(c)
-        assert st["reservations"] == 0 and st["commits_fenced"] == 0
-
-
-def test_a_fenced_commit_is_refused_for_a_payload_format_and_a_reservation_without_a_word(server):
-    with CacheClient(server.endpoint, timeout_s=10) as c:
-        eng = Engine(c)
-        keys = eng.keys(1, seed=6)
-        prep = prepare(eng, keys)
-        with pytest.raises(ServerError) as ei:
-            c.call(P.CommitStore(engine=eng.id, reservation=prep.reservation, format="raw", fenced=True))
-        assert ei.value.code == "bad_request" and "shm" in str(ei.value)
-        # refused, not consumed: the reservation commits the classic way
-        write_slots(eng, keys, prep)
-        c.call(P.CommitStore(engine=eng.id, reservation=prep.reservation))
-        assert eng.lookup(keys, policy="all").hit_chunks == 1
+    keys2 = eng.keys(2, seed=5)
+    prep2 = prepare(eng, keys2, request="u")
+    commit2 = fenced(eng, prep2)
+    time.sleep(0.05)
+    c.call(P.Unregister(engine=eng.id))
+    with pytest.raises(ServerError) as ei2:
+        commit2.result(5)
+    assert ei2.value.code == "unknown_engine"
+    st = counters(c)
+    assert st["reservations"] == 0 and st["commits_fenced"] == 0
 
 
-def test_a_stale_word_of_an_earlier_reservation_never_publishes_a_later_one(server):
+def test_a_fenced_commit_is_refused_for_a_payload_format_and_a_reservation_without_a_word(eng):
+    c = eng.client
+    keys = eng.keys(1, seed=6)
+    prep = prepare(eng, keys)
+    with pytest.raises(ServerError) as ei:
+        c.call(P.CommitStore(engine=eng.id, reservation=prep.reservation, format="raw", fenced=True))
+    assert ei.value.code == "bad_request" and "shm" in str(ei.value)
+    # refused, not consumed: the reservation commits the classic way
+    write_slots(eng, keys, prep)
+    c.call(P.CommitStore(engine=eng.id, reservation=prep.reservation))
+    assert eng.lookup(keys, policy="all").hit_chunks == 1
+
+
+def test_a_stale_word_of_an_earlier_reservation_never_publishes_a_later_one(eng):
     """Words are reused oldest-freed first and zeroed when handed out; a late write of an aborted
     reservation's id into a word now another's does not publish it."""
-    with CacheClient(server.endpoint, timeout_s=10) as c:
-        eng = Engine(c)
-        first = prepare(eng, eng.keys(1, seed=7), request="a")
-        c.call(P.AbortStore(engine=eng.id, reservation=first.reservation))
-        later = [prepare(eng, eng.keys(1, seed=100 + i), request=f"b{i}") for i in range(40)]
-        assert first.fence not in [p.fence for p in later]  # oldest-freed first: not the word just freed
-        victim = later[0]
-        keys = eng.keys(1, seed=100)
-        write_slots(eng, keys, victim)
-        commit = fenced(eng, victim)
-        write_fence(eng, victim, value=first.reservation)
-        time.sleep(0.1)
-        assert not commit.done()
-        write_fence(eng, victim)
-        assert isinstance(commit.result(5)[0], P.Committed)
+    c = eng.client
+    first = prepare(eng, eng.keys(1, seed=7), request="a")
+    c.call(P.AbortStore(engine=eng.id, reservation=first.reservation))
+    later = [prepare(eng, eng.keys(1, seed=100 + i), request=f"b{i}") for i in range(40)]
+    assert first.fence not in [p.fence for p in later]  # oldest-freed first: not the word just freed
+    victim = later[0]
+    keys = eng.keys(1, seed=100)
+    write_slots(eng, keys, victim)
+    commit = fenced(eng, victim)
+    write_fence(eng, victim, value=first.reservation)
+    time.sleep(0.1)
+    assert not commit.done()
+    write_fence(eng, victim)
+    assert isinstance(commit.result(5)[0], P.Committed)
 
 
 def test_shutdown_answers_a_waiting_fenced_commit(server_factory):

@@ -8,17 +8,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "reference_impl/tests/vllm_engine"))
-import enginekit as ek  # noqa: E402
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before repro's defaults and vLLM's import
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from repro import LENGTHS, PICK, ek  # noqa: E402  (the environment, the prompts' lengths and the six picked)
 
-LENGTHS = [129, 200, 255, 256, 257, 300, 383, 450, 511, 513, 600, 640, 777, 900, 1023, 1025, 1100, 1300, 1500,
-           1700, 2000, 2049]
-PICK = [0, 3, 7, 12, 18, 21]
 COMPS: list = []
 
 
