@@ -32,6 +32,7 @@ from hybridkv.server.lifecycle import claim_ipc_path
 from hybridkv.server.objects import ObjectStore
 from hybridkv.server.sessions import SessionLimits, Sessions
 from hybridkv.server.telemetry import Telemetry
+from hybridkv.server.turns import TURN_S
 from hybridkv.server.workers import Workers
 
 log = logging.getLogger("hybridkv.server")
@@ -144,6 +145,8 @@ class CacheServer:
                 for what, _ in zmq_poll(items, 0 if ctx.another_turn else 200):
                     if what is sock:
                         self._receive()
+                        if ctx.another_turn:
+                            self._receive_queued()
                     elif gate is not None and what is gate.monitor:
                         gate.drain()
                     elif self.workers.drain():
@@ -199,7 +202,8 @@ class CacheServer:
         (Requests on a worker are answered as they complete, while the pool finishes.)"""
         parked, self.ctx.parked[:] = self.ctx.parked[:], []
         for op in parked:
-            self.ctx.fail(op.ident, op.req_id, E.SHUTTING_DOWN, "the server is shutting down")
+            if not getattr(op, "answered", False):  # a prefetch whose reads still run has answered already
+                self.ctx.fail(op.ident, op.req_id, E.SHUTTING_DOWN, "the server is shutting down")
         sock = self._sock
         if sock is None:
             return
@@ -230,6 +234,15 @@ class CacheServer:
             self._handle(first.bytes, head.buffer if head is not None else None, payload)
         except Exception:  # the loop survives anything a socket delivers
             log.exception("internal error handling a message")
+
+    def _receive_queued(self) -> None:
+        """While a large request waits for its next turn: answer the requests queued meanwhile first, for up to
+        TURN_S, so that each of many clients waits one of its turns, not one turn per request queued before it."""
+        sock = self._sock
+        assert sock is not None
+        until = time.perf_counter() + TURN_S
+        while sock.get(zmq.EVENTS) & zmq.POLLIN and time.perf_counter() < until:
+            self._receive()
 
     def _handle(self, ident: bytes, head: memoryview | None, payload: list[zmq.Frame]) -> None:
         self.counters.requests += 1
