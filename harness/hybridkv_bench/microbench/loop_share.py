@@ -3,8 +3,8 @@
 One client sends a huge pinned Lookup, then a huge Prefetch, then Releases the lookup's lease (by default
 64 groups, half attention and half recurrent, x 16,384 keys, every object stored: a 524,320-object lease),
 while another client on its own connection sends 71-chunk Lookups (pin=false, the latency case) back to back.
-For each huge request it prints the huge request's round trip and the other client's worst round trip
-among those that overlapped it, beside the other client's median round trip on an idle server.
+For each huge request it prints the huge request's round trip and the other client's worst (and 99th percentile)
+round trip among those that overlapped it, beside the other client's median round trip on an idle server.
 
     python -m hybridkv_bench.microbench.loop_share [--groups 64] [--attention 32] [--keys 16384] [--json]
 
@@ -58,10 +58,9 @@ class Other:
         out, _ = self.proc.communicate("stop\n", timeout=300)
         self.trips = [tuple(t) for t in json.loads(out)]
 
-    def worst_during(self, t0: float, t1: float) -> tuple[float, int]:
-        """The longest round trip that overlapped [t0, t1], and how many did."""
-        during = [s for start, s in self.trips if start < t1 and start + s > t0]
-        return (max(during) if during else 0.0), len(during)
+    def during(self, t0: float, t1: float) -> list[float]:
+        """The round trips that overlapped [t0, t1], longest last."""
+        return sorted(s for start, s in self.trips[1:] if start < t1 and start + s > t0)
 
 
 def other_client(endpoint: str, idle_rounds: int = 300) -> None:
@@ -76,7 +75,12 @@ def other_client(endpoint: str, idle_rounds: int = 300) -> None:
             c.call(msg)
             idle.append(time.monotonic() - t)
         stop = threading.Event()
-        threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+
+        def wait_for_stop() -> None:
+            sys.stdin.readline()
+            stop.set()
+
+        threading.Thread(target=wait_for_stop, daemon=True).start()
         print("ready", flush=True)
         trips = [(0.0, statistics.median(idle))]
         while not stop.is_set():
@@ -122,9 +126,10 @@ def measure(groups: int, attention: int, n_keys: int) -> dict[str, float | int]:
             other.stop()
             out["other_idle_p50_ms"] = 1e3 * other.trips[0][1]
             for name, (t0, t1) in spans.items():
-                worst, count = other.worst_during(t0, t1)
-                out[f"{name}_other_worst_ms"] = 1e3 * worst
-                out[f"{name}_other_trips"] = count
+                trips = other.during(t0, t1) or [0.0]
+                out[f"{name}_other_worst_ms"] = 1e3 * trips[-1]
+                out[f"{name}_other_p99_ms"] = 1e3 * trips[min(len(trips) - 1, int(0.99 * len(trips)))]
+                out[f"{name}_other_trips"] = len(trips)
             time.sleep(0.2)  # the prefetch lets its pins go when its last read ends
             out["pinned_after"] = big.call(P.Stats())[0].counters["l1_pinned_objects"]
     finally:
@@ -151,9 +156,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{a.groups} groups ({a.attention} attention) x {a.keys} keys; other client: 71-chunk lookups, "
           f"{out['other_idle_p50_ms']:.3f} ms p50 on an idle server")
     for name in ("lookup", "prefetch", "release", "probe_lookup"):
-        worst, trips = out[f"{name}_other_worst_ms"], out[f"{name}_other_trips"]
-        print(f"  {name:13s} {out[f'{name}_ms']:8.1f} ms; other client's worst wait {worst:7.1f} ms over {trips} "
-              "round trips")
+        worst, p99, trips = (out[f"{name}_other_{k}"] for k in ("worst_ms", "p99_ms", "trips"))
+        print(f"  {name:13s} {out[f'{name}_ms']:8.1f} ms; other client's worst wait {worst:7.1f} ms (p99 {p99:.1f} ms) "
+              f"over {trips} round trips")
     print(f"  lease of {out['lookup_objects']} objects; pinned objects after: {out['pinned_after']}")
 
 

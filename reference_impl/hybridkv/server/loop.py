@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import zmq
 from zmq.backend import zmq_poll
@@ -241,7 +241,7 @@ class CacheServer:
         sock = self._sock
         assert sock is not None
         until = time.perf_counter() + TURN_S
-        while sock.get(zmq.EVENTS) & zmq.POLLIN and time.perf_counter() < until:
+        while cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN and time.perf_counter() < until:
             self._receive()
 
     def _handle(self, ident: bytes, head: memoryview | None, payload: list[zmq.Frame]) -> None:
