@@ -17,7 +17,7 @@ own independent statement of the rule on purpose: it checks this one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from itertools import repeat
 from typing import Literal, cast, get_args
 
@@ -64,6 +64,19 @@ def resume_objects(layout: ModelLayout, policy: str, n: int, skip: int = 0,
     if n and skip >= n:
         out.extend((n - 1, g) for g in layout.recurrent_groups)
     return out
+
+
+def resume_slices(layout: ModelLayout, policy: str, n: int, skip: int, chunk_tokens: int,
+                  objects: int) -> Iterator[list[tuple[int, int]]]:
+    """`resume_objects(layout, policy, n, skip, chunk_tokens)` in pieces of whole chunks, about `objects` objects
+    each (the boundary states, when they are needed, last): the pieces joined are its list. A large lookup pins
+    a piece at a time (server/lookup_turns.py)."""
+    starts = _resume_starts(layout, policy, n, chunk_tokens)
+    step = max(1, objects // max(1, len(layout.groups)))
+    for lo in range(min(skip, n), n, step):
+        yield _pairs(lo, min(n, lo + step), starts)
+    if n and skip >= n:
+        yield [(n - 1, g) for g in layout.recurrent_groups]
 
 
 def _resume_starts(layout: ModelLayout, policy: str, n: int, chunk_tokens: int) -> list[int]:

@@ -5,65 +5,13 @@ from __future__ import annotations
 from hybridkv import protocol as P
 from hybridkv.policy import resume_bytes, resume_objects
 from hybridkv.server.context import Answer, Context, Frames, RequestError, check_keys, no_frames
+from hybridkv.server.hitrule import count_foreign, count_hit, hit_length
 from hybridkv.server.l1 import Entry, NoSlot, ObjectKey, State
+from hybridkv.server.lookup_turns import TurnedLookupOp
 from hybridkv.server.sessions import Engine
+from hybridkv.server.turns import BIG_OBJECTS
 
 E = P.ErrorCode
-
-
-def hit_length(ctx: Context, eng: Engine, keys: list[bytes], policy: str, missing: set[ObjectKey],
-               foreign: set[ObjectKey]) -> int:
-    """Longest n such that every needed object of chunks < n exists in the engine's namespace, every recurrent
-    group has its state at chunk n-1 (DESIGN.md: a prefix without its state is a miss at that length) and every
-    sliding-window group its objects of the chunks its window at n reaches (`GroupLayout.window_start_chunk`).
-    Objects of another namespace under these keys are misses, collected in `foreign`."""
-    layout, ns = eng.layout, eng.ns
-    every = policy == "all"
-    groups = [g for g, grp in enumerate(layout.groups)
-              if grp.kind == "attention" or (every and grp.kind == "recurrent")]
-    available = ctx.objects.available_prefix
-    lengths = eng.object_bytes
-    n = available(keys, groups, lengths, missing, ns, foreign)
-    recurrent = layout.recurrent_groups
-    sliding = layout.sliding_groups
-    # Per sliding group, the first chunk c such that its objects of chunks c..n-1 are known available: a
-    # shorter length re-reads only the chunks its window reaches below c, so each chunk is read once per group
-    # however often the search steps down (re-reading a whole long window per step was keys^2 / 2 reads).
-    known: dict[int, int] = {}
-    while n > 0:
-        if not available(keys[n - 1:n], recurrent, lengths, missing, ns, foreign):
-            n -= 1
-            continue
-        # A sliding object missing at chunk c fails every length in (c, n]: each of their windows reaches c.
-        # So the search jumps to c.
-        at = n
-        for (start, lo), gs in _by_window_start(layout, sliding, n, eng.chunk_tokens, known).items():
-            have = available(keys[start:lo], gs, lengths, missing, ns, foreign)
-            if have < lo - start:
-                at = min(at, start + have)
-        if at == n:
-            return n
-        n = at
-    return 0
-
-
-def count_foreign(ctx: Context, foreign: set[ObjectKey]) -> None:
-    """A request that named objects of another namespace is counted once (namespace_refusals)."""
-    if foreign:
-        ctx.counters.namespace_refusals += 1
-
-
-def _by_window_start(layout, sliding: list[int], n: int, chunk_tokens: int,
-                     known: dict[int, int]) -> dict[tuple[int, int], list[int]]:
-    """The sliding groups with chunks to read at n, by (first chunk their window at n reaches, first chunk
-    already known available); one entry when they share a window. `known` moves down to those first chunks."""
-    out: dict[tuple[int, int], list[int]] = {}
-    for g in sliding:
-        start, lo = layout.groups[g].window_start_chunk(n, chunk_tokens), known.get(g, n)
-        if start < lo:
-            out.setdefault((start, lo), []).append(g)
-            known[g] = start
-    return out
 
 
 def resume_request(ctx: Context, ident: bytes, msg: P.Lookup | P.Prefetch,
@@ -83,6 +31,13 @@ def lookup(ctx: Context, ident: bytes, msg: P.Lookup, frames: Frames) -> Answer:
     ctx.counters.lookups += 1
     ctx.counters.lookup_chunks += len(keys)
     ctx.counters.lookup_tokens += len(keys) * eng.chunk_tokens
+    if len(keys) * len(eng.layout.groups) > BIG_OBJECTS:  # in turns: other clients are answered meanwhile
+        if msg.pin:
+            ctx.sessions.lease_room(eng)
+        big = TurnedLookupOp(ctx, ident, msg, eng, keys)
+        if not big.step():
+            ctx.park(big)
+        return None
     ctx.objects.probe_l2(keys, len(eng.layout.groups))
     if not msg.pin:
         foreign: set[ObjectKey] = set()
@@ -99,6 +54,10 @@ def lookup(ctx: Context, ident: bytes, msg: P.Lookup, frames: Frames) -> Answer:
 
 class LookupOp:
     """A lookup that may wait for L2 prefetches; it pins what it needs as soon as it is in L1."""
+
+    ends_with_session = True  # while parked, an EndSession of its request waits for it (retrieve.end_session)
+    answered = False  # it leaves the parked list as it answers
+    ended_by: tuple | list = ()  # the EndSession answers waiting for it (retrieve.end_session sets it)
 
     def __init__(self, ctx: Context, ident: bytes, msg: P.Lookup, eng: Engine, keys: list[bytes]):
         self.ctx, self.ident, self.req_id, self.msg, self.eng, self.keys = ctx, ident, msg.id, msg, eng, keys
@@ -124,6 +83,8 @@ class LookupOp:
             self._unpin(set())
             ctx.fail(self.ident, self.req_id, E.UNKNOWN_ENGINE, f"engine {eng.id} was unregistered or reclaimed "
                      "while this lookup waited")
+            for w in self.ended_by:
+                w.finished(self, False)
             return True
         # Cheap while prefetches are still running: re-running the hit rule per completion would cost
         # O(keys) for every finished read, O(keys^2) for a large lookup.
@@ -194,20 +155,14 @@ class LookupOp:
         self.ctx.counters.bytes_leased += resume_bytes(eng.layout, self.msg.policy, n, self.msg.skip_chunks,
                                                        eng.object_bytes, eng.chunk_tokens)
         self.ctx.send(self.ident, self.req_id, P.LookupResult(hit_chunks=n, lease=lid, objects=locs), ())
+        if self.ended_by:  # parked, and its session ended after it was asked: the lease is released at once
+            if lid:
+                lease = self.ctx.sessions.leases[lid]
+                self.ctx.sessions.close_lease(lease)
+                self.ctx.objects.unpin_all(lease.entries)
+            for w in self.ended_by:
+                w.finished(self, bool(lid))
 
     def _unpin(self, keep: set[ObjectKey]) -> None:
         for oid in [o for o in self.pinned if o not in keep]:
             self.ctx.objects.unpin(self.pinned.pop(oid))
-
-
-def count_hit(ctx: Context, eng: Engine, n: int, l2_chunks: int, probe: bool) -> None:
-    """Count a lookup's hit of n chunks, l2_chunks of them read back from L2 (its tier)."""
-    c, tokens = ctx.counters, eng.chunk_tokens
-    c.hit_chunks += n
-    c.hit_tokens += n * tokens
-    if probe:
-        c.probe_hit_chunks += n
-        c.probe_hit_tokens += n * tokens
-    elif l2_chunks:
-        c.hit_chunks_l2 += l2_chunks
-        c.hit_tokens_l2 += l2_chunks * tokens

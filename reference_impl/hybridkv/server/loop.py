@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import zmq
 from zmq.backend import zmq_poll
@@ -33,6 +33,7 @@ from hybridkv.server.lifecycle import claim_ipc_path
 from hybridkv.server.objects import ObjectStore
 from hybridkv.server.sessions import SessionLimits, Sessions
 from hybridkv.server.telemetry import Telemetry
+from hybridkv.server.turns import TURN_S
 from hybridkv.server.workers import Workers
 
 log = logging.getLogger("hybridkv.server")
@@ -148,6 +149,8 @@ class CacheServer:
                 for what, _ in events:
                     if what is sock:
                         self._receive()
+                        if ctx.another_turn:
+                            self._receive_queued()
                     elif gate is not None and what is gate.monitor:
                         gate.drain()
                     elif self.workers.drain():
@@ -207,7 +210,8 @@ class CacheServer:
         (Requests on a worker are answered as they complete, while the pool finishes.)"""
         parked, self.ctx.parked[:] = self.ctx.parked[:], []
         for op in parked:
-            self.ctx.fail(op.ident, op.req_id, E.SHUTTING_DOWN, "the server is shutting down")
+            if not getattr(op, "answered", False):  # a prefetch whose reads still run has answered already
+                self.ctx.fail(op.ident, op.req_id, E.SHUTTING_DOWN, "the server is shutting down")
         if self.sessions.fences.pending:
             store.check_fences(self.ctx)  # what showed is published (a flush at exit then writes it to L2)
             for p in list(self.sessions.fences.pending.values()):
@@ -242,6 +246,15 @@ class CacheServer:
             self._handle(first.bytes, head.buffer if head is not None else None, payload)
         except Exception:  # the loop survives anything a socket delivers
             log.exception("internal error handling a message")
+
+    def _receive_queued(self) -> None:
+        """While a large request waits for its next turn: answer the requests queued meanwhile first, for up to
+        TURN_S, so that each of many clients waits one of its turns, not one turn per request queued before it."""
+        sock = self._sock
+        assert sock is not None
+        until = time.perf_counter() + TURN_S
+        while cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN and time.perf_counter() < until:
+            self._receive()
 
     def _handle(self, ident: bytes, head: memoryview | None, payload: list[zmq.Frame]) -> None:
         self.counters.requests += 1

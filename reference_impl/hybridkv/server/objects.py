@@ -85,6 +85,11 @@ class ObjectStore:
     def get(self, oid: ObjectKey) -> Entry | None:
         return self.l1.get(oid)
 
+    @property
+    def probes_l2(self) -> bool:
+        """Whether `probe_l2` asks the L2 anything (a remote L2's index)."""
+        return self.l2 is not None and type(self.l2).probe is not L2Adapter.probe
+
     def probe_l2(self, keys: list[bytes], groups: int) -> None:
         """Let a remote L2 learn, in one round trip, which of these objects it holds before a lookup or a
         store asks for them one by one (a no-op for adapters whose index is local)."""

@@ -14,15 +14,23 @@ most recently used of L1 and pinned by nobody: the lookup that follows pins them
 
 from __future__ import annotations
 
+import logging
+from operator import attrgetter
+from typing import cast
+
 from hybridkv import protocol as P
-from hybridkv.policy import resume_objects
+from hybridkv.policy import resume_objects, resume_slices
 from hybridkv.server.context import Answer, Context, Frames, RequestError
+from hybridkv.server.hitrule import count_foreign, hit_length, hit_length_turns
 from hybridkv.server.l1 import Entry, NoSlot, ObjectKey, State
-from hybridkv.server.lookup import count_foreign, hit_length, resume_request
+from hybridkv.server.lookup import resume_request
 from hybridkv.server.objects import Held
 from hybridkv.server.sessions import Engine
+from hybridkv.server.turns import BIG_OBJECTS, SLICE_OBJECTS, TURN, WAIT, Clock, Work, drive, probe_l2, unpin
 
 E = P.ErrorCode
+log = logging.getLogger("hybridkv.server")
+_state, _ns = attrgetter("state"), attrgetter("ns")
 
 
 def prefetch(ctx: Context, ident: bytes, msg: P.Prefetch, frames: Frames) -> Answer:
@@ -30,6 +38,12 @@ def prefetch(ctx: Context, ident: bytes, msg: P.Prefetch, frames: Frames) -> Ans
     if eng.prefetches >= ctx.config.max_prefetches:
         raise RequestError(E.LIMIT, f"engine {eng.id} has {eng.prefetches} prefetches still reading, the "
                            f"limit (--max-prefetches {ctx.config.max_prefetches})")
+    if len(keys) * len(eng.layout.groups) > BIG_OBJECTS:  # in turns: other clients are answered meanwhile
+        big = TurnedPrefetchOp(ctx, ident, msg, eng, keys)
+        eng.prefetches += 1  # from now on: a second prefetch of this engine counts it, as in one turn
+        if not big.step():
+            ctx.park(big)
+        return None
     ctx.objects.probe_l2(keys, len(eng.layout.groups))
     foreign: set[ObjectKey] = set()
     n = hit_length(ctx, eng, keys, msg.policy, set(), foreign)
@@ -56,6 +70,8 @@ class PrefetchOp:
     that a later read of it never evicts an earlier one (clean objects are evicted first, and a finished
     read is clean); when the last read ends it lets them go as the most recently used. It never answers
     again: the reply went out with the first step, so step() reports nothing and raises nothing."""
+
+    answered = True  # parked only after its reply went out
 
     def __init__(self, ctx: Context, ident: bytes, req_id: int, eng: Engine, todo: list[tuple[ObjectKey, int]]):
         self.ctx, self.ident, self.req_id, self.eng = ctx, ident, req_id, eng
@@ -119,3 +135,150 @@ class PrefetchOp:
         self.held.clear()
         self.eng.prefetches -= 1
         return True
+
+
+class TurnedPrefetchOp:
+    """A large prefetch (more than BIG_OBJECTS keys x groups) in turns of TURN_S (turns.py): the hit rule, the
+    objects L1 lacks, the pins of those it holds and the reads it starts, a piece at a time, then the reply (what
+    PrefetchOp answers in one turn), then the reads' wait and the unpinning, in turns too. Between two turns an
+    object may come or go: one READY under another namespace by the time it is pinned is neither pinned nor
+    counted, and `_start` skips what a lookup brought in or L2 dropped meanwhile, as PrefetchOp's does."""
+
+    def __init__(self, ctx: Context, ident: bytes, msg: P.Prefetch, eng: Engine, keys: list[bytes]):
+        self.ctx, self.ident, self.req_id, self.msg, self.eng, self.keys = ctx, ident, msg.id, msg, eng, keys
+        self.todo: list[tuple[ObjectKey, int]] = []  # objects left to read, popped from the end (prefix order)
+        self.held: list[Entry] = []
+        self.reads: list[Entry] = []  # the reads it started, in order
+        self.started = self.loading = self.refused = 0
+        self.answered = False
+        self.counted = True  # in eng.prefetches until it lets go of its pins
+        self.clock = Clock()
+        self._work: Work = self._run()
+
+    def step(self) -> bool:
+        ctx = self.ctx
+        if not self.answered and ctx.sessions.engines.get(self.eng.id) is not self.eng:
+            self._work.close()
+            self.answered = True
+            ctx.fail(self.ident, self.req_id, E.UNKNOWN_ENGINE, f"engine {self.eng.id} was unregistered or "
+                     "reclaimed while this prefetch worked")
+            self._work = self._let_go()
+        try:
+            return drive(ctx, self._work, self.clock)
+        except Exception:
+            ctx.objects.unpin_all(self.held)  # an internal error: nothing may stay pinned
+            self.held = []
+            self._uncount()
+            if not self.answered:
+                raise  # the loop answers it
+            log.exception("internal error after a prefetch answered")
+            return True
+
+    def _uncount(self) -> None:
+        if self.counted:
+            self.counted = False
+            self.eng.prefetches -= 1
+
+    def _run(self) -> Work:
+        ctx, eng, keys, msg, clock = self.ctx, self.eng, self.keys, self.msg, self.clock
+        objects, lengths, ns = ctx.objects, eng.object_bytes, eng.ns
+        get = objects.get
+        yield from probe_l2(objects, keys, len(eng.layout.groups), clock)
+        foreign: set[ObjectKey] = set()
+        n = yield from hit_length_turns(ctx, eng, keys, msg.policy, set(), foreign, clock)
+        count_foreign(ctx, foreign)
+        absent = 0
+        # no list of the prefix's objects is kept: freeing half a million pairs at once would take a turn of its own
+        for pairs in resume_slices(eng.layout, msg.policy, n, msg.skip_chunks, eng.chunk_tokens, SLICE_OBJECTS):
+            absent += sum(lengths[g] for c, g in pairs if get((keys[c], g)) is None)
+            if clock.over():
+                yield TURN
+        capacity = objects.l1.alloc.size
+        if absent > capacity:
+            self._uncount()
+            self.answered = True
+            ctx.counters.limit_refusals += 1
+            ctx.fail(self.ident, self.req_id, E.LIMIT, f"prefetch of {n} chunks needs {absent} B of L1 for objects "
+                     f"not in it; L1 holds {capacity} B")
+            return
+        ctx.counters.prefetch_requests += 1
+        in_l1 = 0
+        left: list[tuple[ObjectKey, int]] = []
+        ready, loading = State.READY, State.LOADING
+        for pairs in resume_slices(eng.layout, msg.policy, n, msg.skip_chunks, eng.chunk_tokens, SLICE_OBJECTS):
+            part = [((keys[c], g), lengths[g]) for c, g in pairs]
+            es = [get(oid) for oid, _ in part]
+            if None not in es and list(map(_state, es)).count(ready) == len(es) \
+                    and list(map(_ns, es)).count(ns) == len(es):
+                full = cast(list[Entry], es)
+                objects.pin_all(full)
+                self.held += full
+                in_l1 += len(full)
+            else:
+                for (oid, length), e in zip(part, es, strict=True):
+                    if e is None:
+                        left.append((oid, length))
+                    elif e.ns != ns or e.length != length:
+                        continue  # replaced under another namespace since the hit rule saw it: not this prefix's
+                    elif e.state is ready:
+                        objects.pin(e)
+                        self.held.append(e)
+                        in_l1 += 1
+                    elif e.state is loading:
+                        self.loading += 1  # a lookup's read: that lookup holds it
+            if clock.over():
+                yield TURN
+        ctx.counters.prefetch_objects_in_l1 += in_l1
+        self.todo = left[::-1]
+        yield from self._start()
+        self.answered = True
+        ctx.send(self.ident, self.req_id, P.Prefetching(hit_chunks=n, in_l1=in_l1, loading=self.loading,
+                                                        started=self.started, waiting=len(self.todo),
+                                                        refused=self.refused), ())
+        yield from self._let_go()
+
+    def _start(self) -> Work:
+        """PrefetchOp._start, with a turn between pieces."""
+        objects, counters, ns, clock = self.ctx.objects, self.ctx.counters, self.eng.ns, self.clock
+        tried = 0
+        while self.todo:
+            tried += 1
+            if tried % 64 == 0 and clock.over():
+                yield TURN
+            oid, length = self.todo[-1]
+            if objects.get(oid) is not None or objects.held(oid, ns, length) is not Held.MINE:  # in L2?
+                self.todo.pop()  # brought in by a lookup meanwhile, or gone from L2: nothing to read
+                continue
+            r = objects.prefetch(oid, ns, length)
+            if r is NoSlot.WAIT:
+                return
+            if r is NoSlot.FULL:
+                self.refused += len(self.todo)
+                counters.prefetch_objects_refused += len(self.todo)
+                self.todo.clear()
+                return
+            assert isinstance(r, Entry)
+            objects.pin(r)
+            self.held.append(r)
+            self.reads.append(r)
+            self.todo.pop()
+            self.started += 1
+            counters.prefetch_objects_started += 1
+
+    def _let_go(self) -> Work:
+        """Start what room allows until nothing is left to start and every read has ended (nothing more once its
+        engine is gone), then let the prefix go as the most recently used, in prefix order."""
+        ctx, eng, reads = self.ctx, self.eng, self.reads
+        while True:
+            if ctx.sessions.engines.get(eng.id) is eng:
+                yield from self._start()
+            else:
+                self.todo.clear()
+            while reads and (reads[-1].state is not State.LOADING or reads[-1].gone):
+                reads.pop()
+            if not self.todo and not reads:
+                break
+            yield WAIT
+        held, self.held = self.held, []
+        yield from unpin(ctx.objects, held, self.clock)
+        self._uncount()

@@ -45,8 +45,13 @@ def release(ctx: Context, ident: bytes, msg: P.Release, frames: Frames) -> Answe
 
 
 def end_session(ctx: Context, ident: bytes, msg: P.EndSession, frames: Frames) -> Answer:
+    """Release the request's leases and reservations. A lookup of the request still working (in turns, or waiting
+    for L2) was asked before: as in one turn it answers first, its lease is released at once and counted here, and
+    this answers after it (EndSessionWait)."""
     no_frames(msg, frames)
     eng = ctx.sessions.engine(ident, msg.engine)
+    working = [op for op in ctx.parked if getattr(op, "ends_with_session", False) and op.eng is eng  # type: ignore[attr-defined]
+               and op.msg.request == msg.request and not op.answered]  # type: ignore[attr-defined]
     count = 0
     for lease in [x for x in eng.leases.values() if x.request == msg.request]:
         _unpin(ctx, lease)
@@ -57,4 +62,29 @@ def end_session(ctx: Context, ident: bytes, msg: P.EndSession, frames: Frames) -
         ctx.sessions.close_reservation(res)
         ctx.objects.discard([s.entry for s in res.slots], quarantine=False)
         count += 1
-    return P.Done(count=count), []
+    if not working:
+        return P.Done(count=count), []
+    wait = EndSessionWait(ctx, ident, msg.id, count, working)
+    for op in working:
+        op.ended_by = [*op.ended_by, wait]  # type: ignore[attr-defined]
+    ctx.park(wait)
+    return None
+
+
+class EndSessionWait:
+    """The answer of an EndSession that waits for lookups of its request asked before it."""
+
+    def __init__(self, ctx: Context, ident: bytes, req_id: int, count: int, lookups: list[Any]):
+        self.ctx, self.ident, self.req_id, self.count = ctx, ident, req_id, count
+        self.pending = set(map(id, lookups))
+
+    def finished(self, lookup: object, released: bool) -> None:
+        """`lookup` has answered (its lease `released` here) or failed."""
+        self.pending.discard(id(lookup))
+        self.count += released
+
+    def step(self) -> bool:
+        if self.pending:
+            return False
+        self.ctx.send(self.ident, self.req_id, P.Done(count=self.count), ())
+        return True

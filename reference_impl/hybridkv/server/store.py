@@ -11,6 +11,7 @@ from hybridkv.server.fences import Pending
 from hybridkv.server.l1 import NoSlot
 from hybridkv.server.objects import Held
 from hybridkv.server.sessions import Engine, Reservation, Slot
+from hybridkv.server.turns import TURN_S
 from hybridkv.wire_formats import traits
 
 E = P.ErrorCode
@@ -32,9 +33,8 @@ def prepare(ctx: Context, ident: bytes, msg: P.PrepareStore, frames: Frames) -> 
     return None
 
 
-# The time one prepare works in one loop turn: a prepare of 200,000 objects then delays another client's
+# A prepare works TURN_S (turns.py) in one loop turn: a prepare of 200,000 objects then delays another client's
 # request by one share (its objects are looked at in pieces of TURN_OBJECTS between clock reads), not by all of it.
-TURN_S = 0.005
 TURN_OBJECTS = 256
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hybridkv.policy import chunk_objects, resume_bytes, resume_objects
+from hybridkv.policy import chunk_objects, resume_bytes, resume_objects, resume_slices
 from hybridkv.presets import preset_layout, preset_names
 
 
@@ -71,6 +71,22 @@ def test_a_sliding_group_stores_every_chunk_and_resumes_from_its_window(policy, 
                 assert got == want, (first, n, skip)
                 sizes = [1000, 3000, 7000]
                 assert resume_bytes(layout, policy, n, skip, sizes, chunk) == sum(sizes[gg] for _, gg in got)
+
+
+@pytest.mark.parametrize("policy", ["boundary", "all"])
+@pytest.mark.parametrize("window,chunk", [(40, 16), (100, 32), (1000, 16)])
+def test_resume_slices_joined_are_resume_objects(policy, window, chunk):
+    """A large lookup pins its objects a piece at a time: the pieces, whole chunks each and as few as the piece size
+    allows, joined are resume_objects' list."""
+    for layout in (sliding_layout(window), preset_layout("tiny-hybrid")):
+        for n in (0, 1, 2, 7, 30):
+            for skip in (0, 1, 5, 30, 31):
+                want = resume_objects(layout, policy, n, skip, chunk)
+                for size in (1, 2, 3, 5, 64):
+                    pieces = list(resume_slices(layout, policy, n, skip, chunk, size))
+                    assert [o for p in pieces for o in p] == want, (n, skip, size)
+                    per = max(1, size // len(layout.groups))
+                    assert len(pieces) == -(-max(0, n - min(skip, n)) // per) + (1 if n and skip >= n else 0)
 
 
 def test_a_layout_with_sliding_groups_needs_the_chunk_size_to_resume():
