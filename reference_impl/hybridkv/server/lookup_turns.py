@@ -15,7 +15,6 @@ What another request may change between two turns, and what the lookup does abou
 
 from __future__ import annotations
 
-import logging
 from operator import attrgetter
 from typing import Any, cast
 
@@ -25,15 +24,13 @@ from hybridkv.server.context import Context
 from hybridkv.server.hitrule import count_foreign, count_hit, hit_length_turns
 from hybridkv.server.l1 import Entry, NoSlot, ObjectKey, State
 from hybridkv.server.sessions import Engine
-from hybridkv.server.turns import SLICE_OBJECTS, TURN, WAIT, Clock, Steps, Work, drive, encoded_locs, probe_l2, unpin
+from hybridkv.server.turns import SLICE_OBJECTS, TURN, WAIT, Clock, Steps, TurnedOp, Work, encoded_locs, probe_l2, unpin
 
-E = P.ErrorCode
-log = logging.getLogger("hybridkv.server")
 _state, _ns, _offset, _length = (attrgetter(a) for a in ("state", "ns", "offset", "length"))
 Pinned = tuple[list[Entry], list[P.ObjectLoc], bool]  # the answer's entries and places, and whether it is complete
 
 
-class TurnedLookupOp:
+class TurnedLookupOp(TurnedOp):
     """A large lookup, pinned or not; a generator (`_run`) that yields TURN or WAIT (turns.py)."""
 
     ends_with_session = True  # an EndSession of its request waits for it (retrieve.end_session)
@@ -55,24 +52,10 @@ class TurnedLookupOp:
         self.clock = Clock()
         self._work: Work = self._run()
 
-    def step(self) -> bool:
-        ctx = self.ctx
-        if not self.answered and ctx.sessions.engines.get(self.eng.id) is not self.eng:
-            self._work.close()
-            self.answered = True
-            ctx.fail(self.ident, self.req_id, E.UNKNOWN_ENGINE, f"engine {self.eng.id} was unregistered or "
-                     "reclaimed while this lookup worked")
-            self._work = self._let_go()
-        try:
-            return drive(ctx, self._work, self.clock)
-        except Exception:
-            ctx.objects.unpin_all(self.pins + self.stale)  # an internal error: nothing may stay pinned
-            self.pins, self.stale = [], []
-            self._finished(False)
-            if not self.answered:
-                raise  # the loop answers it
-            log.exception("internal error after a lookup answered")
-            return True
+    def _drop_all(self) -> None:
+        self.ctx.objects.unpin_all(self.pins + self.stale)
+        self.pins, self.stale = [], []
+        self._finished(False)
 
     def _finished(self, released: bool) -> None:
         for w in self.ended_by:

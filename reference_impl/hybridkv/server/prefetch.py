@@ -14,7 +14,6 @@ most recently used of L1 and pinned by nobody: the lookup that follows pins them
 
 from __future__ import annotations
 
-import logging
 from operator import attrgetter
 from typing import cast
 
@@ -26,10 +25,9 @@ from hybridkv.server.l1 import Entry, NoSlot, ObjectKey, State
 from hybridkv.server.lookup import resume_request
 from hybridkv.server.objects import Held
 from hybridkv.server.sessions import Engine
-from hybridkv.server.turns import BIG_OBJECTS, SLICE_OBJECTS, TURN, WAIT, Clock, Work, drive, probe_l2, unpin
+from hybridkv.server.turns import BIG_OBJECTS, SLICE_OBJECTS, TURN, WAIT, Clock, TurnedOp, Work, probe_l2, unpin
 
 E = P.ErrorCode
-log = logging.getLogger("hybridkv.server")
 _state, _ns = attrgetter("state"), attrgetter("ns")
 
 
@@ -65,7 +63,47 @@ def prefetch(ctx: Context, ident: bytes, msg: P.Prefetch, frames: Frames) -> Ans
     return reply, []
 
 
-class PrefetchOp:
+class _Reads:
+    """Starting a prefetch's L2 reads, one object at a time, from the end of `todo` (prefix order)."""
+
+    ctx: Context
+    eng: Engine
+    todo: list[tuple[ObjectKey, int]]
+    held: list[Entry]
+    started: int
+    refused: int
+
+    def _start_next(self) -> bool:
+        """Start the read of the last object of `todo`, or pass it by (a lookup brought it in meanwhile, or L2
+        dropped it: nothing to read). False when no read can start now: L1 must make room first (todo kept),
+        or nothing is evictable (the rest refused)."""
+        objects, counters, ns = self.ctx.objects, self.ctx.counters, self.eng.ns
+        oid, length = self.todo[-1]
+        if objects.get(oid) is not None or objects.held(oid, ns, length) is not Held.MINE:  # in L2?
+            self.todo.pop()
+            return True
+        r = objects.prefetch(oid, ns, length)
+        if r is NoSlot.WAIT:
+            return False
+        if r is NoSlot.FULL:
+            self.refused += len(self.todo)
+            counters.prefetch_objects_refused += len(self.todo)
+            self.todo.clear()
+            return False
+        assert isinstance(r, Entry)
+        objects.pin(r)
+        self.held.append(r)
+        self.todo.pop()
+        self.started += 1
+        counters.prefetch_objects_started += 1
+        self._started(r)
+        return True
+
+    def _started(self, e: Entry) -> None:
+        """A read began (TurnedPrefetchOp keeps them, to wait for each)."""
+
+
+class PrefetchOp(_Reads):
     """The reads of one prefetch. It holds (pins) the prefix's objects only while its own reads run, so
     that a later read of it never evicts an earlier one (clean objects are evicted first, and a finished
     read is clean); when the last read ends it lets them go as the most recently used. It never answers
@@ -101,25 +139,8 @@ class PrefetchOp:
 
     def _start(self) -> None:
         """Start reads until every object is started or room must first be made."""
-        objects, counters = self.ctx.objects, self.ctx.counters
-        while self.todo:
-            oid, length = self.todo[-1]
-            if objects.get(oid) is not None or objects.held(oid, self.eng.ns, length) is not Held.MINE:  # in L2?
-                self.todo.pop()  # brought in by a lookup meanwhile, or gone from L2: nothing to read
-                continue
-            r = objects.prefetch(oid, self.eng.ns, length)
-            if r is NoSlot.WAIT:
-                return
-            if r is NoSlot.FULL:
-                self.refused += len(self.todo)
-                counters.prefetch_objects_refused += len(self.todo)
-                self.todo.clear()
-                return
-            objects.pin(r)
-            self.held.append(r)
-            self.todo.pop()
-            self.started += 1
-            counters.prefetch_objects_started += 1
+        while self.todo and self._start_next():
+            pass
 
     def step(self) -> bool:
         """Start what room allows; done once nothing is left to start and every read has ended."""
@@ -137,7 +158,7 @@ class PrefetchOp:
         return True
 
 
-class TurnedPrefetchOp:
+class TurnedPrefetchOp(TurnedOp, _Reads):
     """A large prefetch (more than BIG_OBJECTS keys x groups) in turns of TURN_S (turns.py): the hit rule, the
     objects L1 lacks, the pins of those it holds and the reads it starts, a piece at a time, then the reply (what
     PrefetchOp answers in one turn), then the reads' wait and the unpinning, in turns too. Between two turns an
@@ -155,24 +176,10 @@ class TurnedPrefetchOp:
         self.clock = Clock()
         self._work: Work = self._run()
 
-    def step(self) -> bool:
-        ctx = self.ctx
-        if not self.answered and ctx.sessions.engines.get(self.eng.id) is not self.eng:
-            self._work.close()
-            self.answered = True
-            ctx.fail(self.ident, self.req_id, E.UNKNOWN_ENGINE, f"engine {self.eng.id} was unregistered or "
-                     "reclaimed while this prefetch worked")
-            self._work = self._let_go()
-        try:
-            return drive(ctx, self._work, self.clock)
-        except Exception:
-            ctx.objects.unpin_all(self.held)  # an internal error: nothing may stay pinned
-            self.held = []
-            self._uncount()
-            if not self.answered:
-                raise  # the loop answers it
-            log.exception("internal error after a prefetch answered")
-            return True
+    def _drop_all(self) -> None:
+        self.ctx.objects.unpin_all(self.held)
+        self.held = []
+        self._uncount()
 
     def _uncount(self) -> None:
         if self.counted:
@@ -239,31 +246,16 @@ class TurnedPrefetchOp:
 
     def _start(self) -> Work:
         """PrefetchOp._start, with a turn between pieces."""
-        objects, counters, ns, clock = self.ctx.objects, self.ctx.counters, self.eng.ns, self.clock
         tried = 0
         while self.todo:
             tried += 1
-            if tried % 64 == 0 and clock.over():
+            if tried % 64 == 0 and self.clock.over():
                 yield TURN
-            oid, length = self.todo[-1]
-            if objects.get(oid) is not None or objects.held(oid, ns, length) is not Held.MINE:  # in L2?
-                self.todo.pop()  # brought in by a lookup meanwhile, or gone from L2: nothing to read
-                continue
-            r = objects.prefetch(oid, ns, length)
-            if r is NoSlot.WAIT:
+            if not self._start_next():
                 return
-            if r is NoSlot.FULL:
-                self.refused += len(self.todo)
-                counters.prefetch_objects_refused += len(self.todo)
-                self.todo.clear()
-                return
-            assert isinstance(r, Entry)
-            objects.pin(r)
-            self.held.append(r)
-            self.reads.append(r)
-            self.todo.pop()
-            self.started += 1
-            counters.prefetch_objects_started += 1
+
+    def _started(self, e: Entry) -> None:
+        self.reads.append(e)
 
     def _let_go(self) -> Work:
         """Start what room allows until nothing is left to start and every read has ended (nothing more once its

@@ -9,9 +9,10 @@ in turns the same way with its own loop (store.py).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Generator, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 
@@ -19,6 +20,11 @@ from hybridkv import protocol as P
 from hybridkv.server.context import Context
 from hybridkv.server.l1 import Entry
 from hybridkv.server.objects import ObjectStore
+
+if TYPE_CHECKING:
+    from hybridkv.server.sessions import Engine
+
+log = logging.getLogger("hybridkv.server")
 
 TURN_S = 0.005  # the time a large request works in one loop turn
 SLICE_OBJECTS = 1024  # objects between two clock reads
@@ -94,3 +100,42 @@ def encoded_locs(locs: list[P.ObjectLoc], clock: Clock) -> Steps[msgspec.Raw]:
         if clock.over():
             yield TURN
     return msgspec.Raw(b"".join(parts))
+
+
+class TurnedOp:
+    """What a large request working in turns shares (TurnedLookupOp, TurnedPrefetchOp): `_run` until it
+    answered, then `_let_go` of what it holds; an engine that vanished meanwhile is answered unknown_engine and
+    its pins are let go in turns. Subclasses name their `kind` and say what an internal error must drop."""
+
+    kind = "request"
+    ctx: Context
+    ident: bytes
+    req_id: int
+    eng: Engine
+    answered: bool
+    clock: Clock
+    _work: Work
+
+    def _let_go(self) -> Work:
+        raise NotImplementedError
+
+    def _drop_all(self) -> None:
+        """After an internal error: unpin everything, undo what it counted."""
+        raise NotImplementedError
+
+    def step(self) -> bool:
+        ctx = self.ctx
+        if not self.answered and ctx.sessions.engines.get(self.eng.id) is not self.eng:
+            self._work.close()
+            self.answered = True
+            ctx.fail(self.ident, self.req_id, P.ErrorCode.UNKNOWN_ENGINE, f"engine {self.eng.id} was unregistered "
+                     f"or reclaimed while this {self.kind} worked")
+            self._work = self._let_go()
+        try:
+            return drive(ctx, self._work, self.clock)
+        except Exception:
+            self._drop_all()  # an internal error: nothing may stay pinned
+            if not self.answered:
+                raise  # the loop answers it
+            log.exception("internal error after a %s answered", self.kind)
+            return True
