@@ -8,8 +8,9 @@ is reachable; never imports torch.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
-import time
+import threading
 from pathlib import Path
 
 NEAR_LIMIT = 0.8  # a bound used this much or more is listed under "near limits"
@@ -143,15 +144,21 @@ def run(args: argparse.Namespace) -> int:
     if not args.timeout > 0:
         raise UserError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     clear = sys.stdout.isatty() and args.watch is not None
+    # Watching, Ctrl-C (SIGINT) ends the loop between two asks: raised inside the client (its lock taken, its
+    # I/O thread starting or being joined) it could leave the client stuck in its close, and the command with it
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set()) if args.watch is not None else None
     try:
         while True:
             r = ask(args.endpoint, args.timeout)
             text = msgspec.json.encode(r).decode() if args.json else render(args.endpoint, r)
             print(("\x1b[H\x1b[2J" if clear else "") + text, flush=True)
-            if args.watch is None:
+            if args.watch is None or stop.wait(args.watch):
                 return 0
-            time.sleep(args.watch)
             if not clear and not args.json:
                 print(flush=True)
     except KeyboardInterrupt:
         return 0
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
