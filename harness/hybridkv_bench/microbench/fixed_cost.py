@@ -24,6 +24,7 @@ store shows what is fixed around it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
 import statistics
@@ -50,6 +51,7 @@ from hybridkv_kernels import build_plan, run_plan
 
 from hybridkv_bench.pools import BlockAllocator, fill_random, vllm_pools
 
+_ROWS = itertools.count()
 PRESETS = (("qwen3.6-27b", 1), ("qwen3.6-27b", 8), ("qwen3-next-80b-a3b", 1))
 
 
@@ -187,8 +189,10 @@ def profile(endpoint: str, layout: ModelLayout, chunks: int, rounds: int, device
     src = [alloc.allocate(blocks_per_group) for _ in layout.groups]
     dst = [alloc.allocate(blocks_per_group) for _ in layout.groups]
     rng = np.random.default_rng(chunks)
-    # a namespace per mode: a row after another on this server would find its objects present
-    with KVTransfer(endpoint, layout, pools, TransferConfig(commit=commit, salt=f"fixed-cost-{commit}")) as kv:
+    # a namespace per row: a row after another on this server (the same mode twice too) would find its
+    # objects present
+    salt = f"fixed-cost-{commit}-{next(_ROWS)}"
+    with KVTransfer(endpoint, layout, pools, TransferConfig(commit=commit, salt=salt)) as kv:
         ct = kv.chunk_tokens
         fresh = iter(range(1 << 30))
 

@@ -96,9 +96,10 @@ def test_a_fenced_store_to_a_server_that_died_fails_and_never_hangs(server_facto
 @pytest.mark.parametrize("preset,tp,streams", [("tiny-hybrid", 1, "single"), ("tiny-hybrid", 1, "per_group"),
                                                ("qwen3.6-27b", 8, "single")])
 def test_a_fenced_store_is_published_only_after_its_copies_and_holds_the_pages(server_factory, preset, tp, streams):
-    """The engine's stream is kept busy ~0.1 s, so the copies (queued after it) start late while the commit
+    """The engine's stream is kept busy ~1 s, so the copies (queued after it) start late while the commit
     is already at the server: another engine of the namespace misses until the fence shows, then hits the
-    exact pages; `done` comes no later than `committed`."""
+    exact pages; `done` comes no later than `committed`. A warm-up store first takes the route's one-time
+    set-up (on the H200 the first store of a process outlasted a 0.1 s busy stream, so the premise failed)."""
     srv = server_factory(l1_gib=2.0)
     layout = preset_layout(preset, tp)
     pools = vllm_pools(layout, NUM_BLOCKS, "cuda")
@@ -111,18 +112,25 @@ def test_a_fenced_store_is_published_only_after_its_copies_and_holds_the_pages(s
         chunks = 2
         tokens = np.random.default_rng(2).integers(0, 150_000, chunks * kv.chunk_tokens)
         src = [alloc.allocate(chunks * (kv.chunk_tokens // g.block_tokens)) for g in layout.groups]
+        warm = np.random.default_rng(3).integers(0, 150_000, kv.chunk_tokens)
+        kv.store("w", warm, [ids[:kv.chunk_tokens // g.block_tokens] for ids, g in zip(src, layout.groups)]) \
+            .wait_committed(30)
+        kv.end_session("w")
         prep = kv.prepare_store("f", tokens, block_ids=src)
         prep.wait(30)
         torch.cuda.synchronize()
-        torch.cuda._sleep(200_000_000)  # the engine's stream busy: the copies wait for it
+        torch.cuda._sleep(2_000_000_000)  # the engine's stream busy ~1 s: the copies wait for it
+        busy = torch.cuda.Event()
+        busy.record()
         h = kv.store("f", tokens, src, prepared=prep)
         early = other.lookup("early", tokens)
         other.end_session("early")
+        assert not busy.query(), "premise: the lookup came after the engine's stream was free again"
         h.wait_committed(30)
         kv.end_session("f")
         assert early.hit_chunks == 0, "published before the copies (and the fence after them) ended"
         assert h.t_commit_sent < h.t_done <= h.t_committed
-        assert _counters(kv)["commits_fenced"] == 1
+        assert _counters(kv)["commits_fenced"] == 2
         assert _stored_equal(other, pools, alloc, tokens, src, chunks)
 
 
