@@ -199,7 +199,7 @@ class Scenario(Strict, frozen=True):
     engine: EngineKind = "sim"
     transformers: TransformersSpec = TransformersSpec()  # read when engine = "transformers"
     engines_as: EnginesAs = "auto"
-    commit: CommitMode = "after_copies"  # every case's stores' commit (TransferConfig.commit)
+    commit: CommitMode = "fenced"  # every case's stores' commit (TransferConfig.commit)
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):

@@ -12,10 +12,10 @@ from hybridkv.wire_formats import DEFAULT_FORMAT, FORMATS, WireFormat
 
 Streams = Literal["single", "per_group"]
 STREAM_MODES: tuple[Streams, ...] = get_args(Streams)
-# after_copies: the commit is a round trip after the copies were waited for (always so on a CPU, a payload wire,
-# kernel copies). fenced: a store over the shm wire on CUDA with DMA copies sends its commit with the copies,
-# and the server publishes once the fence word the GPU writes after them shows (hybridkv.server.fences). Not
-# the default yet: its server side and protocol are tested on CPU, its CUDA side has not run on a GPU.
+# fenced (the default): a store over the shm wire sends its commit with the copies (on CUDA with DMA copies; on a
+# CPU once its synchronous copies are done), and the server publishes once the fence word written after them
+# shows (hybridkv.server.fences); tested on CPU and the H200. after_copies: the classic commit, a round trip
+# after the copies were waited for (always so for a payload wire and for kernel copies on CUDA).
 CommitMode = Literal["fenced", "after_copies"]
 COMMIT_MODES: tuple[CommitMode, ...] = get_args(CommitMode)
 
@@ -38,7 +38,7 @@ class TransferConfig:
     salt: str = ""
     timeout_s: float = 60.0
     name: str = ""
-    commit: CommitMode = "after_copies"
+    commit: CommitMode = "fenced"  # after_copies: the classic round trip once the copies are done
 
     def __post_init__(self) -> None:
         for fld, allowed in (("wire_format", FORMATS), ("copy_engine", COPY_ENGINES),
