@@ -16,9 +16,8 @@ them, the commit round trip, and waking the caller.
 
     python -m hybridkv_bench.microbench.fixed_cost [--rounds 200] [--chunks 2 71] [--presets qwen3.6-27b:8] [--json]
     python -m hybridkv_bench.microbench.fixed_cost --device cuda --page-bytes 0 --l1-gib 24   # on a GPU, real pages
-
-With `--page-bytes 0` the presets' own pages are kept: the copy is then real, and the split of a whole
-store shows what is fixed around it.
+With `--page-bytes 0` the presets' own pages are kept: the copy is then real, and the split of a whole store
+shows what is fixed around it.
 """
 
 from __future__ import annotations
@@ -189,9 +188,7 @@ def profile(endpoint: str, layout: ModelLayout, chunks: int, rounds: int, device
     src = [alloc.allocate(blocks_per_group) for _ in layout.groups]
     dst = [alloc.allocate(blocks_per_group) for _ in layout.groups]
     rng = np.random.default_rng(chunks)
-    # a namespace per row: a row after another on this server (the same mode twice too) would find its
-    # objects present
-    salt = f"fixed-cost-{commit}-{next(_ROWS)}"
+    salt = f"fixed-cost-{commit}-{next(_ROWS)}"  # a namespace per row: a later row (same mode too) finds none
     with KVTransfer(endpoint, layout, pools, TransferConfig(commit=commit, salt=salt)) as kv:
         ct = kv.chunk_tokens
         fresh = iter(range(1 << 30))
