@@ -14,6 +14,7 @@ from hybridkv.server import store
 from hybridkv.server.context import Answer, Context, Frames, RequestError, no_frames
 from hybridkv.server.sessions import Engine
 from hybridkv.server.telemetry import STATUS_FIGURES, limits, server_figures
+from hybridkv.server.turns import let_go
 
 E = P.ErrorCode
 
@@ -56,8 +57,7 @@ def heartbeat(ctx: Context, ident: bytes, msg: P.Heartbeat, frames: Frames) -> A
 def drop_engine(ctx: Context, eng: Engine, reclaimed: bool) -> None:
     """Forget an engine: unpin its leases, free its reservations (quarantined when it vanished)."""
     leases, reservations = ctx.sessions.remove_engine(eng)
-    for lease in leases:
-        ctx.objects.unpin_all(lease.entries)
+    let_go(ctx, [e for lease in leases for e in lease.entries])
     for res in reservations:
         # a fenced commit waiting for the engine's copies, which may still land: its slots quarantined
         if res.committing and store.end_pending_fence(

@@ -7,6 +7,7 @@ from typing import Any
 from hybridkv import protocol as P
 from hybridkv.server.context import Answer, Context, Frames, RequestError, no_frames
 from hybridkv.server.sessions import Lease
+from hybridkv.server.turns import let_go
 
 E = P.ErrorCode
 
@@ -33,7 +34,7 @@ def retrieve(ctx: Context, ident: bytes, msg: P.Retrieve, frames: Frames) -> Ans
 
 def _unpin(ctx: Context, lease: Lease) -> None:
     ctx.sessions.close_lease(lease)
-    ctx.objects.unpin_all(lease.entries)
+    let_go(ctx, lease.entries)
 
 
 def release(ctx: Context, ident: bytes, msg: P.Release, frames: Frames) -> Answer:

@@ -318,6 +318,30 @@ def test_an_end_session_mid_lookup_answers_after_it_and_releases_its_lease(serve
         no_pins_left(watcher)
 
 
+@pytest.mark.parametrize("how", ["release", "end_session", "unregister"])
+def test_a_huge_lease_closed_is_answered_at_once_and_let_go_in_turns(servers, how):
+    """Release, EndSession or Unregister of a ~12,000-object lease answers at once (the lease closed in the
+    books); its pins are let go in turns after the answer (turns.LetGo: a piece of 1 object a turn here, so
+    thousands of turns), another client's requests answered between them; then no pin is left."""
+    s = servers("s", l1_gib=0.2, turn_s=0.0, slice_objects=1)
+    with CacheClient(s.endpoint, timeout_s=60) as c, CacheClient(s.endpoint, timeout_s=60) as watcher:
+        eng, keys = stored(c)
+        res = c.call(P.Lookup(engine=eng.id, request="r", keys=keys))[0]
+        assert res.hit_chunks == BIG_N and len(res.objects) > 2 * 4096
+        msg = {"release": P.Release(engine=eng.id, lease=res.lease),
+               "end_session": P.EndSession(engine=eng.id, request="r"),
+               "unregister": P.Unregister(engine=eng.id)}[how]
+        answer = c.call(msg)[0]
+        assert answer.count == {"release": len(res.objects), "end_session": 1, "unregister": 0}[how]
+        mid = stats(watcher)  # answered while the pins are let go
+        assert mid["leases"] == 0 and mid["parked"] >= 1 and mid["l1_pinned_objects"] > 0, mid
+        if how != "unregister":
+            with pytest.raises(ServerError) as err:
+                c.call(P.Release(engine=eng.id, lease=res.lease))
+            assert err.value.code == "unknown_lease"
+        no_pins_left(watcher)
+
+
 # ---- 4. objects that change between its turns ----------------------------------------------------------------
 
 ATTENTION_ONLY = ModelLayout(model="turns-attention", groups=tuple(
