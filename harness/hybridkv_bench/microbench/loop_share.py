@@ -1,8 +1,10 @@
 """How long a huge request holds the server's loop: another client's worst wait beside the huge request's own time.
 
 One client sends a huge pinned Lookup, then a huge Prefetch, then Releases the lookup's lease (by default
-64 groups, half attention and half recurrent, x 16,384 keys, every object stored: a 524,320-object lease),
-while another client on its own connection sends 71-chunk Lookups (pin=false, the latency case) back to back.
+64 groups, half attention and half recurrent, x 16,384 keys, every object stored: a 524,320-object lease), an
+unpinned Lookup, a PrepareStore and CommitStore of 4096 more keys x the groups, and an EndSession of a second
+such lease, while another client on its own connection sends 71-chunk Lookups (pin=false, the latency case) back
+to back.
 For each huge request it prints the huge request's round trip and the other client's worst (and 99th percentile)
 round trip among those that overlapped it, beside the other client's median round trip on an idle server.
 
@@ -33,6 +35,9 @@ from hybridkv.server.config import GIB, ServerConfig
 from hybridkv.server.launch import start_server
 
 from hybridkv_bench.microbench.lookup_bench import store_chunks
+
+STORE_KEYS = 4096  # the huge store's keys (x the groups: 262,144 objects in one PrepareStore and CommitStore)
+STEPS = ("lookup", "prefetch", "release", "probe_lookup", "prepare", "commit", "end_session")
 
 
 def huge_layout(groups: int, attention: int) -> ModelLayout:
@@ -93,7 +98,7 @@ def other_client(endpoint: str, idle_rounds: int = 300) -> None:
 def measure(groups: int, attention: int, n_keys: int) -> dict[str, float | int]:
     sock_dir = tempfile.mkdtemp(prefix="hkv-", dir="/tmp")
     # a slot is 4 KiB whatever the object: the arena holds every object's slot (a sparse file, the bytes unused)
-    l1 = ((groups * n_keys + 10_000) * 4096) / GIB + 0.1
+    l1 = ((groups * (n_keys + STORE_KEYS) + 10_000) * 4096) / GIB + 0.1
     server = start_server(ServerConfig(endpoint=f"ipc://{sock_dir}/s.sock", l1_bytes=int(l1 * GIB), admin=True))
     out: dict[str, float | int] = {"groups": groups, "attention_groups": attention, "keys": n_keys}
     try:
@@ -123,6 +128,14 @@ def measure(groups: int, attention: int, n_keys: int) -> dict[str, float | int]:
             assert isinstance(pre, P.Prefetching), pre
             timed("release", P.Release(engine=reg.engine, lease=res.lease))
             timed("probe_lookup", P.Lookup(engine=reg.engine, request="big", keys=keys, pin=False))
+            more = chunk_keys(reg.namespace, np.arange(n_keys, n_keys + STORE_KEYS), 1)
+            prep = timed("prepare", P.PrepareStore(engine=reg.engine, request="w", keys=more, objects=[
+                (c, g) for c in range(STORE_KEYS) for g in range(groups)]))
+            assert isinstance(prep, P.Prepared) and len(prep.slots) == STORE_KEYS * groups, prep
+            timed("commit", P.CommitStore(engine=reg.engine, reservation=prep.reservation))
+            big.call(P.Lookup(engine=reg.engine, request="again", keys=keys))
+            time.sleep(0.05)
+            timed("end_session", P.EndSession(engine=reg.engine, request="again"))
             other.stop()
             out["other_idle_p50_ms"] = 1e3 * other.trips[0][1]
             for name, (t0, t1) in spans.items():
@@ -155,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     print(f"{a.groups} groups ({a.attention} attention) x {a.keys} keys; other client: 71-chunk lookups, "
           f"{out['other_idle_p50_ms']:.3f} ms p50 on an idle server")
-    for name in ("lookup", "prefetch", "release", "probe_lookup"):
+    for name in STEPS:
         worst, p99, trips = (out[f"{name}_other_{k}"] for k in ("worst_ms", "p99_ms", "trips"))
         print(f"  {name:13s} {out[f'{name}_ms']:8.1f} ms; other client's worst wait {worst:7.1f} ms (p99 {p99:.1f} ms) "
               f"over {trips} round trips")

@@ -213,7 +213,7 @@ class CacheServer:
             if not getattr(op, "answered", False):  # a prefetch whose reads still run has answered already
                 self.ctx.fail(op.ident, op.req_id, E.SHUTTING_DOWN, "the server is shutting down")
         if self.sessions.fences.pending:
-            store.check_fences(self.ctx)  # what showed is published (a flush at exit then writes it to L2)
+            store.check_fences(self.ctx, whole=True)  # what showed is published (a flush at exit then writes it to L2)
             for p in list(self.sessions.fences.pending.values()):
                 store.end_pending_fence(self.ctx, p.res, E.SHUTTING_DOWN, "the server is shutting down")
         sock = self._sock

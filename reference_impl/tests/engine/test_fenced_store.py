@@ -113,8 +113,8 @@ def test_a_fenced_store_is_published_only_after_its_copies_and_holds_the_pages(s
         tokens = np.random.default_rng(2).integers(0, 150_000, chunks * kv.chunk_tokens)
         src = [alloc.allocate(chunks * (kv.chunk_tokens // g.block_tokens)) for g in layout.groups]
         warm = np.random.default_rng(3).integers(0, 150_000, kv.chunk_tokens)
-        kv.store("w", warm, [ids[:kv.chunk_tokens // g.block_tokens] for ids, g in zip(src, layout.groups)]) \
-            .wait_committed(30)
+        first = [ids[:kv.chunk_tokens // g.block_tokens] for ids, g in zip(src, layout.groups, strict=True)]
+        kv.store("w", warm, first).wait_committed(30)
         kv.end_session("w")
         prep = kv.prepare_store("f", tokens, block_ids=src)
         prep.wait(30)

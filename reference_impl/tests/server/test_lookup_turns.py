@@ -342,6 +342,46 @@ def test_a_huge_lease_closed_is_answered_at_once_and_let_go_in_turns(servers, ho
         no_pins_left(watcher)
 
 
+@pytest.mark.parametrize("fenced", [False, True])
+def test_a_huge_prepare_and_commit_work_in_turns_and_a_lookup_between_sees_whole_objects(servers, fenced):
+    """A 24,000-object PrepareStore answers every slot in its order (the answer's locations encoded in turns), and
+    its CommitStore (classic, or fenced with the word written before) publishes in turns (turns.PublishOp, one
+    object a turn here): another engine's lookup between its turns finds whole objects only (a prefix of the
+    commit's), an AbortStore of the reservation meanwhile is `unknown_reservation`, an EndSession of its request
+    leaves it, and the commit answers every object, each then found with its bytes."""
+    s = servers("s", l1_gib=0.2, turn_s=0.0, slice_objects=1)
+    with CacheClient(s.endpoint, timeout_s=60) as c, CacheClient(s.endpoint, timeout_s=60) as watcher:
+        eng, reader = Engine(c, MIXED, chunk_tokens=CT), Engine(watcher, MIXED, chunk_tokens=CT)
+        keys = eng.keys(BIG_N, seed=5)
+        objects = [(ch, g) for ch in range(BIG_N) for g in range(4)]
+        prep = c.call(P.PrepareStore(engine=eng.id, request="w", keys=keys, objects=objects))[0]
+        assert [(sl.chunk, sl.group) for sl in prep.slots] == objects and prep.reservation
+        assert len({sl.offset for sl in prep.slots}) == len(objects)
+        for sl in prep.slots:
+            eng.arena[sl.offset:sl.offset + sl.length] = eng.payload(keys[sl.chunk], sl.group, sl.length)
+        if fenced:
+            eng.arena[prep.fence:prep.fence + 8] = np.frombuffer(prep.reservation.to_bytes(8, "little", signed=True),
+                                                                 np.uint8)
+        fut = c.submit(P.CommitStore(engine=eng.id, reservation=prep.reservation, fenced=fenced))
+        while_working(watcher, fut)
+        mid = reader.lookup(keys[:1000], request="m")  # the one-turn path, between two of the commit's turns
+        reader.check(keys, mid)
+        with pytest.raises(ServerError) as err:
+            c.call(P.AbortStore(engine=eng.id, reservation=prep.reservation))
+        assert err.value.code == "unknown_reservation"
+        assert c.call(P.EndSession(engine=eng.id, request="w"))[0].count == 0
+        assert not fut.done(), "the commit answered before the requests sent behind it"
+        done = fut.result(timeout=60)[0]
+        assert isinstance(done, P.Committed) and done.objects == len(objects)
+        full = reader.lookup(keys, request="f")
+        assert full.hit_chunks == BIG_N
+        reader.check(keys, full)
+        reader.client.call(P.EndSession(engine=reader.id, request="f"))
+        reader.client.call(P.EndSession(engine=reader.id, request="m"))
+        c_ = no_pins_left(watcher)
+        assert c_["commits_fenced"] == int(fenced) and c_["reservations"] == 0, c_
+
+
 # ---- 4. objects that change between its turns ----------------------------------------------------------------
 
 ATTENTION_ONLY = ModelLayout(model="turns-attention", groups=tuple(

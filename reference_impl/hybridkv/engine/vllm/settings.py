@@ -23,7 +23,7 @@ class ConnectorSettings:
     wire_format: WireFormat = DEFAULT_FORMAT  # the engine's GPU writes straight into the server's arena
     copy_engine: CopyEngine = "auto"
     streams: Streams = "single"
-    commit: CommitMode = "fenced"  # a store's commit leaves with its copies (protocol.md); after_copies: the classic one
+    commit: CommitMode = "fenced"  # a store's commit leaves with its copies (protocol.md); after_copies: classic
     store_policy: Policy = "boundary"  # attention of every chunk, the recurrent state wherever vLLM offers one
     retrieve_policy: Policy = "boundary"  # attention of every hit chunk, the recurrent state at the hit's end
     chunk_tokens: int = 0           # 0: vLLM's block size (the unified hybrid block)
