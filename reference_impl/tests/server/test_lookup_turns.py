@@ -1,5 +1,6 @@
 """Large Lookups and Prefetches work in turns (issue 23: no client delays another client's request by more than
-50 ms), on real server processes and real ZMQ clients.
+50 ms), on real server processes and real ZMQ clients; so do a large PrepareStore's answer, a large CommitStore's
+publication and the letting go of a large lease's pins after its Release, EndSession or Unregister.
 
 A large one (more than turns.BIG_OBJECTS keys x groups) answers what the one-turn path answers for the same state
 (compared with a server that takes the one-turn path for every size, `turns_serve.py --one-turn`); another
@@ -380,6 +381,28 @@ def test_a_huge_prepare_and_commit_work_in_turns_and_a_lookup_between_sees_whole
         reader.client.call(P.EndSession(engine=reader.id, request="m"))
         c_ = no_pins_left(watcher)
         assert c_["commits_fenced"] == int(fenced) and c_["reservations"] == 0, c_
+
+
+def test_an_unregister_behind_a_huge_commit_lets_it_publish_and_answer(servers):
+    """Unregister sent right behind a 24,000-object commit (which works in turns): the Unregister answers, the
+    commit still publishes everything it was asked to and answers Committed; another engine of the namespace
+    then hits all of it with its bytes, and nothing stays pinned, reserved or parked."""
+    s = servers("s", l1_gib=0.2, turn_s=0.0, slice_objects=4)
+    with CacheClient(s.endpoint, timeout_s=60) as c, CacheClient(s.endpoint, timeout_s=60) as watcher:
+        eng, reader = Engine(c, MIXED, chunk_tokens=CT), Engine(watcher, MIXED, chunk_tokens=CT)
+        keys = eng.keys(BIG_N, seed=7)
+        prep = c.call(P.PrepareStore(engine=eng.id, request="w", keys=keys,
+                                     objects=[(ch, g) for ch in range(BIG_N) for g in range(4)]))[0]
+        for sl in prep.slots:
+            eng.arena[sl.offset:sl.offset + sl.length] = eng.payload(keys[sl.chunk], sl.group, sl.length)
+        commit = c.submit(P.CommitStore(engine=eng.id, reservation=prep.reservation))
+        assert isinstance(c.submit(P.Unregister(engine=eng.id)).result(timeout=60)[0], P.Done)
+        assert commit.result(timeout=60)[0].objects == 4 * BIG_N
+        hit = reader.lookup(keys, request="f")
+        assert hit.hit_chunks == BIG_N
+        reader.check(keys, hit)
+        watcher.call(P.EndSession(engine=reader.id, request="f"))
+        assert no_pins_left(watcher)["reservations"] == 0
 
 
 # ---- 4. objects that change between its turns ----------------------------------------------------------------
