@@ -167,6 +167,10 @@ class ObjectStore:
             self.l1.make_ready(e)
         self.spill_ahead()
 
+    def make_ready(self, e: Entry) -> None:
+        """One written entry becomes READY (a publication in turns; `spill_ahead` after its pieces)."""
+        self.l1.make_ready(e)
+
     def discard(self, entries: list[Entry], quarantine: bool) -> None:
         """Drop unpublished entries; quarantined slots are reused only after the quarantine time."""
         for e in entries:

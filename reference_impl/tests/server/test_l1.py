@@ -120,7 +120,7 @@ def test_pinned_objects_at_the_old_end_are_not_scanned_per_allocation(tmp_path):
         for i in range(48):
             assert l1.reserve(key(10_000 + i), 0, NS, SLOT_ALIGN) not in (NoSlot.FULL, NoSlot.WAIT)
         assert l1.evictions == 48 and all(l1.get(e.oid) is e for e in entries[:2000])
-        assert len(l1._clean.od) == 0  # only unpinned READY objects are queued
+        assert len(l1._clean) == 0  # only unpinned READY objects are queued
     finally:
         a.close()
 
@@ -180,3 +180,43 @@ def test_ready_keys_follow_every_state_change(arena):
     l1.make_ready(e)
     assert l1.ready_keys == ready_in_table(l1) == {(NS, 0): {key(1), key(9)}}
     assert l1.usage()["l1_unready_objects"] == 0 and l1.usage()["l1_pinned_objects"] == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_segmented_queue_keeps_the_order_one_ordered_dict_keeps(monkeypatch, seed):
+    """LruQueue in segments of 8 (merging under 4): 20,000 random adds at either end, moves to either end and
+    removes (runs of them, so segments empty, go sparse and merge) keep exactly the order, count and bytes of
+    one OrderedDict; every entry's segment is one of the queue's and holds it; segments stay few."""
+    import random
+    from collections import OrderedDict
+
+    from hybridkv.server import l1 as l1mod
+    from hybridkv.server.l1 import Entry, LruQueue, Queue
+
+    monkeypatch.setattr(l1mod, "SEGMENT", 8)
+    monkeypatch.setattr(l1mod, "_SPARSE", 4)
+    rng = random.Random(seed)
+    q, ref = LruQueue(Queue.CLEAN), OrderedDict()
+    pool = [Entry(key(i), 0, NS, 0, 1, State.READY, size=1 + i % 3) for i in range(400)]
+    for step in range(20_000):
+        e = rng.choice(pool)
+        young = rng.random() < 0.8
+        if e.queue is None:
+            q.add(e, young)
+            ref[e.oid] = e
+            ref.move_to_end(e.oid, last=young)
+        elif rng.random() < 0.5:
+            q.move(e, young)
+            ref.move_to_end(e.oid, last=young)
+        else:
+            q.remove(e)
+            del ref[e.oid]
+        if step % 97 == 0 or step > 19_900:
+            got = [oid for seg in q.segs for oid in seg]
+            assert got == list(ref), step
+            assert len(q) == len(ref) and q.bytes == sum(x.size for x in ref.values())
+            assert all(any(x.seg is s for s in q.segs) and x.oid in x.seg for x in ref.values())
+            assert all(q.segs[i] for i in range(len(q.segs) - 1)), "an empty segment other than the youngest"
+            assert len(q.segs) <= 2 * len(ref) // 8 + 3, (len(q.segs), len(ref))
+            if ref:
+                assert q.oldest() is next(iter(ref.values()))
