@@ -190,11 +190,12 @@ def test_a_segmented_queue_keeps_the_order_one_ordered_dict_keeps(monkeypatch, s
     import random
     from collections import OrderedDict
 
-    from hybridkv.server import l1 as l1mod
-    from hybridkv.server.l1 import Entry, LruQueue, Queue
+    from hybridkv.server import lru
+    from hybridkv.server.l1 import Entry
+    from hybridkv.server.lru import LruQueue, Queue
 
-    monkeypatch.setattr(l1mod, "SEGMENT", 8)
-    monkeypatch.setattr(l1mod, "_SPARSE", 4)
+    monkeypatch.setattr(lru, "SEGMENT", 8)
+    monkeypatch.setattr(lru, "_SPARSE", 4)
     rng = random.Random(seed)
     q, ref = LruQueue(Queue.CLEAN), OrderedDict()
     pool = [Entry(key(i), 0, NS, 0, 1, State.READY, size=1 + i % 3) for i in range(400)]
