@@ -1,5 +1,6 @@
-"""The Lookup hit rule (DESIGN.md), shared by Lookup and Prefetch: in one call (`hit_length`), or in turns for a
-large request (`hit_length_turns`, the same rule over the same questions asked in pieces of SLICE_OBJECTS)."""
+"""The Lookup hit rule (DESIGN.md), shared by Lookup and Prefetch: in turns for a large request
+(`hit_length_turns`, its questions asked in pieces of SLICE_OBJECTS), or in one call (`hit_length`, the same
+generator under a clock that never ends the turn)."""
 
 from __future__ import annotations
 
@@ -16,40 +17,23 @@ def hit_length(ctx: Context, eng: Engine, keys: list[bytes], policy: str, missin
     """Longest n such that every needed object of chunks < n exists in the engine's namespace, every recurrent
     group has its state at chunk n-1 (DESIGN.md: a prefix without its state is a miss at that length) and every
     sliding-window group its objects of the chunks its window at n reaches (`GroupLayout.window_start_chunk`).
-    Objects of another namespace under these keys are misses, collected in `foreign`."""
-    layout, ns = eng.layout, eng.ns
-    every = policy == "all"
-    groups = [g for g, grp in enumerate(layout.groups)
-              if grp.kind == "attention" or (every and grp.kind == "recurrent")]
-    available = ctx.objects.available_prefix
-    lengths = eng.object_bytes
-    n = available(keys, groups, lengths, missing, ns, foreign)
-    recurrent = layout.recurrent_groups
-    sliding = layout.sliding_groups
-    # Per sliding group, the first chunk c such that its objects of chunks c..n-1 are known available: a
-    # shorter length re-reads only the chunks its window reaches below c, so each chunk is read once per group
-    # however often the search steps down (re-reading a whole long window per step was keys^2 / 2 reads).
-    known: dict[int, int] = {}
-    while n > 0:
-        if not available(keys[n - 1:n], recurrent, lengths, missing, ns, foreign):
-            n -= 1
-            continue
-        # A sliding object missing at chunk c fails every length in (c, n]: each of their windows reaches c.
-        # So the search jumps to c.
-        at = n
-        for (start, lo), gs in _by_window_start(layout, sliding, n, eng.chunk_tokens, known).items():
-            have = available(keys[start:lo], gs, lengths, missing, ns, foreign)
-            if have < lo - start:
-                at = min(at, start + have)
-        if at == n:
-            return n
-        n = at
-    return 0
+    Objects of another namespace under these keys are misses, collected in `foreign`. In one call: the rule of
+    `hit_length_turns` under a clock that never ends the turn."""
+    steps = hit_length_turns(ctx, eng, keys, policy, missing, foreign, _NEVER)
+    try:
+        next(steps)
+    except StopIteration as done:
+        return done.value
+    raise AssertionError("a turn ended under a clock that never ends one")
+
+
+_NEVER = Clock()
+_NEVER.until = float("inf")
 
 
 def hit_length_turns(ctx: Context, eng: Engine, keys: list[bytes], policy: str, missing: set[ObjectKey],
                      foreign: set[ObjectKey], clock: Clock) -> Steps[int]:
-    """`hit_length`, step for step, its questions asked in pieces with a turn between them when the clock says
+    """The hit rule (`hit_length`), its questions asked in pieces with a turn between them when the clock says
     so. The pieces are answered at different times: what a later turn finds gone is a miss when the lookup
     pins it, and the rule is asked again (lookup_turns.py)."""
     layout, ns = eng.layout, eng.ns
@@ -63,6 +47,9 @@ def hit_length_turns(ctx: Context, eng: Engine, keys: list[bytes], policy: str, 
     available = ctx.objects.available_prefix
     known: dict[int, int] = {}
     steps = 0
+    # Per sliding group, the first chunk c such that its objects of chunks c..n-1 are known available: a
+    # shorter length re-reads only the chunks its window reaches below c, so each chunk is read once per group
+    # however often the search steps down (re-reading a whole long window per step was keys^2 / 2 reads).
     while n > 0:
         steps += len(recurrent) + 1
         if steps >= SLICE_OBJECTS:  # a long walk down, one length at a time
@@ -72,6 +59,8 @@ def hit_length_turns(ctx: Context, eng: Engine, keys: list[bytes], policy: str, 
         if not available(keys[n - 1:n], recurrent, lengths, missing, ns, foreign):
             n -= 1
             continue
+        # A sliding object missing at chunk c fails every length in (c, n]: each of their windows reaches c.
+        # So the search jumps to c.
         at = n
         for (start, lo), gs in _by_window_start(layout, sliding, n, eng.chunk_tokens, known).items():
             have = yield from _available(ctx, keys, start, lo, gs, lengths, missing, ns, foreign, clock)
