@@ -9,11 +9,15 @@ the protocol version `v` and a request id `id` that the reply echoes.
 from __future__ import annotations
 
 import enum
-from typing import Annotated
+import sys
+from array import array
+from collections.abc import Iterable, Sequence
+from itertools import chain
+from typing import Annotated, Any
 
 import msgspec
 
-from hybridkv.layout import MAX_NAME_CHARS, ModelLayout
+from hybridkv.layout import MAX_GROUPS, MAX_LAYERS, MAX_NAME_CHARS, ModelLayout
 from hybridkv.policy import Policy
 from hybridkv.wire_formats import DEFAULT_FORMAT, DEFAULT_PAYLOAD_FORMAT, WireFormat
 
@@ -22,6 +26,50 @@ from hybridkv.wire_formats import DEFAULT_FORMAT, DEFAULT_PAYLOAD_FORMAT, WireFo
 Text = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
 
 PROTOCOL_VERSION = 1
+
+# Bulk integers travel packed, as int32 little-endian bytes: msgspec builds one Python object per element of a
+# msgpack array, so one hostile 8 MiB frame of 1.4M (chunk, group) pairs held the server's loop 0.37 s in decode
+# alone, and one of 4M one-block lists 2.5 s; a bytes field decodes in microseconds whatever its length. A
+# hand-written client may still send short lists (their lengths are checked before any element is built).
+MAX_LISTED = 4096        # objects or block lists given as a msgpack list
+MAX_LISTED_BLOCKS = 256  # blocks in one listed block list: a listed message decodes in a few ms
+MAX_KEYS = 1 << 20       # keys in one request, whatever --max-keys says (1M keys decode in ~12 ms)
+MAX_SHARED_DIMS = 8      # dimensions of one shared CUDA page view
+
+
+def pack_ints(values: Iterable[int]) -> bytes:
+    """int32 little-endian bytes of `values`; ValueError for one outside int32."""
+    try:
+        a = array("i", values)
+    except (OverflowError, TypeError) as e:
+        raise ValueError(f"not an int32: {e}") from None
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a.tobytes()
+
+
+def unpack_ints(blob: bytes) -> Sequence[int]:
+    """The int32s of `blob` (its length a multiple of 4), without a copy on little-endian hosts."""
+    if sys.byteorder == "little":
+        return memoryview(blob).cast("i")
+    a = array("i")
+    a.frombytes(blob)
+    a.byteswap()
+    return a
+
+
+def pack_pairs(pairs: Iterable[tuple[int, int]]) -> bytes:
+    """(chunk, group) pairs as PrepareStore.objects sends them."""
+    return pack_ints(chain.from_iterable(pairs))
+
+
+def _packed(value: Any, what: str) -> bytes:
+    """A packed field as sent, or the short list form packed (`__post_init__`: also on decode)."""
+    if isinstance(value, bytes):
+        if len(value) % 4:
+            raise ValueError(f"{what}: packed int32s, so a multiple of 4 bytes, not {len(value)}")
+        return value
+    return pack_ints(chain.from_iterable(value))
 
 
 class Message(msgspec.Struct, tag_field="op", kw_only=True, forbid_unknown_fields=True):
@@ -54,7 +102,7 @@ class Lookup(Message, tag="lookup"):
     """Find the longest resumable prefix of `keys`; pin its objects for `request` and bring them into L1."""
     engine: int
     request: Text
-    keys: list[bytes]
+    keys: Annotated[list[bytes], msgspec.Meta(max_length=MAX_KEYS)]
     policy: Policy = "boundary"
     # chunks the engine already holds: their attention objects are neither pinned nor returned
     skip_chunks: int = 0
@@ -65,18 +113,41 @@ class Prefetch(Message, tag="prefetch"):
     """Start L2 -> L1 reads of the longest resumable prefix of `keys` ahead of need, pinning nothing;
     answered at once, before any read ends (a later Lookup of the prefix then finds it in L1)."""
     engine: int
-    keys: list[bytes]
+    keys: Annotated[list[bytes], msgspec.Meta(max_length=MAX_KEYS)]
     policy: Policy = "boundary"
     # chunks the engine already holds: their attention objects are not read (as Lookup.skip_chunks)
     skip_chunks: int = 0
 
 
 class PrepareStore(Message, tag="prepare_store"):
-    """Reserve L1 slots for the objects (chunk index into keys, group) that the server lacks."""
+    """Reserve L1 slots for the objects (chunk index into keys, group) that the server lacks. `objects` is
+    sent packed (`pack_pairs`: int32 chunk, group, chunk, group, ...); a list of at most MAX_LISTED pairs is
+    taken too and packed on arrival, so the server always reads `pairs()`."""
     engine: int
     request: Text
-    keys: list[bytes]
-    objects: list[tuple[int, int]]
+    keys: Annotated[list[bytes], msgspec.Meta(max_length=MAX_KEYS)]
+    objects: bytes | Annotated[list[tuple[int, int]], msgspec.Meta(max_length=MAX_LISTED)]
+
+    def __post_init__(self) -> None:
+        self.objects = _packed(self.objects, "objects")
+        if len(self.objects) % 8:
+            raise ValueError(f"objects: packed (chunk, group) int32 pairs, so a multiple of 8 bytes, "
+                             f"not {len(self.objects)}")
+
+    def pairs(self) -> Sequence[int]:
+        """chunk, group, chunk, group, ...: object i is (pairs[2i], pairs[2i + 1])."""
+        assert isinstance(self.objects, bytes)
+        return unpack_ints(self.objects)
+
+    @property
+    def n_objects(self) -> int:
+        return len(self.objects) // 8
+
+
+# engine block ids, one list per object, sent packed (`pack_ints` of them all, objects in order: the server
+# splits them by each object's length); a list of at most MAX_LISTED short lists is taken too
+Blocks = bytes | Annotated[list[Annotated[list[int], msgspec.Meta(max_length=MAX_LISTED_BLOCKS)]],
+                           msgspec.Meta(max_length=MAX_LISTED)]
 
 
 class CommitStore(Message, tag="commit_store"):
@@ -87,8 +158,11 @@ class CommitStore(Message, tag="commit_store"):
     engine: int
     reservation: int
     format: WireFormat = DEFAULT_FORMAT
-    blocks: list[list[int]] = []
+    blocks: Blocks = b""
     fenced: bool = False
+
+    def __post_init__(self) -> None:
+        self.blocks = _packed(self.blocks, "blocks")
 
 
 class AbortStore(Message, tag="abort_store"):
@@ -103,7 +177,10 @@ class Retrieve(Message, tag="retrieve"):
     engine: int
     lease: int
     format: WireFormat = DEFAULT_PAYLOAD_FORMAT
-    blocks: list[list[int]] = []
+    blocks: Blocks = b""
+
+    def __post_init__(self) -> None:
+        self.blocks = _packed(self.blocks, "blocks")
 
 
 class CudaShare(msgspec.Struct, array_like=True, frozen=True):
@@ -117,14 +194,15 @@ class CudaShare(msgspec.Struct, array_like=True, frozen=True):
     event_handle: bytes
     event_sync_required: bool
     tensor_offset: int
-    size: list[int]
-    stride: list[int]
+    size: Annotated[list[int], msgspec.Meta(max_length=MAX_SHARED_DIMS)]
+    stride: Annotated[list[int], msgspec.Meta(max_length=MAX_SHARED_DIMS)]
 
 
 class ShareCuda(Message, tag="share_cuda"):
     """cuda_ipc baseline: the engine's page views, per group per layer, for the server to map."""
     engine: int
-    groups: list[list[CudaShare]]
+    groups: Annotated[list[Annotated[list[CudaShare], msgspec.Meta(max_length=MAX_LAYERS)]],
+                      msgspec.Meta(max_length=MAX_GROUPS)]
 
 
 class Release(Message, tag="release"):

@@ -143,8 +143,11 @@ def measure(groups: int, attention: int, n_keys: int) -> dict[str, float | int]:
                 out[f"{name}_other_worst_ms"] = 1e3 * trips[-1]
                 out[f"{name}_other_p99_ms"] = 1e3 * trips[min(len(trips) - 1, int(0.99 * len(trips)))]
                 out[f"{name}_other_trips"] = len(trips)
-            time.sleep(0.2)  # the prefetch lets its pins go when its last read ends
-            out["pinned_after"] = big.call(P.Stats())[0].counters["l1_pinned_objects"]
+            # the prefetch lets its pins go when its last read ends, a large lease's in turns after its answer
+            deadline = time.monotonic() + 10.0
+            while (pinned := big.call(P.Stats())[0].counters["l1_pinned_objects"]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            out["pinned_after"] = pinned
     finally:
         server.close()
         shutil.rmtree(sock_dir, ignore_errors=True)

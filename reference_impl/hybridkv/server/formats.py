@@ -9,7 +9,7 @@ engine wrote the arena itself).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 import numpy as np
 
@@ -133,30 +133,36 @@ class CudaIpcFormat:
         self.mapped.pop(eng.id, None)
 
     def _job(self, eng: Engine, direction: Literal["gather", "scatter"], objects: list[tuple[int, int, int, int]],
-             blocks: list[list[int]]) -> Job:
-        """Validate a copy of (chunk, group, offset, length) objects from/to engine blocks."""
+             blocks: bytes) -> Job:
+        """Validate a copy of (chunk, group, offset, length) objects from/to engine blocks: `blocks` is their
+        block ids packed, objects in order, each object's count given by its length."""
         mapped = self.mapped.get(eng.id)
         if mapped is None:
             raise RequestError(E.BAD_REQUEST, f"engine {eng.id} shared no CUDA pages (send share_cuda first)")
-        if len(blocks) != len(objects):
-            raise RequestError(E.BAD_REQUEST, f"{len(blocks)} block lists for {len(objects)} objects")
-        plan = []
-        for i, ((c, g, off, length), ids) in enumerate(zip(objects, blocks, strict=True)):
+        ids = P.unpack_ints(blocks)
+        plan, at = [], 0
+        for i, (c, g, off, length) in enumerate(objects):
             grp = eng.layout.groups[g]
-            if len(ids) * grp.num_layers * grp.page_bytes != length:
-                raise RequestError(E.BAD_REQUEST, f"object {i} (chunk {c}, group {g}) is {length} B; "
-                                   f"{len(ids)} blocks of {grp.num_layers} layers do not fill it")
-            plan.append((g, ids, off, length))
+            n, rest = divmod(length, grp.num_layers * grp.page_bytes)
+            if rest or at + n > len(ids):
+                raise RequestError(E.BAD_REQUEST, f"object {i} (chunk {c}, group {g}) is {length} B: "
+                                   f"{len(ids) - at} block ids left of {len(ids)} do not fill it with pages of "
+                                   f"{grp.num_layers} layers")
+            plan.append((g, list(ids[at:at + n]), off, length))
+            at += n
+        if at != len(ids):
+            raise RequestError(E.BAD_REQUEST, f"{len(ids)} block ids for objects of {at} blocks")
         return lambda: mapped.copy(direction, plan)
 
     def commit(self, eng: Engine, res: Reservation, msg: P.CommitStore, frames: list[Any]) -> Job | None:
         _no_payload(msg, frames)
         return self._job(eng, "gather", [(s.chunk, s.group, s.entry.offset, s.entry.length) for s in res.slots],
-                         msg.blocks)
+                         cast(bytes, msg.blocks))
 
     def retrieve(self, eng: Engine, lease: Lease, msg: P.Retrieve) -> list[Any] | Job:
         job = self._job(eng, "scatter", [(loc.chunk, loc.group, e.offset, e.length)
-                                         for loc, e in zip(lease.locs, lease.entries, strict=True)], msg.blocks)
+                                         for loc, e in zip(lease.locs, lease.entries, strict=True)],
+                        cast(bytes, msg.blocks))
 
         def run() -> list[Any]:
             job()
