@@ -9,15 +9,13 @@ the protocol version `v` and a request id `id` that the reply echoes.
 from __future__ import annotations
 
 import enum
-import sys
-from array import array
-from collections.abc import Iterable, Sequence
-from itertools import chain
-from typing import Annotated, Any
+from collections.abc import Sequence
+from typing import Annotated
 
 import msgspec
 
 from hybridkv.layout import MAX_GROUPS, MAX_LAYERS, MAX_NAME_CHARS, ModelLayout
+from hybridkv.packed import _packed, pack_ints, pack_pairs, unpack_ints  # noqa: F401 - the protocol's helpers
 from hybridkv.policy import Policy
 from hybridkv.wire_formats import DEFAULT_FORMAT, DEFAULT_PAYLOAD_FORMAT, WireFormat
 
@@ -35,41 +33,6 @@ MAX_LISTED = 4096        # objects or block lists given as a msgpack list
 MAX_LISTED_BLOCKS = 256  # blocks in one listed block list: a listed message decodes in a few ms
 MAX_KEYS = 1 << 20       # keys in one request, whatever --max-keys says (1M keys decode in ~12 ms)
 MAX_SHARED_DIMS = 8      # dimensions of one shared CUDA page view
-
-
-def pack_ints(values: Iterable[int]) -> bytes:
-    """int32 little-endian bytes of `values`; ValueError for one outside int32."""
-    try:
-        a = array("i", values)
-    except (OverflowError, TypeError) as e:
-        raise ValueError(f"not an int32: {e}") from None
-    if sys.byteorder == "big":
-        a.byteswap()
-    return a.tobytes()
-
-
-def unpack_ints(blob: bytes) -> Sequence[int]:
-    """The int32s of `blob` (its length a multiple of 4), without a copy on little-endian hosts."""
-    if sys.byteorder == "little":
-        return memoryview(blob).cast("i")
-    a = array("i")
-    a.frombytes(blob)
-    a.byteswap()
-    return a
-
-
-def pack_pairs(pairs: Iterable[tuple[int, int]]) -> bytes:
-    """(chunk, group) pairs as PrepareStore.objects sends them."""
-    return pack_ints(chain.from_iterable(pairs))
-
-
-def _packed(value: Any, what: str) -> bytes:
-    """A packed field as sent, or the short list form packed (`__post_init__`: also on decode)."""
-    if isinstance(value, bytes):
-        if len(value) % 4:
-            raise ValueError(f"{what}: packed int32s, so a multiple of 4 bytes, not {len(value)}")
-        return value
-    return pack_ints(chain.from_iterable(value))
 
 
 class Message(msgspec.Struct, tag_field="op", kw_only=True, forbid_unknown_fields=True):
