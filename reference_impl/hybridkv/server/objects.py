@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from enum import Enum
 from operator import attrgetter
 from typing import cast
@@ -72,6 +72,7 @@ class ObjectStore:
         self._counters = counters
         has_l2 = (lambda e: l2.length(e.key, e.group, e.ns) == e.length) if l2 is not None else None
         self.l1 = L1Cache(arena, config.eviction, self._spill if l2 is not None else None, has_l2)
+        self.get: Callable[[ObjectKey], Entry | None] = self.l1.get  # the L1 table's entry of an object, or None
         self._quarantine: deque[tuple[float, int, int]] = deque()  # (until, offset, length), in time order
         self._spills_inflight = 0
         self._last_failure_log = 0.0
@@ -81,9 +82,6 @@ class ObjectStore:
         self._stopping = False
 
     # ---- questions ---------------------------------------------------------------------------------
-
-    def get(self, oid: ObjectKey) -> Entry | None:
-        return self.l1.get(oid)
 
     @property
     def probes_l2(self) -> bool:
@@ -145,7 +143,7 @@ class ObjectStore:
     def ready(self, oids: list[ObjectKey]) -> list[Entry] | None:
         """The entries of these objects when every one is READY in L1 (a lookup's common case: pin and
         answer at once), else None."""
-        entries = list(map(self.l1.get, oids))  # map and attrgetter: the loops run in C
+        entries = self.l1.get_many(oids)
         # count() compares by identity first; a set of states would hash each Enum member in Python
         if None in entries or list(map(_state, entries)).count(State.READY) != len(entries):
             return None

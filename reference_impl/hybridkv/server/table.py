@@ -1,0 +1,119 @@
+"""The L1's tables, kept in pieces so that none grows past a size whose resize stops the server's loop: the object
+table, (key, group) -> Entry, and the sets of READY keys a lookup asks.
+
+CPython grows a dict in one step that walks every entry: the L1 table as one dict stopped the loop 66 ms at
+1.4M objects on a quiet 2-core VM (120-370 ms on a loaded one), the moment a prepare crossed a power of two.
+Here each of SHARDS dicts holds about 1/SHARDS of the objects, chosen by the key's hash (a chunk key is
+already a hash; bytes keep theirs, so choosing costs no hashing). The shards fill evenly, so they cross their
+powers of two within a few thousand objects of each other, not in the same one: code that inserts many
+objects reads the clock between pieces of at most a few hundred (`store.TURN_OBJECTS`), and a piece meets one
+shard's resize, 1/SHARDS of the whole.
+
+A set of READY keys (one per namespace and group) is asked "does it hold all of these keys?" in C, which a
+sharded set would turn into a question per shard. So it is kept whole up to KEYSET_SEGMENT keys, which is all an
+honest layout's group ever holds (a 1 TiB L1 holds 43,000 objects of a group of Qwen3.6-27B TP8 ranks), and
+grows in further segments past it: a set of 1.4M keys resized in one step of ~60 ms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from hybridkv.keys import ObjectKey
+
+if TYPE_CHECKING:
+    from hybridkv.server.l1 import Entry
+
+SHARDS = 64  # 1.45M objects: the worst 256-object piece of a prepare 7.6 ms of CPU, 255 ms in one dict
+_MASK = SHARDS - 1
+KEYSET_SEGMENT = 1 << 17  # a set resize of 131k keys: ~3 ms
+
+
+class ObjectTable:
+    """A dict of objects in SHARDS dicts. `get_many` is the bulk question of a lookup (one pass, no call per
+    object)."""
+    __slots__ = ("_shards", "_n")
+
+    def __init__(self) -> None:
+        self._shards: list[dict[ObjectKey, Entry]] = [{} for _ in range(SHARDS)]
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def get(self, oid: ObjectKey) -> Entry | None:
+        return self._shards[hash(oid[0]) & _MASK].get(oid)
+
+    def get_many(self, oids: list[ObjectKey]) -> list[Entry | None]:
+        shards = self._shards
+        return [shards[hash(o[0]) & _MASK].get(o) for o in oids]
+
+    def put(self, e: Entry) -> None:
+        """`e` under its oid (in place of the entry there, as a dict's item assignment)."""
+        shard = self._shards[hash(e.key) & _MASK]
+        n = len(shard)
+        shard[e.oid] = e
+        self._n += len(shard) - n
+
+    def remove(self, e: Entry) -> bool:
+        """Take `e` out if the table holds it (not another entry of its oid); whether it did."""
+        shard = self._shards[hash(e.key) & _MASK]
+        if shard.get(e.oid) is not e:
+            return False
+        del shard[e.oid]
+        self._n -= 1
+        return True
+
+    def values(self) -> Iterator[Entry]:
+        for shard in self._shards:
+            yield from shard.values()
+
+
+class KeySet:
+    """The keys of a namespace's group that are READY in L1, in segments of at most KEYSET_SEGMENT keys."""
+    __slots__ = ("segs",)
+
+    def __init__(self) -> None:
+        self.segs: list[set[bytes]] = [set()]
+
+    def __len__(self) -> int:
+        return sum(map(len, self.segs))
+
+    def __bool__(self) -> bool:
+        return any(self.segs)
+
+    def __contains__(self, key: bytes) -> bool:
+        return any(key in s for s in self.segs)
+
+    def add(self, key: bytes) -> None:
+        """`key`, which the set does not hold."""
+        last = self.segs[-1]
+        if len(last) >= KEYSET_SEGMENT:
+            last = set()
+            self.segs.append(last)
+        last.add(key)
+
+    def discard(self, key: bytes) -> None:
+        segs = self.segs
+        for i, s in enumerate(segs):
+            if key in s:
+                s.remove(key)
+                if not s and len(segs) > 1:
+                    del segs[i]
+                return
+
+    def issuperset(self, keys: list[bytes]) -> bool:
+        """Whether every one of `keys` is held: one C call when the set is one segment."""
+        segs = self.segs
+        if len(segs) == 1:
+            return segs[0].issuperset(keys)
+        left = set(keys)
+        for s in segs:
+            left = left.difference(s)  # walks `left`, not `s`
+            if not left:
+                return True
+        return False
+
+    def keys(self) -> set[bytes]:
+        return set().union(*self.segs)
