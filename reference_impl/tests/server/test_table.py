@@ -44,7 +44,7 @@ def test_object_table_shards_fill_evenly():
     # than its share (chunk keys are hashes; bytes keep theirs)
     t = ObjectTable()
     n = 64 * 2000
-    for i in range(n // 4):
+    for _ in range(n // 4):
         k = os.urandom(16)
         for g in range(4):
             t.put(entry(k, g))
