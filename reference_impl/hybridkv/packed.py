@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from itertools import chain
 from typing import Any
 
-__all__ = ["pack_ints", "pack_pairs", "unpack_ints"]
+__all__ = ["pack_ints", "pack_pairs", "packed_field", "unpack_ints"]
 
 
 def pack_ints(values: Iterable[int]) -> bytes:
@@ -37,10 +37,12 @@ def pack_pairs(pairs: Iterable[tuple[int, int]]) -> bytes:
     return pack_ints(chain.from_iterable(pairs))
 
 
-def _packed(value: Any, what: str) -> bytes:
-    """A packed field as sent, or the short list form packed (`__post_init__`: also on decode)."""
-    if isinstance(value, bytes):
-        if len(value) % 4:
-            raise ValueError(f"{what}: packed int32s, so a multiple of 4 bytes, not {len(value)}")
-        return value
-    return pack_ints(chain.from_iterable(value))
+def packed_field(value: Any, what: str, item_bytes: int = 4) -> bytes:
+    """A packed field as sent, or its short list form packed (a message's `__post_init__`, on decode too); a
+    ValueError unless it is whole items of `item_bytes` (4: int32s, 8: (chunk, group) pairs)."""
+    if not isinstance(value, bytes):
+        value = pack_ints(chain.from_iterable(value))
+    if len(value) % item_bytes:
+        raise ValueError(f"{what}: packed int32 {'pairs' if item_bytes == 8 else 'values'}, so a multiple of "
+                         f"{item_bytes} bytes, not {len(value)}")
+    return value

@@ -15,7 +15,7 @@ from typing import Annotated
 import msgspec
 
 from hybridkv.layout import MAX_GROUPS, MAX_LAYERS, MAX_NAME_CHARS, ModelLayout
-from hybridkv.packed import _packed, pack_ints, pack_pairs, unpack_ints  # noqa: F401 - the protocol's helpers
+from hybridkv.packed import pack_ints, pack_pairs, packed_field, unpack_ints  # noqa: F401 - the protocol's helpers
 from hybridkv.policy import Policy
 from hybridkv.wire_formats import DEFAULT_FORMAT, DEFAULT_PAYLOAD_FORMAT, WireFormat
 
@@ -92,10 +92,7 @@ class PrepareStore(Message, tag="prepare_store"):
     objects: bytes | Annotated[list[tuple[int, int]], msgspec.Meta(max_length=MAX_LISTED)]
 
     def __post_init__(self) -> None:
-        self.objects = _packed(self.objects, "objects")
-        if len(self.objects) % 8:
-            raise ValueError(f"objects: packed (chunk, group) int32 pairs, so a multiple of 8 bytes, "
-                             f"not {len(self.objects)}")
+        self.objects = packed_field(self.objects, "objects", 8)
 
     def pairs(self) -> Sequence[int]:
         """chunk, group, chunk, group, ...: object i is (pairs[2i], pairs[2i + 1])."""
@@ -125,7 +122,7 @@ class CommitStore(Message, tag="commit_store"):
     fenced: bool = False
 
     def __post_init__(self) -> None:
-        self.blocks = _packed(self.blocks, "blocks")
+        self.blocks = packed_field(self.blocks, "blocks")
 
 
 class AbortStore(Message, tag="abort_store"):
@@ -143,7 +140,7 @@ class Retrieve(Message, tag="retrieve"):
     blocks: Blocks = b""
 
     def __post_init__(self) -> None:
-        self.blocks = _packed(self.blocks, "blocks")
+        self.blocks = packed_field(self.blocks, "blocks")
 
 
 class CudaShare(msgspec.Struct, array_like=True, frozen=True):
