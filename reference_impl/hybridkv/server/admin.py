@@ -57,7 +57,7 @@ def heartbeat(ctx: Context, ident: bytes, msg: P.Heartbeat, frames: Frames) -> A
 def drop_engine(ctx: Context, eng: Engine, reclaimed: bool) -> None:
     """Forget an engine: unpin its leases, free its reservations (quarantined when it vanished)."""
     leases, reservations = ctx.sessions.remove_engine(eng)
-    let_go(ctx, [e for lease in leases for e in lease.entries])
+    let_go(ctx, [e for lease in leases for e in lease.entries], [lease.locs for lease in leases])
     for res in reservations:
         # a fenced commit waiting for the engine's copies, which may still land: its slots quarantined
         if res.committing and store.end_pending_fence(

@@ -34,7 +34,7 @@ def retrieve(ctx: Context, ident: bytes, msg: P.Retrieve, frames: Frames) -> Ans
 
 def _unpin(ctx: Context, lease: Lease) -> None:
     ctx.sessions.close_lease(lease)
-    let_go(ctx, lease.entries)
+    let_go(ctx, lease.entries, [lease.locs])
 
 
 def release(ctx: Context, ident: bytes, msg: P.Release, frames: Frames) -> Answer:

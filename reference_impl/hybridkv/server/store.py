@@ -143,6 +143,7 @@ class PrepareOp:
         ctx.counters.namespace_refusals += self.foreign
         ctx.send(self.ident, self.req_id, P.Prepared(reservation=rid, slots=slots, present=self.present,
                                                      refused=self.refused, fence=fence), ())
+        turns.free_later(ctx, self.locs)  # the answer is on its way: its locations are done with
         return True
 
 
@@ -287,6 +288,7 @@ def committed(ctx: Context, res: Reservation) -> P.Committed:
     nbytes = sum(e.length for e in entries)
     ctx.counters.objects_committed += len(entries)
     ctx.counters.bytes_committed += nbytes
+    turns.free_later(ctx, res.slots)
     return P.Committed(objects=len(entries), bytes=nbytes)
 
 
