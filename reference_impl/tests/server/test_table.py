@@ -3,12 +3,14 @@ its share, which is what bounds a resize's stop of the loop."""
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 
 import pytest
-from hybridkv.server import table
+from hybridkv.server import table, turns
 from hybridkv.server.l1 import Entry, State
+from hybridkv.server.lru import LruQueue, Queue
 from hybridkv.server.table import KeySet, ObjectTable
 
 
@@ -72,3 +74,23 @@ def test_keyset_answers_as_one_set(monkeypatch, segment):
         assert ks.issuperset(ask) == s.issuperset(ask)
         assert ks.issuperset(sorted(s)[:7])
         assert all(len(seg) <= segment for seg in ks.segs) and (len(ks.segs) == 1 or all(ks.segs))
+
+
+def test_lists_done_with_are_emptied_a_piece_per_turn_and_counts_taken_before():
+    # what a large request leaves behind (a lease's locations, a reservation's slots) is freed in pieces after
+    # its answer: `empty` yields between pieces once the turn is over and leaves every list empty
+    clock = turns.Clock()  # until 0: every turn is over at once
+    lists = [list(range(5000)), [], list(range(3 * turns.SLICE_OBJECTS))]
+    pieces = sum(1 for _ in turns.empty(lists, clock))
+    assert all(not lst for lst in lists)
+    assert pieces == (5000 // turns.SLICE_OBJECTS) + 3 - 1  # a yield between pieces, none after the last
+
+
+def test_l1_entries_are_not_tracked_by_the_cycle_collector():
+    # a full collection walked every entry (350 ms of CPU at 1M objects); untracked, an entry must never be in a
+    # cycle that only the collector could free: leaving its queue drops its links to the queue and segment
+    e, q = entry(b"k" * 16, 0), LruQueue(Queue.CLEAN)
+    q.add(e)
+    assert not gc.is_tracked(e) and e.queue is q and e.seg is not None
+    q.remove(e)
+    assert e.queue is None and e.seg is None
