@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -63,7 +62,6 @@ class _Held:
     transfer: KVTransfer  # the connection whose arena mapping the pages are copied from (kept open until then)
     hit: Hit
     job: LoadJob
-    since: float
 
 
 class LayerwiseLoads:
@@ -88,7 +86,7 @@ class LayerwiseLoads:
         t.check_blocks(pages.objects, job.block_ids)
         with self._lock:
             old = self._held.pop(job.request_id, None)
-            self._held[job.request_id] = _Held(t, pages, job, time.monotonic())
+            self._held[job.request_id] = _Held(t, pages, job)
         if old is not None:  # vLLM looked the request up again (its earlier load failed on another rank)
             old.transfer.release(old.hit)
         return replace(hit, lease=0, objects=states)
