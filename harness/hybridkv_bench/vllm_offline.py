@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from hybridkv.layout import ModelLayout
+from hybridkv.layout import ModelLayout, layer_index
 
 from hybridkv_bench.vllm_planning import plan_kv_cache
 
@@ -35,6 +35,12 @@ class StepReport:
     corrupt_pages: int = 0
     corrupt_blocks: set[int] = field(default_factory=set)  # block positions (in the request) with a bad page
     loaded_requests: list[str] = field(default_factory=list)
+
+
+def _forward_order(name: str) -> tuple[int, str]:
+    """A layer's place in the forward: its decoder-layer index (a name without one last)."""
+    i = layer_index(name)
+    return (i, "") if isinstance(i, int) else (1 << 30, name)
 
 
 class OfflineEngine:
@@ -69,6 +75,9 @@ class OfflineEngine:
         self._recurrent = [i for i, g in enumerate(groups) if type(g.kv_cache_spec).__name__ == "MambaSpec"]
         self._sliding = [i for i, g in enumerate(groups) if type(g.kv_cache_spec).__name__ == "SlidingWindowSpec"]
         self._page = {i: g.kv_cache_spec.page_size_bytes for i, g in enumerate(groups)}
+        # the layers a forward's attention calls wait_for_layer_load for, in the order it reaches them
+        self.attention_layers = sorted((n for i, g in enumerate(groups) if i not in self._recurrent
+                                        for n in g.layer_names), key=_forward_order)
         self._tokens: dict[str, np.ndarray] = {}
         self.reports: list[StepReport] = []
         self.scheduler_stats: list[Any] = []  # vLLM's SchedulerStats of the steps with connector stats or lookups
@@ -179,8 +188,11 @@ class OfflineEngine:
             w.handle_preemptions(meta)
             w.bind_connector_metadata(meta)
             w.start_load_kv(None)
+            for name in self.attention_layers:  # each attention layer waits for its pages before it reads them
+                w.wait_for_layer_load(name)
         # loads are asynchronous: a request is scheduled with a hit only once its load is done (or it failed and
-        # vLLM recomputes it), so every scheduled prefix is checked here
+        # vLLM recomputes it; load_mode layerwise: its GDN states, and its attention pages the waits above
+        # waited for), so every scheduled prefix is checked here
         for nr in so.scheduled_new_reqs:
             if nr.num_computed_tokens:
                 self.verify(nr.req_id, tuple(nr.block_ids), nr.num_computed_tokens, report)

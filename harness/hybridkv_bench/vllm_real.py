@@ -103,6 +103,8 @@ class TTFTScenario(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     l1_gib: float = 2.0
     decode_tokens: int = 32          # the continuation whose step time gives the connector's cost to a step
     step_cost: bool = True           # also start an engine without the connector, for that cost
+    # the connector's kv_connector_extra_config keys beyond the endpoint (e.g. load_mode = "layerwise")
+    connector: dict[str, str | int | float] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.engine != "vllm-real":
@@ -147,7 +149,7 @@ def engine_args(model: Path, sc: TTFTScenario, endpoint: str | None) -> dict[str
     if endpoint is not None:
         from hybridkv.engine.vllm.settings import kv_transfer_config
 
-        args["kv_transfer_config"] = kv_transfer_config(endpoint)
+        args["kv_transfer_config"] = kv_transfer_config(endpoint, **sc.connector)
     return args
 
 

@@ -212,7 +212,13 @@ class Route(ABC):
         self._resolve_done(h)
         h.committed.set_result(h)
 
+    def release_soon(self, lease: int) -> None:
+        """Unpin a lease without waiting for the answer (a hit that will not be retrieved)."""
+        self._release(lease, wait=False)
+
     def _release(self, lease: int, wait: bool = True) -> None:
+        if not lease:
+            return  # a part of a hit whose lease another retrieve releases
         try:
             msg = P.Release(engine=self.engine_id, lease=lease)
             self.client.call(msg) if wait else self.client.submit(msg)

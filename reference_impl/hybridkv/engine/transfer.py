@@ -114,6 +114,8 @@ class KVTransfer:
         (an engine zeroes new blocks there before it loads into them). `cancel()` on the handle before the
         first page is written means none will be.
 
+        A hit of lease 0 (a part of a pinned hit whose lease a later retrieve releases) releases nothing.
+
         `layerwise`: the copies go in the order a forward reads the layers (every recurrent state, then the
         other layers by index), and the handle's `wait_layer(name)` orders a reader of one layer after that
         layer's pages alone, so layer i computes while later layers load. Where the copies are not queued by
@@ -220,6 +222,14 @@ class KVTransfer:
             raise ValueError(f"prepared store of {prep.request_id!r} ({len(prep.keys)} chunks from chunk "
                              f"{prep.start_chunk}) does not match store of {request_id!r} ({chunks} chunks from "
                              f"chunk {start_chunk})")
+
+    def check_blocks(self, objects: Sequence[P.ObjectLoc], block_ids: Sequence[Sequence[int]]) -> None:
+        """Raise where `retrieve` of `objects` into `block_ids` would (a retrieve planned for later, checked now)."""
+        self._object_blocks(objects, block_ids)
+
+    def release(self, hit: Hit) -> None:
+        """Unpin a hit that will not be retrieved, without waiting for the answer."""
+        self.route.release_soon(hit.lease)
 
     def end_session(self, request_id: str) -> int:
         """The request is finished: the server drops its pins and open reservations."""

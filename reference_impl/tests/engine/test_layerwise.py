@@ -138,3 +138,33 @@ def test_the_layer_steps_cut_a_load_into_parts_that_copy_every_page_once_in_forw
             for j in range(grp.num_layers):
                 for s, d in _pairs(kv.layout, g, src[g], dst[g], bpc[g], CHUNKS):
                     assert torch.equal(pools[g][j][s], pools[g][j][d])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[cuda, pytest.mark.cuda])])
+def test_a_hit_split_in_two_loads_keeps_its_pins_until_the_second(server_factory, device):
+    """The vLLM connector's load_mode layerwise: the GDN states of a pinned hit load first as a part of lease 0
+    (releasing nothing), the attention part later under the hit's lease: both write what was stored, and the
+    objects stay pinned on the server until the second load ends."""
+    from dataclasses import replace
+
+    from hybridkv import protocol as P
+
+    with _stored(server_factory, "tiny-hybrid", 1, device, 7) as (kv, pools, hit, src, dst, bpc):
+        layout = kv.layout
+        rec = set(layout.recurrent_groups)
+        states = replace(hit, lease=0, objects=[o for o in hit.objects if o.group in rec])
+        pages = replace(hit, objects=[o for o in hit.objects if o.group not in rec])
+        assert states.objects and pages.objects
+        kv.check_blocks(pages.objects, dst)
+        with pytest.raises(ValueError):
+            kv.check_blocks(pages.objects, dst[:1])
+        kv.retrieve(states, dst).wait(30)
+        kv.client.call(P.Health())  # behind any release the first load sent
+        assert kv.client.call(P.Stats())[0].counters["leases"] == 1, "the lease-0 part released the hit's pins"
+        kv.retrieve(pages, dst, layerwise=True).wait(30)
+        kv.client.call(P.Health())
+        assert kv.client.call(P.Stats())[0].counters["leases"] == 0, "the second part kept the hit's lease"
+        for g in range(len(layout.groups)):
+            for t in pools[g]:
+                for s, d in _pairs(layout, g, src[g], dst[g], bpc[g], CHUNKS):
+                    assert torch.equal(t[s], t[d])

@@ -108,7 +108,14 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker_side.start_load(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        pass  # loads are asynchronous: a request is scheduled only once its load is done
+        """load_mode layerwise: order this attention layer after its own pages of the step's loads; async: the
+        loads ended before the request was scheduled."""
+        if self.worker_side is not None and self.worker_side.layerwise is not None:
+            # vLLM starts a step's loads before its forward only where it was told of loads to wait for
+            # (`has_sync_kv_loads`, set by the scheduler side); should a vLLM run start_load_kv after the forward,
+            # the first attention layer starts them itself
+            self.worker_side.start_step_loads(self._meta())
+            self.worker_side.layerwise.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
@@ -155,7 +162,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         self._requests.setdefault(request.request_id, request)
         hit, _ = self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
-        return hit, bool(hit)  # loads are asynchronous: the request waits in vLLM's queue, never the step
+        # the load (load_mode layerwise: its server part and GDN states) is asynchronous: the request waits in
+        # vLLM's queue, never the step
+        return hit, bool(hit)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self.scheduler_side is not None:
@@ -167,9 +176,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler_side.build_connector_meta(scheduler_output, self._requests)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """The workers' outputs of a step, summed by vLLM: their store reports become KV events."""
+        """The workers' outputs of a step, summed by vLLM: their store reports become KV events, their failed loads
+        end the layer-wise loads that would have followed."""
         reports = connector_output.kv_cache_events
         side = self.scheduler_side
+        if side is not None and connector_output.failed_recving:
+            side.load_failed(set(connector_output.failed_recving))
         if side is not None and side.events is not None and isinstance(reports, HybridKVEvents):
             side.events.reported(reports.get_all_events())
 

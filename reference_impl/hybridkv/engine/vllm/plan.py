@@ -44,6 +44,9 @@ class HybridKVMetadata(KVConnectorMetadata):
 
     loads: list[LoadJob] = field(default_factory=list)
     stores: list[StoreJob] = field(default_factory=list)
+    # load_mode layerwise: requests whose held attention pages are copied in this step, before its forward reads
+    # them, layer by layer (`layerwise.promoted`: vLLM took them out of WAITING_FOR_REMOTE_KVS this step)
+    step_loads: list[str] = field(default_factory=list)
 
 
 def chunk_extras(request: Request, n_chunks: int, chunk_tokens: int) -> list[bytes] | None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerError
 from hybridkv.engine.vllm.books import HitTier, PendingHit, RequestTrack, SchedulerStats
+from hybridkv.engine.vllm.layerwise import promoted
 from hybridkv.engine.vllm.plan import (
     HybridKVMetadata,
     LoadJob,
@@ -64,6 +65,7 @@ class SchedulerSide:
         self._pending: dict[str, PendingHit] = {}
         self._requests: dict[str, RequestTrack] = {}
         self._loads: list[LoadJob] = []
+        self._held: set[str] = set()  # load_mode layerwise: attention parts waiting for vLLM to promote the request
         self._ending: list[Future] = []  # EndSession replies not in yet (vLLM never waits for them)
         self._registering: tuple[CacheClient, list[Future]] | None = None  # a reconnect in flight
         self._start_registering()
@@ -262,12 +264,17 @@ class SchedulerSide:
                 + num_external_tokens)
         self._requests.setdefault(request.request_id, RequestTrack()).tier = pending.tier
         self.stats.loads_planned += 1
+        if self.settings.load_mode == "layerwise":
+            self._held.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> HybridKVMetadata:
         """This step's loads, and stores of the chunks up to each boundary state vLLM offers (a model without
         recurrent groups: of every chunk this step completes)."""
         meta = HybridKVMetadata(loads=self._loads)
         self._loads = []
+        if self._held and (step_loads := promoted(self._held, requests)):
+            meta.step_loads = step_loads  # their blocks are in vLLM's prefix cache from this step on
+            scheduler_output.has_sync_kv_loads = True  # so vLLM starts this step's loads before its forward
         state = scheduler_output.kv_connector_block_state
         if state is None:
             return meta
@@ -306,6 +313,10 @@ class SchedulerSide:
             self.stats.stores_planned += 1
         return jobs
 
+    def load_failed(self, request_ids: set[str]) -> None:
+        """Asynchronous phases that failed (vLLM recomputes those requests): no in-step load follows them."""
+        self._held -= request_ids
+
     def hit_tier(self, request_id: str) -> HitTier | None:
         """Where the load planned for a live request reads from; None when none was planned."""
         track = self._requests.get(request_id)
@@ -315,6 +326,7 @@ class SchedulerSide:
         """The request is done: drop the scheduler's pins for it on the server."""
         rid = request.request_id
         self._pending.pop(rid, None)
+        self._held.discard(rid)
         track = self._requests.pop(rid, None)
         if self._client is None or track is None or not track.looked_up:
             return

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, get_args, get_type_hints
+from typing import Any, Literal, get_args, get_type_hints
 
 import msgspec
 from hybridkv_kernels import CopyEngine
@@ -12,6 +12,8 @@ from hybridkv.endpoints import default_endpoint
 from hybridkv.engine.config import CommitMode, Streams
 from hybridkv.policy import Policy
 from hybridkv.wire_formats import DEFAULT_FORMAT, WireFormat, traits
+
+LoadMode = Literal["async", "layerwise"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +38,10 @@ class ConnectorSettings:
     timeout_s: float = 30.0         # stores, loads and registration
     retry_s: float = 10.0           # how long to wait before trying an unreachable server again
     expect_preset: str = ""         # a hybridkv preset name: refuse to start when vLLM's layout differs
+    # async: a hit is loaded whole while the request waits in vLLM's queue. layerwise: only the lookup, the pins
+    # and the GDN states load there; the attention pages are copied from the pinned arena in the request's first
+    # scheduled step, each attention layer waiting for its own (README, "Layer-wise loads")
+    load_mode: LoadMode = "async"
 
     def __post_init__(self) -> None:
         for name in ("store_policy", "retrieve_policy"):
@@ -47,6 +53,10 @@ class ConnectorSettings:
         if traits(self.wire_format).server_holds_cuda:
             raise ValueError(f"kv_connector_extra_config wire_format {self.wire_format} is a baseline the connector "
                              "does not offer: the server would hold a CUDA context")
+        if self.load_mode == "layerwise" and not traits(self.wire_format).direct:
+            raise ValueError(f"kv_connector_extra_config load_mode 'layerwise' needs a wire format whose copies read "
+                             f"the mapped arena (shm), not {self.wire_format!r}: an in-step load must never wait "
+                             "for the server")
         if not self.endpoint.startswith(("ipc://", "tcp://")):
             raise ValueError(f"kv_connector_extra_config endpoint must be ipc:// or tcp://, got {self.endpoint!r}")
         for name in ("lookup_timeout_s", "step_timeout_s", "timeout_s", "retry_s"):

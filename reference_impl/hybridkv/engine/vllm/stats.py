@@ -27,6 +27,9 @@ COUNTERS = {
     "stores_ordered": "stores (CUDA) whose copies vLLM's stream was made to wait for on the GPU: no step wait",
     "stored_bytes": "bytes stored",
     "store_seconds": "seconds the steps' store copies took, summed",
+    "step_loads": "load_mode layerwise: attention loads copied in the step that first scheduled the request",
+    "step_loaded_bytes": "load_mode layerwise: bytes of those in-step attention loads",
+    "layer_waits": "load_mode layerwise: attention layers that waited for their own pages of in-step loads",
 }
 # where the scheduler and worker sides' running totals keep them
 SCHEDULER_FIELDS = {k: k for k in ("lookups", "lookup_failures", "hit_tokens_l1", "hit_tokens_l2",
@@ -34,7 +37,28 @@ SCHEDULER_FIELDS = {k: k for k in ("lookups", "lookup_failures", "hit_tokens_l1"
 WORKER_FIELDS = {"loads": "loads", "load_failures": "load_failures", "loaded_bytes": "loaded_bytes",
                  "load_seconds": "load_s", "stores": "stores", "store_failures": "store_failures",
                  "stores_cancelled": "stores_cancelled", "stores_ordered": "stores_ordered",
-                 "stored_bytes": "stored_bytes", "store_seconds": "store_s"}
+                 "stored_bytes": "stored_bytes", "store_seconds": "store_s", "step_loads": "step_loads",
+                 "step_loaded_bytes": "step_loaded_bytes", "layer_waits": "layer_waits"}
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    """What the worker side moved and what it lost (a lost load is recomputed by vLLM)."""
+
+    loads: int = 0
+    load_failures: int = 0
+    loads_given_up: int = 0  # copies not started lookup_timeout_s after the lookup: reported failed, never written
+    loaded_bytes: int = 0  # load_mode layerwise: the GDN states of the asynchronous phase only
+    stores: int = 0
+    store_failures: int = 0
+    stores_cancelled: int = 0  # copy not done within step_timeout_s: never committed
+    stores_ordered: int = 0  # CUDA: vLLM's stream ordered after the copies, the step never waited for them
+    stored_bytes: int = 0
+    load_s: float = 0.0
+    store_s: float = 0.0
+    step_loads: int = 0  # load_mode layerwise: attention loads copied in the request's first scheduled step
+    step_loaded_bytes: int = 0
+    layer_waits: int = 0  # wait_for_layer_load calls that had in-step loads to wait for
 
 
 @dataclass

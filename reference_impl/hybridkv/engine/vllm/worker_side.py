@@ -35,8 +35,10 @@ from hybridkv.engine.client import ServerError
 from hybridkv.engine.paged import engine_pages
 from hybridkv.engine.transfer import KVTransfer, PreparedStore, TransferConfig, TransferHandle
 from hybridkv.engine.vllm.events import StoreReports
+from hybridkv.engine.vllm.layerwise import LayerwiseLoads
 from hybridkv.engine.vllm.plan import HybridKVMetadata, LoadJob, LoadRefused
 from hybridkv.engine.vllm.settings import ConnectorSettings
+from hybridkv.engine.vllm.stats import WorkerStats
 from hybridkv.layout import LayoutError, ModelLayout
 from hybridkv.protocol import ErrorCode
 from hybridkv.wire_formats import traits
@@ -45,23 +47,6 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class WorkerStats:
-    """What the worker side moved and what it lost (a lost load is recomputed by vLLM)."""
-
-    loads: int = 0
-    load_failures: int = 0
-    loads_given_up: int = 0  # copies not started lookup_timeout_s after the lookup: reported failed, never written
-    loaded_bytes: int = 0
-    stores: int = 0
-    store_failures: int = 0
-    stores_cancelled: int = 0  # copy not done within step_timeout_s: never committed
-    stores_ordered: int = 0  # CUDA: vLLM's stream ordered after the copies, the step never waited for them
-    stored_bytes: int = 0
-    load_s: float = 0.0
-    store_s: float = 0.0
 
 
 @dataclass(slots=True, eq=False)
@@ -103,6 +88,8 @@ class WorkerSide:
         self._prepared: dict[tuple[str, int], PreparedStore] = {}  # (request, start chunk) -> this step's prepare
         # vLLM publishes KV events: how each store ended, for the scheduler side's (`hybridkv.engine.vllm.events`)
         self.events = StoreReports(tp_rank, chunk_tokens) if events else None
+        self.layerwise = LayerwiseLoads(layout, self.stats, settings.timeout_s) \
+            if settings.load_mode == "layerwise" else None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Page views of vLLM's cache tensors, checked against the layout, then the server connection (at
@@ -163,7 +150,8 @@ class WorkerSide:
             self._ending.clear()
             self._prepared.clear()
         self._unreachable(e)
-        threading.Thread(target=t.close, name="hkv-vllm-close", daemon=True).start()
+        if self.layerwise is None or not self.layerwise.close_when_unheld(t):  # held hits copy from its arena
+            threading.Thread(target=t.close, name="hkv-vllm-close", daemon=True).start()
 
     # ---- loads: asynchronous, before the request is scheduled ------------------------------------
 
@@ -171,7 +159,9 @@ class WorkerSide:
         """Reserve this step's stores (their round trips overlap the forward), then start every planned load:
         the pinning lookup (at most `lookup_timeout_s`), then copies ordered after the work already queued on
         the engine's current stream, which end on their own (CUDA streams, or the transfer's load thread).
-        `transfer_results` reports them; nothing here waits for a copy."""
+        `transfer_results` reports them; nothing here waits for a copy. load_mode layerwise: first the attention
+        copies of the requests vLLM promoted this step (`layerwise`), which this step's forward reads."""
+        self.start_step_loads(meta)
         self._prepare_stores(meta)
         if not meta.loads:
             return
@@ -191,6 +181,11 @@ class WorkerSide:
             t = self.transfer
             direct = t is not None and traits(t.config.wire_format).direct
             load.deadline = float("inf") if direct else time.monotonic() + self.settings.lookup_timeout_s
+
+    def start_step_loads(self, meta: HybridKVMetadata) -> None:
+        """load_mode layerwise: this step's attention copies, once, before the first attention layer reads."""
+        if self.layerwise is not None and meta.step_loads and not self.layerwise.started:
+            self.layerwise.start(meta.step_loads, self._ready_event())
 
     def _ready_event(self) -> torch.cuda.Event | None:
         """An event after the engine's queued work (CUDA), or None (CPU: that work is done already)."""
@@ -221,7 +216,8 @@ class WorkerSide:
         if hit.hit_tokens < len(job.token_ids):
             t.end_session_soon(job.request_id)
             raise LookupError(f"the server holds {hit.hit_tokens} of the {len(job.token_ids)} hit tokens now")
-        return t.retrieve(hit, job.block_ids, ready)
+        # load_mode layerwise: the GDN states now, the attention part held (pinned) for the request's first step
+        return t.retrieve(hit if self.layerwise is None else self.layerwise.hold(t, hit, job), job.block_ids, ready)
 
     def transfer_results(self) -> tuple[set[str], set[str]]:
         """(finished, failed) loads since the last call; a failed one is also finished (vLLM's contract). A
@@ -275,6 +271,8 @@ class WorkerSide:
         (zeroing a reused block, the next forward) runs before the pages are read. Any other store is waited
         for here, at most `step_timeout_s` for the step; one not copied in time is cancelled: it never
         commits."""
+        if self.layerwise is not None:  # this step's in-step loads end before anything later reads their blocks
+            self.layerwise.end_step(self._engine_stream())
         if not meta.stores:
             return
         t = self.transfer
@@ -354,6 +352,8 @@ class WorkerSide:
 
     def request_finished(self, finished: set[str]) -> None:
         """End the server sessions of finished requests once their commits are in (without waiting)."""
+        if self.layerwise is not None:
+            self.layerwise.finished(finished)
         for rid in finished:
             self._ending.setdefault(rid, _Ending()).handles.extend(self._in_flight.pop(rid, []))
         t = self.transfer
