@@ -26,7 +26,9 @@ def copy_runs(plan: PageCopyPlan) -> tuple[np.ndarray, np.ndarray]:
     p = plan.num_pages
     if p == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    obj_storage = np.array([t.obj.untyped_storage().data_ptr() for t in plan.transfers], dtype=np.int64)
+    obj_storage = plan.object_storage
+    if obj_storage is None:
+        obj_storage = np.array([t.obj.untyped_storage().data_ptr() for t in plan.transfers], dtype=np.int64)
     obj_storage = obj_storage[plan.page_transfer]
     pb = plan.page_bytes
     # A run may cross layers or objects, but never allocations: a copy must stay inside one storage.
@@ -49,7 +51,24 @@ _local = threading.local()
 SLICE_RUNS = 512
 
 
-def _side_stream(stream: torch.cuda.Stream) -> torch.cuda.Stream:
+# Plans of fewer runs than this go on the caller's stream alone, in one driver call, without the side stream's fork
+# and join (two event records, two waits). 0: every plan of two runs or more is split.
+SPLIT_MIN_RUNS = 0
+
+
+class _Side:
+    """This thread's side stream for one main stream, with the two events that fork and join it: recorded again
+    for every plan (a wait queued earlier keeps the record it saw), so no event is made or destroyed per plan."""
+
+    __slots__ = ("stream", "fork", "join")
+
+    def __init__(self, stream: torch.cuda.Stream):
+        self.stream = torch.cuda.Stream(stream.device)
+        self.fork = torch.cuda.Event()
+        self.join = torch.cuda.Event()
+
+
+def _side_stream(stream: torch.cuda.Stream) -> _Side:
     """This thread's side stream for main stream `stream`: stores and loads (their own main streams) never
     share one, whichever thread queues them, so a store and a load keep overlapping (both directions of
     the link at once)."""
@@ -58,7 +77,7 @@ def _side_stream(stream: torch.cuda.Stream) -> torch.cuda.Stream:
         streams = _local.streams = {}
     side = streams.get(stream.cuda_stream)
     if side is None:
-        side = streams[stream.cuda_stream] = torch.cuda.Stream(stream.device)
+        side = streams[stream.cuda_stream] = _Side(stream)
     return side
 
 
@@ -76,20 +95,27 @@ def copy_pages_dma(plan: PageCopyPlan, batched: bool | None = None, stream: torc
     # The driver refuses batches on the legacy default stream (handle 0): copies queued there go one by one.
     if batch is not None and stream is not None and stream.cuda_stream != 0:
         device = plan.device.index if plan.device.index is not None else torch.cuda.current_device()
-        dst, src, sizes = plan.dst_addr[starts], plan.src_addr[starts], lengths * plan.page_bytes
-        if len(starts) < 2:
+        # uint64 and contiguous once here: the driver calls below take slices of them as they are
+        dst = plan.dst_addr[starts].astype(np.uint64)
+        src = plan.src_addr[starts].astype(np.uint64)
+        sizes = (lengths * plan.page_bytes).astype(np.uint64)
+        if len(starts) < max(2, SPLIT_MIN_RUNS):
             if len(starts):
-                batch(dst, src, sizes, stream.cuda_stream, device)
+                for lo in range(0, len(starts), 2 * SLICE_RUNS):
+                    batch(dst[lo:lo + 2 * SLICE_RUNS], src[lo:lo + 2 * SLICE_RUNS], sizes[lo:lo + 2 * SLICE_RUNS],
+                          stream.cuda_stream, device)
             return
         side = _side_stream(stream)
-        side.wait_stream(stream)  # the side half starts after what the caller queued, as the main half does
-        halves = ((dst[1::2], src[1::2], sizes[1::2], side.cuda_stream),
-                  (dst[0::2], src[0::2], sizes[0::2], stream.cuda_stream))
+        side.fork.record(stream)
+        side.stream.wait_event(side.fork)  # the side half starts after what the caller queued, as the main half does
+        halves = ((dst[1::2].copy(), src[1::2].copy(), sizes[1::2].copy(), side.stream.cuda_stream),
+                  (dst[0::2].copy(), src[0::2].copy(), sizes[0::2].copy(), stream.cuda_stream))
         for lo in range(0, len(halves[1][0]), SLICE_RUNS):  # the main half is the longer one
             for d, s, n, handle in halves:
                 if lo < len(d):
                     batch(d[lo:lo + SLICE_RUNS], s[lo:lo + SLICE_RUNS], n[lo:lo + SLICE_RUNS], handle, device)
-        stream.wait_stream(side)  # the plan is done on the caller's stream when both halves are
+        side.join.record(side.stream)
+        stream.wait_event(side.join)  # the plan is done on the caller's stream when both halves are
         return
     if batched:
         raise RuntimeError("batched memcpy was asked for but cannot run here (not a CUDA plan, no driver entry "

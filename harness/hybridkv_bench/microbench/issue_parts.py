@@ -31,7 +31,7 @@ from hybridkv.engine.wire import DirectWire
 from hybridkv.presets import preset_layout
 from hybridkv.server.config import GIB, ServerConfig
 from hybridkv.server.launch import start_server
-from hybridkv_kernels import cuda_batch
+from hybridkv_kernels import copy_dma, cuda_batch
 from hybridkv_kernels.copy_dma import copy_runs
 
 from hybridkv_bench.pools import BlockAllocator, fill_random, vllm_pools
@@ -76,6 +76,14 @@ def parts(endpoint: str, name: str, tp: int, chunks: int, rounds: int, device: s
             issue()
             sync()
         out["issue"] = _p50_us(issue, rounds, sync)
+        out["issue_to_copied"] = _p50_us(lambda: (issue(), sync()), rounds)
+        if device == "cuda" and hasattr(copy_dma, "SPLIT_MIN_RUNS"):  # one stream, one driver call per plan
+            split, copy_dma.SPLIT_MIN_RUNS = copy_dma.SPLIT_MIN_RUNS, 1 << 30
+            try:
+                out["issue_one_stream"] = _p50_us(issue, rounds, sync)
+                out["issue_to_copied_one_stream"] = _p50_us(lambda: (issue(), sync()), rounds)
+            finally:
+                copy_dma.SPLIT_MIN_RUNS = split
         out["slots"] = _p50_us(lambda: kv.wire.slots(kv.route._slot_jobs(reply, prep.jobs or [])), rounds)
         hosts = {(o.chunk, o.group): host for o, _, host in items}
         half, order = next(iter(pages.values()))
