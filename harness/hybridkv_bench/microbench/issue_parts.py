@@ -118,6 +118,9 @@ def parts(endpoint: str, name: str, tp: int, chunks: int, rounds: int, device: s
             base = slot._base if slot._base is not None else slot
             out["is_pinned"] = _p50_us(lambda: base.is_pinned(), rounds)
             out["ctx_get_current"] = _p50_us(lambda: batch._ensure_context(dev), rounds)
+            if reply.fence:  # the fence step of a fenced store (no commit is pending: the server ignores the word)
+                word = kv.wire.fence_word(reply.fence)
+                out["fence"] = _p50_us(lambda: copies.fence([], word, reply.reservation), rounds, sync)
         prof = cProfile.Profile()
         for _ in range(rounds):
             prof.enable()

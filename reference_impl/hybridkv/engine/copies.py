@@ -154,9 +154,10 @@ class PageCopies:
         if s is None:
             word.view(torch.int64)[0] = value
             return issued
-        for ev, _ in issued:
-            if ev is not None:
-                s.wait_event(ev)
+        if len(self.streams["store"]) > 1:  # with one store stream every copy of `issued` is on `s` already
+            for ev, _ in issued:
+                if ev is not None:
+                    s.wait_event(ev)
         if self._fence_src is None:
             self._fence_src = torch.zeros(FENCE_RING, dtype=torch.int64, device=self.device)
         src = self._fence_src[self._fence_next % FENCE_RING:][:1]  # reused in order: one stream writes them
