@@ -43,6 +43,17 @@ def copy_runs(plan: PageCopyPlan) -> tuple[np.ndarray, np.ndarray]:
     return starts, lengths
 
 
+DmaRuns = tuple[np.ndarray, np.ndarray, np.ndarray]  # uint64 destinations, sources, byte sizes: one per run
+
+
+def dma_runs(plan: PageCopyPlan) -> DmaRuns:
+    """The driver's arguments for `plan`'s runs (`copy_runs`), made ahead of the copies: a caller that binds a
+    plan before its copies are due (a prepared store) passes them to `copy_pages_dma`, off the critical path."""
+    starts, lengths = copy_runs(plan)
+    return (plan.dst_addr[starts].astype(np.uint64), plan.src_addr[starts].astype(np.uint64),
+            (lengths * plan.page_bytes).astype(np.uint64))
+
+
 _local = threading.local()
 # Runs per batched driver call. A call's copies can start only once it returns, and the driver's time in it grows
 # with its copies: one call per stream for a long store leaves the copy engines idle for milliseconds
@@ -81,27 +92,25 @@ def _side_stream(stream: torch.cuda.Stream) -> _Side:
     return side
 
 
-def copy_pages_dma(plan: PageCopyPlan, batched: bool | None = None, stream: torch.cuda.Stream | None = None) -> None:
+def copy_pages_dma(plan: PageCopyPlan, batched: bool | None = None, stream: torch.cuda.Stream | None = None,
+                   runs: DmaRuns | None = None) -> None:
     """Run `plan` in order with `stream` (None: the current stream): on CUDA, when the driver batches memcpys
     (`batched=None`: whenever available), its runs of pages in batched driver calls of up to `SLICE_RUNS`, half on
     the stream and half on a side stream joined back to it, the two taking turns (two copy engines at work,
-    closer to the ceiling than one batch: kernels/README.md, "Batched DMA"); else one async `copy_` per run."""
+    closer to the ceiling than one batch: kernels/README.md, "Batched DMA"); else one async `copy_` per run.
+    `runs`: `dma_runs(plan)`, made earlier (else made here)."""
     if stream is not None and plan.device.type != "cuda":
         raise ValueError(f"a CUDA stream was given for a plan on {plan.device}")
-    starts, lengths = copy_runs(plan)
     batch = cuda_batch.get() if plan.device.type == "cuda" and batched is not False else None
     if batch is not None and stream is None:
         stream = torch.cuda.current_stream(plan.device)
     # The driver refuses batches on the legacy default stream (handle 0): copies queued there go one by one.
     if batch is not None and stream is not None and stream.cuda_stream != 0:
         device = plan.device.index if plan.device.index is not None else torch.cuda.current_device()
-        # uint64 and contiguous once here: the driver calls below take slices of them as they are
-        dst = plan.dst_addr[starts].astype(np.uint64)
-        src = plan.src_addr[starts].astype(np.uint64)
-        sizes = (lengths * plan.page_bytes).astype(np.uint64)
-        if len(starts) < max(2, SPLIT_MIN_RUNS):
-            if len(starts):
-                for lo in range(0, len(starts), 2 * SLICE_RUNS):
+        dst, src, sizes = runs if runs is not None else dma_runs(plan)  # uint64, contiguous: sliced as they are
+        if len(dst) < max(2, SPLIT_MIN_RUNS):
+            if len(dst):
+                for lo in range(0, len(dst), 2 * SLICE_RUNS):
                     batch(dst[lo:lo + 2 * SLICE_RUNS], src[lo:lo + 2 * SLICE_RUNS], sizes[lo:lo + 2 * SLICE_RUNS],
                           stream.cuda_stream, device)
             return
@@ -117,6 +126,7 @@ def copy_pages_dma(plan: PageCopyPlan, batched: bool | None = None, stream: torc
         side.join.record(side.stream)
         stream.wait_event(side.join)  # the plan is done on the caller's stream when both halves are
         return
+    starts, lengths = copy_runs(plan)
     if batched:
         raise RuntimeError("batched memcpy was asked for but cannot run here (not a CUDA plan, no driver entry "
                            f"point, {cuda_batch.ENV_SWITCH}=0, or the legacy default stream)")

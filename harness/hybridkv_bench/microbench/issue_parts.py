@@ -84,7 +84,13 @@ def parts(endpoint: str, name: str, tp: int, chunks: int, rounds: int, device: s
                 out["issue_to_copied_one_stream"] = _p50_us(lambda: (issue(), sync()), rounds)
             finally:
                 copy_dma.SPLIT_MIN_RUNS = split
-        out["slots"] = _p50_us(lambda: kv.wire.slots(kv.route._slot_jobs(reply, prep.jobs or [])), rounds)
+        if hasattr(copies, "bind"):  # plans bound when the prepare is answered: what the store queues then
+            out["bind_ahead"] = _p50_us(lambda: copies.bind("gather", items, pages), rounds)
+            bound = copies.bind("gather", items, pages)
+            out["issue_prebound"] = _p50_us(
+                lambda: copies.issue(TransferHandle("store", "i"), "gather", [], None, bound=bound), rounds, sync)
+        wire = kv.wire
+        out["slots"] = _p50_us(lambda: wire.slots(kv.route._slot_jobs(reply, prep.jobs or [])), rounds)
         hosts = {(o.chunk, o.group): host for o, _, host in items}
         half, order = next(iter(pages.values()))
         out["bind"] = _p50_us(lambda: half.bind([hosts.get(k) for k in order]), rounds)
@@ -102,7 +108,12 @@ def parts(endpoint: str, name: str, tp: int, chunks: int, rounds: int, device: s
             one = (dst[:1], srca[:1], sizes[:1])
             out["batch_one_run"] = _p50_us(lambda: batch(*one, s.cuda_stream, dev), rounds, sync)
             side = torch.cuda.Stream()
-            out["wait_stream_pair"] = _p50_us(lambda: (side.wait_stream(s), s.wait_stream(side)), rounds, sync)
+
+            def join() -> None:
+                side.wait_stream(s)
+                s.wait_stream(side)
+
+            out["wait_stream_pair"] = _p50_us(join, rounds, sync)
 
             def event() -> torch.cuda.Event:
                 ev = torch.cuda.Event()

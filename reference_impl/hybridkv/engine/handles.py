@@ -53,6 +53,9 @@ class PreparedStore:
     block_ids: Any = None
     jobs: list | None = None
     pages: dict[int, tuple[Any, list[tuple[int, int]]]] | None = None
+    # The plans bound to the reserved slots once the answer came (on the client's I/O thread, where the route
+    # binds ahead: `Route.prebind`): the store then only queues the copies. None until then.
+    bound: Any = None
 
     def wait(self, timeout: float | None = None) -> P.Prepared:
         """The server's answer (slots reserved, objects present, objects refused); re-raises a failure."""

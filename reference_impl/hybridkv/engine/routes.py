@@ -26,7 +26,7 @@ import torch
 
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
-from hybridkv.engine.copies import Issued, LayerSteps, PageCopies, PlannedPages
+from hybridkv.engine.copies import Bound, Issued, LayerSteps, PageCopies, PlannedPages
 from hybridkv.engine.handles import Hit, PreparedStore, TransferHandle
 from hybridkv.engine.wire import CopyFn, DirectWire, ObjectJob, PayloadWire
 from hybridkv.wire_formats import traits
@@ -66,6 +66,10 @@ class Route(ABC):
         """Start a load of `hit`'s objects into `jobs`' blocks (copies after `ready`; layer by layer in
         `steps`' order where the copies are queued by the caller); `h` tells the rest, and the lease is
         released once it is done or failed."""
+
+    def prebind(self, prep: PreparedStore) -> None:  # noqa: B027 - a hook: only the direct route binds ahead
+        """Bind `prep`'s planned pages to its slots when the server's answer comes, where that saves the store
+        work (`PreparedStore.bound`)."""
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """Request ids whose stores / retrieves completed since the last call."""
@@ -234,11 +238,32 @@ class DirectRoute(Route):
         # same protocol, nothing to overlap)
         self.fenced = fenced and wire.fences and (not self._in_caller or copies.impl == "dma")
 
+    def prebind(self, prep: PreparedStore) -> None:
+        """On CUDA the caller queues a store's copies: bind its plans (and their DMA runs) as soon as the prepare
+        is answered, on the thread that receives it, so the store queues them without binding first. Any
+        failure here leaves `bound` None: the store binds on its own thread and reports the error there."""
+        if not self._in_caller or prep.pages is None or prep.jobs is None:
+            return
+        pages, jobs = prep.pages, prep.jobs
+
+        def bind(reply: Future) -> None:
+            if reply.cancelled() or reply.exception() is not None:
+                return
+            try:
+                answer = reply.result()[0]
+                if answer.slots:
+                    prep.bound = self.copies.bind("gather", self.wire.slots(self._slot_jobs(answer, jobs)), pages)
+            except Exception:  # noqa: BLE001 - the store binds again and fails there, with its handle
+                pass
+
+        prep.reply.add_done_callback(bind)
+
     def store(self, h, prepared, jobs, pages, ready) -> None:
         reply = prepared.reply
         if self._in_caller and reply.done() and reply.exception() is None:
             answer = reply.result()[0]
-            if (issued := self._issue_store(h, answer, jobs, pages, ready)) is not None:
+            bound = prepared.bound if pages is not None and pages is prepared.pages else None
+            if (issued := self._issue_store(h, answer, jobs, pages, ready, bound)) is not None:
                 h.queued = [ev for ev, _ in issued if ev is not None]
                 self._store_q.put(self._after_issue(h, answer, issued))
         else:
@@ -279,18 +304,21 @@ class DirectRoute(Route):
     def _do_store(self, h: TransferHandle, prep: PreparedStore, jobs: list[ObjectJob], pages: PlannedPages | None,
                   ready: torch.cuda.Event | None) -> None:
         reply = prep.wait(self.timeout_s + 5)
-        if (issued := self._issue_store(h, reply, jobs, pages, ready)) is not None:
+        bound = prep.bound if pages is not None and pages is prep.pages else None  # bound already, if in time
+        if (issued := self._issue_store(h, reply, jobs, pages, ready, bound)) is not None:
             _, step, args = self._after_issue(h, reply, issued)
             step(h, *args)
 
     def _issue_store(self, h: TransferHandle, reply: P.Prepared, jobs: list[ObjectJob], pages: PlannedPages | None,
-                     ready: torch.cuda.Event | None) -> Issued | None:
-        """Queue the store's copies (on the caller's thread, or the worker's). None when the handle is settled
-        already: the server held or refused every object, or queueing failed (the reservation is aborted,
-        the error is in the handle)."""
+                     ready: torch.cuda.Event | None, bound: Bound | None = None) -> Issued | None:
+        """Queue the store's copies (on the caller's thread, or the worker's), from the plans `bound` ahead
+        when given. None when the handle is settled already: the server held or refused every object, or
+        queueing failed (the reservation is aborted, the error is in the handle)."""
         if self._nothing_to_store(h, reply):
             return None
         try:
+            if bound is not None:
+                return self.copies.issue(h, "gather", [], ready, bound=bound)
             return self.copies.issue(h, "gather", self.wire.slots(self._slot_jobs(reply, jobs)), ready, pages)
         except BaseException as e:
             self._abort(reply.reservation, wait=False)

@@ -163,6 +163,7 @@ class KVTransfer:
                 reply.add_done_callback(self.route.abort_prepared)
                 raise
             prep.block_ids, prep.jobs = block_ids, jobs
+            self.route.prebind(prep)
         return prep
 
     def store(self, request_id: str, token_ids: Sequence[int] | np.ndarray,
