@@ -57,6 +57,13 @@ def _prebound(device: str, srv, mode: str, monkeypatch) -> None:
             assert binds.count("gather") == n + (blocks is other)
             kv.end_session(f"p{i}")
             assert _pages_equal(kv, pools, alloc, tokens, blocks), i
+        # a store that prepares itself binds once, on its own thread: nothing is bound ahead for it
+        tokens = np.random.default_rng(99).integers(0, 150_000, ct)
+        before = binds.count("gather")
+        kv.store("u", tokens, src).wait_committed(30)
+        assert binds.count("gather") == before + 1
+        kv.end_session("u")
+        assert _pages_equal(kv, pools, alloc, tokens, src)
 
 @pytest.mark.parametrize("mode", ["fenced", "after_copies"])
 def test_a_prepared_store_queues_the_plans_bound_when_its_prepare_was_answered(server_factory, mode, monkeypatch):
