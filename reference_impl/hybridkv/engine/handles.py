@@ -5,11 +5,25 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import CancelledError, Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from hybridkv import protocol as P
+
+
+def relay(src: Future, dst: Future) -> None:
+    """Give `dst` the outcome of `src` (done): its result, its exception, or its cancellation; nothing when
+    `dst` was settled meanwhile (cancelled by its holder)."""
+    try:
+        if src.cancelled():
+            dst.cancel()
+        elif (e := src.exception()) is not None:
+            dst.set_exception(e)
+        else:
+            dst.set_result(src.result())
+    except InvalidStateError:
+        pass
 
 
 @dataclass(slots=True)

@@ -27,7 +27,7 @@ import torch
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.engine.copies import Bound, Issued, LayerSteps, PageCopies, PlannedPages
-from hybridkv.engine.handles import Hit, PreparedStore, TransferHandle
+from hybridkv.engine.handles import Hit, PreparedStore, TransferHandle, relay
 from hybridkv.engine.wire import CopyFn, DirectWire, ObjectJob, PayloadWire
 from hybridkv.wire_formats import traits
 
@@ -240,23 +240,23 @@ class DirectRoute(Route):
 
     def prebind(self, prep: PreparedStore) -> None:
         """On CUDA the caller queues a store's copies: bind its plans (and their DMA runs) as soon as the prepare
-        is answered, on the thread that receives it, so the store queues them without binding first. Any
-        failure here leaves `bound` None: the store binds on its own thread and reports the error there."""
+        is answered, on the thread that receives it, so the store queues them without binding first.
+        `prep.reply` then resolves once they are bound: a store never binds beside a binding still running
+        (both would, on two threads holding one GIL). A failure leaves `bound` None: the store binds itself."""
         if not self._in_caller or prep.pages is None or prep.jobs is None:
             return
-        pages, jobs = prep.pages, prep.jobs
+        pages, jobs, answered = prep.pages, prep.jobs, Future()
 
         def bind(reply: Future) -> None:
-            if reply.cancelled() or reply.exception() is not None:
-                return
             try:
-                answer = reply.result()[0]
-                if answer.slots:
+                if not reply.cancelled() and reply.exception() is None and (answer := reply.result()[0]).slots:
                     prep.bound = self.copies.bind("gather", self.wire.slots(self._slot_jobs(answer, jobs)), pages)
             except Exception:  # noqa: BLE001 - the store binds again and fails there, with its handle
                 pass
+            relay(reply, answered)
 
         prep.reply.add_done_callback(bind)
+        prep.reply = answered
 
     def store(self, h, prepared, jobs, pages, ready) -> None:
         reply = prepared.reply
