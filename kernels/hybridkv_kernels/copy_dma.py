@@ -65,7 +65,7 @@ SLICE_RUNS = 512
 # Plans of fewer runs than this go on the caller's stream alone, in one driver call, without the side stream's fork
 # and join (two event records, two waits). A TP8 rank's 2-chunk store (80 runs of 0.4 MB pages) queued in 289-305
 # us that way against 320-338 split, and its copies ended no later (866-882 against 883-1097 us from the call);
-# at 1,184 runs the two finished alike (H100, issue_parts, results/h200/2026-12-07). Measured on stores only.
+# at 1,184 runs the two finished alike (H100, issue_parts, results/h100/2026-12-07). Measured on stores only.
 SPLIT_MIN_RUNS = 256
 
 
