@@ -245,7 +245,8 @@ class DirectRoute(Route):
         (both would, on two threads holding one GIL). A failure leaves `bound` None: the store binds itself."""
         if not self._in_caller or prep.pages is None or prep.jobs is None:
             return
-        pages, jobs, answered = prep.pages, prep.jobs, Future()
+        pages, jobs = prep.pages, prep.jobs
+        answered: Future = Future()
 
         def bind(reply: Future) -> None:
             try:
