@@ -104,6 +104,12 @@ def parts(endpoint: str, name: str, tp: int, chunks: int, rounds: int, device: s
             out["event_new_record"] = _p50_us(event, rounds, sync)
             ev = event()
             out["wait_event"] = _p50_us(lambda: s.wait_event(ev), rounds, sync)
+            out["event_record_reused"] = _p50_us(lambda: ev.record(s), rounds, sync)
+            out["current_stream"] = _p50_us(lambda: torch.cuda.current_stream(), rounds)
+            slot = items[0][2]
+            base = slot._base if slot._base is not None else slot
+            out["is_pinned"] = _p50_us(lambda: base.is_pinned(), rounds)
+            out["ctx_get_current"] = _p50_us(lambda: batch._ensure_context(dev), rounds)
         prof = cProfile.Profile()
         for _ in range(rounds):
             prof.enable()
