@@ -234,3 +234,31 @@ def test_a_layerwise_cache_whose_layers_are_never_filled_fails_the_oracle(server
         assert warm.oracle_pass is False and warm.logits_bitwise_equal is False
     finally:
         eng.kv.close()
+
+
+def test_the_forward_alone_is_the_median_of_runs_around_the_warm_forward(server, model, monkeypatch):
+    """`forward_alone_s` is the median of `forward_alone_repeats` timed continuations from the in-memory cache,
+    the first before the load: one slow run (the eager forward varies by a quarter) moves it no more."""
+    eng = _engine(server, model, "shm", "boundary", f"alone-{model.spec.arch}")
+    try:
+        doc = _doc(7)
+        eng.run("cold", np.concatenate([doc, _tail(7, 7)]))
+        real = eng._continue
+        order: list[str] = []
+        times = iter([0.5, 9.0, 0.3])  # before the load, the oracle's, one more: the median is 0.5
+
+        def continued(*args, **kw):
+            logits, t = real(*args, **kw)
+            if len(args) == 5 and not kw:  # a forward-alone run: no boundary callback
+                order.append("alone")
+                return logits, next(times)
+            order.append("warm")
+            return logits, t
+
+        monkeypatch.setattr(eng, "_continue", continued)
+        assert eng.hf.spec.forward_alone_repeats == 3  # the default
+        warm = eng.run("warm", np.concatenate([doc, _tail(8, 9)]))
+        assert order == ["alone", "warm", "alone", "alone"]
+        assert warm.oracle_pass is True and warm.forward_alone_s == 0.5
+    finally:
+        eng.kv.close()

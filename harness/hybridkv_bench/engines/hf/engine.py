@@ -24,6 +24,7 @@ when it failed: here the model's output is the check, not byte patterns.
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -123,11 +124,19 @@ class HFEngine:
             loaded = 0
             reference = rh = None
             hooks: list[Any] = []
+            ends = self._state_ends(h, S)
+            state_ends = set(ends)
+            if not ends or ends[-1] < S:
+                ends.append(S)
+            keep_from = h if hit.hit_chunks else S - 1
+            alone: list[float] = []  # the forward alone, timed before the load and after the warm forward
             if hit.hit_chunks:
                 reference = self._snapshots.get(hit.keys[hit.hit_chunks - 1])
                 if reference is None:
                     raise OracleError(f"{request_id}: the hit ends at token {h}, where this engine kept no "
                                       "in-memory cache to compare with")
+                if hf.spec.forward_alone_repeats > 1:
+                    alone.append(self._continue(ids, copy.deepcopy(reference), h, ends, keep_from)[1])
                 hf.sync()
                 t_load = time.perf_counter()
                 if self.layerwise:
@@ -150,11 +159,6 @@ class HFEngine:
                     adapter_s += time.perf_counter() - t0
             else:
                 cache = hf.new_cache()
-            ends = self._state_ends(h, S)
-            state_ends = set(ends)
-            if not ends or ends[-1] < S:
-                ends.append(S)
-            keep_from = h if hit.hit_chunks else S - 1
 
             def at_boundary(end: int, c: Any) -> None:
                 nonlocal adapter_s
@@ -185,7 +189,7 @@ class HFEngine:
                 self.codec.write_attention(cache, blocks, first, len(keys) * bpc[0])
             hf.sync()
             adapter_s += time.perf_counter() - t0
-            verdict, forward_alone_s = (self._oracle(ids, reference, h, ends, keep_from, logits)
+            verdict, forward_alone_s = (self._oracle(ids, reference, h, ends, keep_from, logits, alone)
                                         if reference is not None else (None, None))
             self.last_verdict = verdict
             del cache
@@ -207,10 +211,15 @@ class HFEngine:
             logits_bitwise_equal=verdict.bitwise_equal if verdict else None, oracle_pass=ok)
 
     def _oracle(self, ids: torch.Tensor, reference: Any, h: int, ends: list[int], keep_from: int,
-                restored: torch.Tensor) -> tuple[OracleVerdict, float]:
+                restored: torch.Tensor, alone: list[float]) -> tuple[OracleVerdict, float]:
         """Same continuation from the in-memory cache at the split, then one full prefill; judged. Also the
-        seconds that continuation's forwards took: the warm forward with no load at all."""
+        seconds that continuation's forwards took, the warm forward with no load at all: the median of `alone`
+        (timed before the load) and of the runs here, `forward_alone_repeats` in all."""
         split, forward_alone_s = self._continue(ids, copy.deepcopy(reference), h, ends, keep_from)
+        alone = [*alone, forward_alone_s]
+        while len(alone) < self.hf.spec.forward_alone_repeats:
+            alone.append(self._continue(ids, copy.deepcopy(reference), h, ends, keep_from)[1])
+        forward_alone_s = statistics.median(alone)
         S = len(ids)
         full, _ = self.hf.prefill(ids, self.hf.new_cache(), 0, [S], min(keep_from, S - 1))
         if h >= S:  # the full-prompt-hit control: its one row stands for the prompt's last position

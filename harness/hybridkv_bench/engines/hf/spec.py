@@ -44,6 +44,10 @@ class TransformersSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     cpu_threads: int = 0
     # fp32 bound on |continuation logits - full-prefill logits|; bf16 runs report the difference only
     full_prefill_tolerance: float = 1e-5
+    # warm requests: the continuation from the in-memory cache (`forward_alone_s`, warm_pipeline_ratio's divisor) is
+    # timed this many times, one before the load and the rest after the warm forward, and the median kept: the eager
+    # forward alone varied 0.166-0.208 s for the same 336 tokens in one H200 run
+    forward_alone_repeats: int = 3
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "intermediate_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size"):
@@ -52,6 +56,8 @@ class TransformersSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(f"transformers.num_experts_per_tok {self.num_experts_per_tok} exceeds "
                              f"num_experts {self.num_experts}")
+        if self.forward_alone_repeats < 1:
+            raise ValueError(f"transformers.forward_alone_repeats must be >= 1, got {self.forward_alone_repeats}")
         if self.cpu_threads < 0:
             raise ValueError(f"transformers.cpu_threads must be >= 0, got {self.cpu_threads}")
         if self.seed < 0:
