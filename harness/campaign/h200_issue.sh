@@ -2,8 +2,8 @@
 # Issue 26 on the H200 (2026-12-07): what queueing a store's copies costs, before and after cutting it, in one run.
 # Run from the root of the tree under test (a copy of a commit with its .tree-commit); BASE names the root of a
 # baseline tree's copy (optional) that runs the same measurements alternated with this one, on the same machine:
-#   OUT=dir BASE=../t-6be3029 bash harness/campaign/h200_issue.sh profile   # CUDA tests, issue_parts, fixed_cost
-#   OUT=dir BASE=../t-6be3029 bash harness/campaign/h200_issue.sh cover     # TP8 docs + multi-turn, Qwen3-Next 99k
+#   OUT=dir BASE=../t-6be3029 bash harness/campaign/h200_issue.sh profile   # issue_parts, fixed_cost, bare round trip
+#   OUT=dir BASE=../t-6be3029 bash harness/campaign/h200_issue.sh cover     # CUDA tests; TP8 docs + multi-turn, Next 99k
 #   OUT=dir bash harness/campaign/h200_issue.sh compute                     # compute beside loads (decode attention)
 # The wheels (msgspec, pyzmq, isal) must be installed in /tmp/site already (see gpu_env.sh); no editable install:
 # each tree runs from its own PYTHONPATH, so two trees can alternate.
@@ -16,11 +16,10 @@ use() {  # the tree $1 on PYTHONPATH; its name (the commit) in $tag
   export PYTHONPATH=$1/reference_impl:$1/kernels:$1/harness:/tmp/site
   tag=$(cut -c1-7 "$1/.tree-commit")
 }
-bench() {  # hybridkv bench without the entry points of an install
-  python3 -c 'import argparse, sys
+# hybridkv bench without the entry points of an install: python3 -c "$bench" ARGS
+bench='import argparse, sys
 from hybridkv_bench.cli import bench as b
-p = argparse.ArgumentParser(); b.add_arguments(p); sys.exit(b.run(p.parse_args(sys.argv[1:])))' "$@"
-}
+p = argparse.ArgumentParser(); b.add_arguments(p); sys.exit(b.run(p.parse_args(sys.argv[1:])))'
 { for t in "${trees[@]}"; do echo "$t: $(cat "$t/.tree-commit")"; done
   nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
   python3 -c "import torch, triton, sys; print(sys.version.split()[0], torch.__version__, triton.__version__)"
@@ -29,21 +28,18 @@ cat "$OUT/tree-$part.txt"
 case "$part" in
   profile)
     use "$PWD"
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda reference_impl/tests/engine kernels/tests \
-      reference_impl/tests/server/test_prepare_store.py > "$OUT/cuda-tests.log" 2>&1
-    echo "cuda tests ($tag) rc=$?"; tail -3 "$OUT/cuda-tests.log"
     timeout 60 python3 -m hybridkv_bench.microbench.fixed_cost --idle-rt --rounds 30 --json > "$OUT/idle_rt.json" 2>&1
     cat "$OUT/idle_rt.json"
     for pass in 1 2; do for t in "${trees[@]}"; do
       use "$t"
       echo "== $tag pass $pass" >> "$OUT/issue_parts.txt"
       # issue_parts is the tree under test's harness (the baseline's has none), over each tree's library
-      PYTHONPATH=$t/reference_impl:$t/kernels:$PWD/harness:/tmp/site timeout 60 python3 -m \
+      PYTHONPATH=$t/reference_impl:$t/kernels:$PWD/harness:/tmp/site timeout 45 python3 -m \
         hybridkv_bench.microbench.issue_parts --device cuda --chunks 2 71 --rounds 150 \
         >> "$OUT/issue_parts.txt" 2>&1 || echo "issue_parts $tag rc=$?"
       # both commit modes, alternated within the pass (the profile moves 10-20% between runs)
-      timeout 100 python3 -m hybridkv_bench.microbench.fixed_cost --device cuda --page-bytes 0 --l1-gib 8 \
-        --presets qwen3.6-27b:8 qwen3-next-80b-a3b:1 --chunks 2 71 --rounds 30 --commit fenced after_copies --json \
+      timeout 80 python3 -m hybridkv_bench.microbench.fixed_cost --device cuda --page-bytes 0 --l1-gib 8 \
+        --presets qwen3.6-27b:8 --chunks 2 71 --rounds 30 --commit fenced after_copies --json \
         | sed "s/^{/{\"tree\": \"$tag\", \"pass\": $pass, /" >> "$OUT/fixed_cost.jsonl" || echo "fixed_cost $tag rc=$?"
     done; done
     grep -E "^==|p50" "$OUT/issue_parts.txt" | cut -c1-600
@@ -62,13 +58,17 @@ for (preset, tp, chunks, commit, tree), ps in sorted(rows.items()):
 EOF
     ;;
   cover)
+    use "$PWD"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda reference_impl/tests/engine kernels/tests \
+      reference_impl/tests/server/test_prepare_store.py > "$OUT/cuda-tests.log" 2>&1
+    echo "cuda tests ($tag) rc=$?"; tail -3 "$OUT/cuda-tests.log"
     runs=$(mktemp -d)
-    for pass in 1 2; do for t in "${trees[@]}"; do
+    for pass in 1; do for t in "${trees[@]}"; do
       use "$t"
       for s in h200_cov_qwen36_tp8:"doc*/*-all" h200_cov_qwen36_tp8:"multi_turn/*-all" h200_cov_qwen3next_tp1:"doc100k/*-all"; do
         scen=${s%%:*}; cases=${s#*:}; name=$scen-$(echo "$cases" | cut -c1-3)-$tag-$pass
-        (cd "$t" && timeout 150 bench "scenarios/$scen.toml" --out "$runs/$name" --cases "$cases" > "$OUT/$name.log" 2>&1)
-        echo "$name rc=$?"; grep -E "^\[[0-9]+/[0-9]+\]" "$OUT/$name.log" | cut -c1-230
+        (cd "$t" && timeout 100 python3 -c "$bench" "scenarios/$scen.toml" --out "$runs/$name" --cases "$cases" > "$runs/$name.log" 2>&1)
+        echo "$name rc=$?"; grep -E "^\[[0-9]+/[0-9]+\]" "$runs/$name.log" | cut -c1-230
       done
     done; done
     tar czf "$OUT/cover.tgz" -C "$runs" .
@@ -78,12 +78,14 @@ EOF
     # decode attention beside DMA loads (0.92 in December's runs against 0.97): eager launches, the engine's stream
     # at high priority, and the compute as graph replays (no launch gaps from a busy Python process: if the ratio
     # holds there, the loss is on the host, else in the GPU's memory system)
+    runs=$(mktemp -d)
     for v in "--priorities default high" "--launch graph"; do
       name=compute-$(echo $v | cut -c3-7)
-      timeout 200 python3 -m hybridkv_bench.microbench.compute_beside --device cuda --impls dma --directions load \
-        --computes attention matmul --pages 409600 3211264 $v --out "$OUT/$name" > "$OUT/$name.log" 2>&1
-      echo "$name rc=$?"; tail -12 "$OUT/$name.log"
+      timeout 130 python3 -m hybridkv_bench.microbench.compute_beside --device cuda --impls dma --directions load \
+        --computes attention matmul --pages 409600 3211264 $v --out "$runs/$name" > "$runs/$name.log" 2>&1
+      echo "$name rc=$?"; tail -12 "$runs/$name.log"
     done
+    tar czf "$OUT/compute.tgz" -C "$runs" .
     ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
