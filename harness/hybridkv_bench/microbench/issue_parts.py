@@ -76,7 +76,9 @@ def parts(endpoint: str, name: str, tp: int, chunks: int, rounds: int, device: s
             issue()
             sync()
         out["issue"] = _p50_us(issue, rounds, sync)
-        out["slots"] = _p50_us(lambda: kv.wire.slots(kv.route._slot_jobs(reply, prep.jobs or [])), rounds)
+        wire = kv.wire
+        assert isinstance(wire, DirectWire), "issue_parts times the shm wire (the one that queues copies itself)"
+        out["slots"] = _p50_us(lambda: wire.slots(kv.route._slot_jobs(reply, prep.jobs or [])), rounds)
         hosts = {(o.chunk, o.group): host for o, _, host in items}
         half, order = next(iter(pages.values()))
         out["bind"] = _p50_us(lambda: half.bind([hosts.get(k) for k in order]), rounds)
@@ -94,7 +96,12 @@ def parts(endpoint: str, name: str, tp: int, chunks: int, rounds: int, device: s
             one = (dst[:1], srca[:1], sizes[:1])
             out["batch_one_run"] = _p50_us(lambda: batch(*one, s.cuda_stream, dev), rounds, sync)
             side = torch.cuda.Stream()
-            out["wait_stream_pair"] = _p50_us(lambda: (side.wait_stream(s), s.wait_stream(side)), rounds, sync)
+
+            def join() -> None:
+                side.wait_stream(s)
+                s.wait_stream(side)
+
+            out["wait_stream_pair"] = _p50_us(join, rounds, sync)
 
             def event() -> torch.cuda.Event:
                 ev = torch.cuda.Event()
