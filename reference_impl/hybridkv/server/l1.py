@@ -53,7 +53,7 @@ class Entry(msgspec.Struct, gc=False, eq=False):
     spilling: bool = False
     evict_after_spill: bool = False
     failed_at: float = 0.0  # monotonic time of its last failed L2 write
-    queue: LruQueue | None = None
+    queue: LruQueue[Entry] | None = None
     seg: OrderedDict[ObjectKey, Entry] | None = None  # the queue's segment that holds it
     gone: bool = False      # dropped from the table (a failed prefetch, an abort)
     oid: ObjectKey = (b"", 0)  # (key, group), the table's key, set from them: kept, not rebuilt per queue move
@@ -77,11 +77,14 @@ class L1Cache:
         self.policy = policy
         self._start_spill = start_spill
         self._l2_has = l2_has
-        self._entries = ObjectTable()  # sharded: one dict's resize stopped the loop 66-370 ms at 1.4M objects
+        # sharded: one dict's resize stopped the loop 66-370 ms at 1.4M objects
+        self._entries: ObjectTable[Entry] = ObjectTable()
         self.get: Callable[[ObjectKey], Entry | None] = self._entries.get
         self.get_many: Callable[[list[ObjectKey]], list[Entry | None]] = self._entries.get_many
-        self._clean, self._dirty = LruQueue(Queue.CLEAN), LruQueue(Queue.DIRTY)
-        self._stuck, self._ahead = LruQueue(Queue.STUCK), LruQueue(Queue.AHEAD)
+        self._clean: LruQueue[Entry] = LruQueue(Queue.CLEAN)
+        self._dirty: LruQueue[Entry] = LruQueue(Queue.DIRTY)
+        self._stuck: LruQueue[Entry] = LruQueue(Queue.STUCK)
+        self._ahead: LruQueue[Entry] = LruQueue(Queue.AHEAD)
         self.evictions = 0
         self.evicted_bytes = 0
         self.dropped_unspilled = 0  # evicted with no copy in L2 because L2 refused the write

@@ -1,16 +1,16 @@
-"""The L1's eviction queues (l1.py): entries oldest first, kept in segments so that no table grows past a size
-whose resize stops the server's loop."""
+"""LRU queues kept in segments so that no table grows past a size whose resize stops the server's loop: the L1's
+eviction queues (l1.py), and `LruIndex`, a table of objects in one such queue (the L2 adapters' indexes)."""
 
 from __future__ import annotations
 
 import enum
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
 
 from hybridkv.keys import ObjectKey
-
-if TYPE_CHECKING:
-    from hybridkv.server.l1 import Entry
+from hybridkv.server.table import Keyed, ObjectTable
 
 
 class Queue(enum.Enum):
@@ -27,7 +27,19 @@ SEGMENT = 16_384
 _SPARSE = SEGMENT // 2  # a segment (not the youngest) under this many entries merges into a neighbour
 
 
-class LruQueue:
+class Queued(Keyed, Protocol):
+    """What a queue holds: an object (its oid), its bytes, and the queue and segment it sits in (the queue's to set;
+    `LruQueue.remove` drops them, so an entry leaves no cycle behind)."""
+    @property
+    def size(self) -> int: ...
+    queue: LruQueue[Any] | None
+    seg: OrderedDict[ObjectKey, Any] | None
+
+
+E = TypeVar("E", bound=Queued)
+
+
+class LruQueue(Generic[E]):
     """One eviction queue: entries oldest first, and the slot bytes they hold.
 
     Kept as segments, each an OrderedDict of about SEGMENT entries, oldest segment first: an entry enters the
@@ -36,9 +48,9 @@ class LruQueue:
     many as the entries need (a segment keeps its table's memory until it goes)."""
     __slots__ = ("kind", "segs", "n", "bytes")
 
-    def __init__(self, kind: Queue):
+    def __init__(self, kind: Queue | None = None):
         self.kind = kind
-        self.segs: deque[OrderedDict[ObjectKey, Entry]] = deque([OrderedDict()])
+        self.segs: deque[OrderedDict[ObjectKey, E]] = deque([OrderedDict()])
         self.n = 0
         self.bytes = 0
 
@@ -48,13 +60,13 @@ class LruQueue:
     def __bool__(self) -> bool:
         return self.n > 0
 
-    def oldest(self) -> Entry:
+    def oldest(self) -> E:
         for seg in self.segs:  # only the youngest segment may be empty
             if seg:
                 return next(iter(seg.values()))
         raise KeyError("oldest() of an empty queue")
 
-    def add(self, e: Entry, young: bool = True) -> None:
+    def add(self, e: E, young: bool = True) -> None:
         """`e`, in no queue, at the young (or the old) end."""
         segs = self.segs
         if young:
@@ -74,7 +86,7 @@ class LruQueue:
         self.n += 1
         self.bytes += e.size
 
-    def remove(self, e: Entry) -> None:
+    def remove(self, e: E) -> None:
         seg = e.seg
         assert seg is not None
         del seg[e.oid]
@@ -84,7 +96,7 @@ class LruQueue:
         if len(seg) < _SPARSE and seg is not self.segs[-1]:
             self._sparse(seg)
 
-    def move(self, e: Entry, young: bool = True) -> None:
+    def move(self, e: E, young: bool = True) -> None:
         """`e`, in this queue, to the young (or the old) end."""
         if young and e.seg is self.segs[-1]:
             e.seg.move_to_end(e.oid)
@@ -92,7 +104,7 @@ class LruQueue:
         self.remove(e)
         self.add(e, young)
 
-    def _sparse(self, seg: OrderedDict[ObjectKey, Entry]) -> None:
+    def _sparse(self, seg: OrderedDict[ObjectKey, E]) -> None:
         """`seg` (not the youngest) fell under _SPARSE entries: drop it when empty, else merge it into the older
         neighbour (its entries after that one's) or the younger (before that one's) where the result stays
         within 2 x SEGMENT; else it stays (both neighbours are full)."""
@@ -115,3 +127,89 @@ class LruQueue:
         else:
             return
         del segs[i]
+
+
+@dataclass(slots=True, eq=False)
+class Indexed:
+    """An object in an `LruIndex` (an L2 adapter's subclass adds what it knows of the object). Not compared by
+    value: an index tells its entries apart by identity."""
+    oid: ObjectKey
+    size: int  # the bytes that the index's `bytes` counts
+    # set by the queue while it holds the entry (not in the repr: a segment holds thousands of entries)
+    queue: LruQueue[Any] | None = field(default=None, kw_only=True, repr=False)
+    seg: OrderedDict[ObjectKey, Any] | None = field(default=None, kw_only=True, repr=False)
+
+    @property
+    def key(self) -> bytes:
+        return self.oid[0]
+
+
+class LruIndex(Generic[E]):
+    """A table of objects by oid (`ObjectTable`) kept in one LRU queue, least recently used first: what the L2
+    adapters index their objects with. It was one OrderedDict of every object, which CPython resizes in one step
+    (141 ms at 699k entries, under the GIL, so the loop waited as long); here no dict holds more than a shard of
+    the table or a segment of the queue. An entry belongs to one index: `put` links it in, `pop` unlinks it."""
+    __slots__ = ("table", "queue")
+
+    def __init__(self) -> None:
+        self.table: ObjectTable[E] = ObjectTable()
+        self.queue: LruQueue[E] = LruQueue()
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def __bool__(self) -> bool:
+        return self.queue.n > 0
+
+    def __contains__(self, oid: ObjectKey) -> bool:
+        return self.table.get(oid) is not None
+
+    @property
+    def bytes(self) -> int:
+        """The sum of the entries' `size`."""
+        return self.queue.bytes
+
+    def get(self, oid: ObjectKey) -> E | None:
+        return self.table.get(oid)
+
+    def put(self, e: E) -> E | None:
+        """`e` (in no index) at the young end, in place of the entry of its oid, which is returned."""
+        old = self.pop(e.oid)
+        self.table.put(e)
+        self.queue.add(e)
+        return old
+
+    def pop(self, oid: ObjectKey) -> E | None:
+        """Take the entry of `oid` out and return it (None when there is none)."""
+        e = self.table.get(oid)
+        if e is not None:
+            self.table.remove(e)
+            self.queue.remove(e)
+        return e
+
+    def touch(self, e: E) -> None:
+        """`e`, held, to the young end (a hit)."""
+        self.queue.move(e)
+
+    def pop_oldest(self) -> E:
+        """Take the least recently used entry out and return it (KeyError when empty)."""
+        e = self.queue.oldest()
+        self.table.remove(e)
+        self.queue.remove(e)
+        return e
+
+    def values(self) -> Iterator[E]:
+        """The entries, least recently used first (not to be changed while walked)."""
+        for seg in self.queue.segs:
+            yield from seg.values()
+
+    def clear(self) -> None:
+        """Take every entry out: a fresh table and queue at once, then the old entries unlinked from the old
+        segments a segment at a time (each segment freed as it is done, no one step frees them all). Callers
+        with a lock that the loop waits on swap in a new index under it and clear the old one outside it."""
+        segs = self.queue.segs
+        self.table, self.queue = ObjectTable(), LruQueue()
+        while segs:
+            seg = segs.popleft()
+            for e in seg.values():
+                e.seg = e.queue = None

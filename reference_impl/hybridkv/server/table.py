@@ -18,45 +18,53 @@ grows in further segments past it: a set of 1.4M keys resized in one step of ~60
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Generic, Protocol, TypeVar
 
 from hybridkv.keys import ObjectKey
-
-if TYPE_CHECKING:
-    from hybridkv.server.l1 import Entry
 
 SHARDS = 64  # 1.45M objects: the worst 256-object piece of a prepare 7.6 ms of CPU, 255 ms in one dict
 _MASK = SHARDS - 1
 KEYSET_SEGMENT = 1 << 17  # a set resize of 131k keys: ~3 ms
 
 
-class ObjectTable:
-    """A dict of objects in SHARDS dicts. `get_many` is the bulk question of a lookup (one pass, no call per
-    object)."""
+class Keyed(Protocol):
+    """What a table holds: an object's key, and its oid (key, group), which the table finds it by."""
+    @property
+    def key(self) -> bytes: ...
+    @property
+    def oid(self) -> ObjectKey: ...
+
+
+E = TypeVar("E", bound=Keyed)
+
+
+class ObjectTable(Generic[E]):
+    """A dict of objects in SHARDS dicts (the L1's entries; in `lru.LruIndex`, an L2 adapter's). `get_many` is
+    the bulk question of a lookup (one pass, no call per object)."""
     __slots__ = ("_shards", "_n")
 
     def __init__(self) -> None:
-        self._shards: list[dict[ObjectKey, Entry]] = [{} for _ in range(SHARDS)]
+        self._shards: list[dict[ObjectKey, E]] = [{} for _ in range(SHARDS)]
         self._n = 0
 
     def __len__(self) -> int:
         return self._n
 
-    def get(self, oid: ObjectKey) -> Entry | None:
+    def get(self, oid: ObjectKey) -> E | None:
         return self._shards[hash(oid[0]) & _MASK].get(oid)
 
-    def get_many(self, oids: list[ObjectKey]) -> list[Entry | None]:
+    def get_many(self, oids: list[ObjectKey]) -> list[E | None]:
         shards = self._shards
         return [shards[hash(o[0]) & _MASK].get(o) for o in oids]
 
-    def put(self, e: Entry) -> None:
+    def put(self, e: E) -> None:
         """`e` under its oid (in place of the entry there, as a dict's item assignment)."""
         shard = self._shards[hash(e.key) & _MASK]
         n = len(shard)
         shard[e.oid] = e
         self._n += len(shard) - n
 
-    def remove(self, e: Entry) -> bool:
+    def remove(self, e: E) -> bool:
         """Take `e` out if the table holds it (not another entry of its oid); whether it did."""
         shard = self._shards[hash(e.key) & _MASK]
         if shard.get(e.oid) is not e:
@@ -65,7 +73,7 @@ class ObjectTable:
         self._n -= 1
         return True
 
-    def values(self) -> Iterator[Entry]:
+    def values(self) -> Iterator[E]:
         for shard in self._shards:
             yield from shard.values()
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -29,6 +28,7 @@ from hybridkv.server.l2.header import BadObject, ObjectHeader, crc32
 from hybridkv.server.l2.redis_cluster import ClusterLink, store_links
 from hybridkv.server.l2.redis_link import DOWN, StoreHealth
 from hybridkv.server.l2.redis_meta import Forged, MetaCodec
+from hybridkv.server.lru import Indexed, LruIndex
 
 if TYPE_CHECKING:
     from hybridkv.server.l2.specs import RedisL2Spec
@@ -42,8 +42,8 @@ _COUNTERS = ("puts", "gets", "hits", "misses", "corrupt_removed", "forged", "evi
              "bytes_read", "store_errors", "probes")
 
 
-@dataclass(slots=True)
-class _Known:
+@dataclass(slots=True, eq=False)
+class _Known(Indexed):  # oid, size: the length or 0 (the index's `bytes`: the bytes known to be held)
     length: int | None  # None: known to be missing
     ns: bytes
     until: float        # monotonic time after which the store is asked again
@@ -58,7 +58,8 @@ class RedisL2(L2Adapter):
         self.capacity_bytes = 0  # the store's maxmemory bounds it, not us
         self._data, self._meta = store_links(spec)  # two redis.Redis clients, or two ClusterLinks (redis_cluster)
         self._lock = threading.Lock()
-        self._known: OrderedDict[ObjectKey, _Known] = OrderedDict()
+        self._known: LruIndex[_Known] = LruIndex()  # oldest first; in pieces, as one dict stalled the loop
+        self._held = 0  # the known objects with a length (not known to be missing)
         # A store that went away may come back empty (a restart): nothing known before it still holds.
         self._health = StoreHealth(spec.url, spec.retry_after_s, self._forget_all)
         self._counters = dict.fromkeys(_COUNTERS, 0)
@@ -258,8 +259,7 @@ class RedisL2(L2Adapter):
             count += self._clear_batch(batch, ns)
         except DOWN as e:
             self._down("clear", e)
-        with self._lock:
-            self._known.clear()
+        self._forget_all()
         return count
 
     def touch(self, key: bytes, group: int) -> None:
@@ -277,8 +277,7 @@ class RedisL2(L2Adapter):
     def stats(self) -> dict[str, int]:
         """Counters, the objects this server knows the store holds, and whether the store is up."""
         with self._lock:
-            held = [k for k in self._known.values() if k.length is not None]
-            return {"objects": len(held), "bytes": sum(k.length or 0 for k in held),
+            return {"objects": self._held, "bytes": self._known.bytes,
                     "capacity_bytes": self.capacity_bytes, "store_up": int(self._health.up()),
                     **self._counters, **(self._data.stats() if isinstance(self._data, ClusterLink) else {})}
 
@@ -362,19 +361,22 @@ class RedisL2(L2Adapter):
 
     def _remember(self, okey: ObjectKey, length: int | None, ns: bytes) -> None:
         ttl = self.spec.index_ttl_s if length is not None else self.spec.miss_ttl_s
+        k = _Known(okey, length or 0, length, ns, time.monotonic() + ttl)
         with self._lock:
-            self._known[okey] = _Known(length, ns, time.monotonic() + ttl)
-            self._known.move_to_end(okey)
+            gone = [self._known.put(k)]
             while len(self._known) > _MAX_INDEX:
-                self._known.popitem(last=False)
+                gone.append(self._known.pop_oldest())
+            self._held += (length is not None) - sum(g is not None and g.length is not None for g in gone)
 
     def _forget_all(self) -> None:
         with self._lock:
-            self._known.clear()
+            old, self._known, self._held = self._known, LruIndex(), 0
+        old.clear()  # a walk of every entry: not under the lock that length() waits on
 
     def _forget(self, okey: ObjectKey) -> None:
         with self._lock:
-            self._known.pop(okey, None)
+            k = self._known.pop(okey)
+            self._held -= k is not None and k.length is not None
 
     def _count(self, **inc: int) -> None:
         with self._lock:
