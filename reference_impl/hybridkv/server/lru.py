@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict, deque
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from typing import Any, Generic, Protocol, TypeVar
+
+import msgspec
 
 from hybridkv.keys import ObjectKey
 from hybridkv.server.table import Keyed, ObjectTable
@@ -129,19 +130,28 @@ class LruQueue(Generic[E]):
         del segs[i]
 
 
-@dataclass(slots=True, eq=False)
-class Indexed:
+class _Links(msgspec.Struct, gc=False, eq=False, kw_only=True):
+    """The queue and segment that hold an entry, set by the queue (keyword-only, after a subclass's fields)."""
+    queue: LruQueue[Any] | None = None
+    seg: OrderedDict[ObjectKey, Any] | None = None
+
+
+class Indexed(_Links):
     """An object in an `LruIndex` (an L2 adapter's subclass adds what it knows of the object). Not compared by
-    value: an index tells its entries apart by identity."""
+    value (an index tells its entries apart by identity), and, as the L1's entries, not tracked by the cycle
+    collector (gc=False, inherited): 700k L2 entries as dataclasses made every full collection walk them
+    (165 ms, against 46 for untracked ones). An entry that leaves its index is unlinked (`LruQueue.remove`,
+    `LruIndex.clear`, an index freed), so it is never in a cycle that only the collector could free."""
     oid: ObjectKey
     size: int  # the bytes that the index's `bytes` counts
-    # set by the queue while it holds the entry (not in the repr: a segment holds thousands of entries)
-    queue: LruQueue[Any] | None = field(default=None, kw_only=True, repr=False)
-    seg: OrderedDict[ObjectKey, Any] | None = field(default=None, kw_only=True, repr=False)
 
     @property
     def key(self) -> bytes:
         return self.oid[0]
+
+    def __repr__(self) -> str:  # without the links: a segment holds thousands of entries
+        fields = (f for f in self.__struct_fields__ if f not in _Links.__struct_fields__)
+        return f"{type(self).__name__}({', '.join(f'{f}={getattr(self, f)!r}' for f in fields)})"
 
 
 class LruIndex(Generic[E]):
@@ -149,11 +159,13 @@ class LruIndex(Generic[E]):
     adapters index their objects with. It was one OrderedDict of every object, which CPython resizes in one step
     (141 ms at 699k entries, under the GIL, so the loop waited as long); here no dict holds more than a shard of
     the table or a segment of the queue. An entry belongs to one index: `put` links it in, `pop` unlinks it."""
-    __slots__ = ("table", "queue")
+    __slots__ = ("table", "queue", "get")
 
     def __init__(self) -> None:
         self.table: ObjectTable[E] = ObjectTable()
         self.queue: LruQueue[E] = LruQueue()
+        # the entry of an oid, or None: the table's own (asked for every object a lookup misses in L1)
+        self.get: Callable[[ObjectKey], E | None] = self.table.get
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -168,9 +180,6 @@ class LruIndex(Generic[E]):
     def bytes(self) -> int:
         """The sum of the entries' `size`."""
         return self.queue.bytes
-
-    def get(self, oid: ObjectKey) -> E | None:
-        return self.table.get(oid)
 
     def put(self, e: E) -> E | None:
         """`e` (in no index) at the young end, in place of the entry of its oid, which is returned."""
@@ -209,7 +218,16 @@ class LruIndex(Generic[E]):
         with a lock that the loop waits on swap in a new index under it and clear the old one outside it."""
         segs = self.queue.segs
         self.table, self.queue = ObjectTable(), LruQueue()
-        while segs:
-            seg = segs.popleft()
-            for e in seg.values():
-                e.seg = e.queue = None
+        self.get = self.table.get
+        _unlink(segs)
+
+    def __del__(self) -> None:
+        # the entries link to the queue, not to the index: unlinked here, they and the segments go with it
+        _unlink(self.queue.segs)
+
+
+def _unlink(segs: deque[OrderedDict[ObjectKey, Any]]) -> None:
+    while segs:
+        seg = segs.popleft()
+        for e in seg.values():
+            e.seg = e.queue = None

@@ -281,3 +281,21 @@ def test_redis_known_lengths_forget_the_oldest_across_segments(small_segments, m
     finally:
         l2.close()
         store.close()
+
+
+def test_entries_are_untracked_and_go_with_their_index(small_segments, tmp_path):
+    """The collector does not walk L2 entries (gc=False), so nothing but unlinking frees a segment they link to:
+    an index that is dropped (its adapter closed and gone) unlinks them, and entries and segments are freed."""
+    import gc
+    import weakref
+
+    l2 = FilesystemL2(tmp_path, 1 << 20)
+    for i in range(10):
+        l2.put(key_of(i), 0, NS_A, payload(i, 10))
+    e = l2._index.get((key_of(0), 0))
+    assert e is not None and not gc.is_tracked(e) and "seg" not in repr(e) and "gen=" in repr(e)
+    segs = [weakref.ref(s) for s in l2._index.queue.segs]
+    l2.close()
+    del l2
+    gc.collect()
+    assert e.seg is None and e.queue is None and all(s() is None for s in segs)

@@ -15,7 +15,6 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from hybridkv.keys import ObjectKey
@@ -37,7 +36,6 @@ _BAD_FILE_ERRNOS = frozenset({errno.EIO, errno.ENODATA, errno.EUCLEAN, errno.EBA
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
-@dataclass(slots=True, eq=False)
 class _IndexEntry(Indexed):  # oid, size: the payload's length (the index's `bytes`: the payload bytes held)
     ns: bytes
     gen: int  # changes on every commit, so a reader can tell "my file" from "a newer file"

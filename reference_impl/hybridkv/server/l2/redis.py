@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import redis
@@ -42,7 +41,6 @@ _COUNTERS = ("puts", "gets", "hits", "misses", "corrupt_removed", "forged", "evi
              "bytes_read", "store_errors", "probes")
 
 
-@dataclass(slots=True, eq=False)
 class _Known(Indexed):  # oid, size: the length or 0 (the index's `bytes`: the bytes known to be held)
     length: int | None  # None: known to be missing
     ns: bytes
