@@ -369,7 +369,7 @@ class RedisL2(L2Adapter):
     def _forget_all(self) -> None:
         with self._lock:
             old, self._known, self._held = self._known, LruIndex(), 0
-        old.clear()  # a walk of every entry: not under the lock that length() waits on
+        old.clear()  # segment by segment, not under the lock that length() waits on
 
     def _forget(self, okey: ObjectKey) -> None:
         with self._lock:
