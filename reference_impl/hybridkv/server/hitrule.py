@@ -7,13 +7,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hybridkv.server.context import Context
-from hybridkv.server.l1 import ObjectKey
 from hybridkv.server.sessions import Engine
+from hybridkv.server.table import ObjectKeys
 from hybridkv.server.turns import SLICE_OBJECTS, TURN, Clock, Steps
 
 
-def hit_length(ctx: Context, eng: Engine, keys: list[bytes], policy: str, missing: set[ObjectKey],
-               foreign: set[ObjectKey]) -> int:
+def hit_length(ctx: Context, eng: Engine, keys: list[bytes], policy: str, missing: ObjectKeys,
+               foreign: ObjectKeys) -> int:
     """Longest n such that every needed object of chunks < n exists in the engine's namespace, every recurrent
     group has its state at chunk n-1 (DESIGN.md: a prefix without its state is a miss at that length) and every
     sliding-window group its objects of the chunks its window at n reaches (`GroupLayout.window_start_chunk`).
@@ -31,8 +31,8 @@ _NEVER = Clock()
 _NEVER.until = float("inf")
 
 
-def hit_length_turns(ctx: Context, eng: Engine, keys: list[bytes], policy: str, missing: set[ObjectKey],
-                     foreign: set[ObjectKey], clock: Clock) -> Steps[int]:
+def hit_length_turns(ctx: Context, eng: Engine, keys: list[bytes], policy: str, missing: ObjectKeys,
+                     foreign: ObjectKeys, clock: Clock) -> Steps[int]:
     """The hit rule (`hit_length`), its questions asked in pieces with a turn between them when the clock says
     so. The pieces are answered at different times: what a later turn finds gone is a miss when the lookup
     pins it, and the rule is asked again (lookup_turns.py)."""
@@ -73,7 +73,7 @@ def hit_length_turns(ctx: Context, eng: Engine, keys: list[bytes], policy: str, 
 
 
 def _available(ctx: Context, keys: list[bytes], lo: int, hi: int, groups: Sequence[int], lengths: list[int],
-               missing: set[ObjectKey], ns: bytes, foreign: set[ObjectKey], clock: Clock) -> Steps[int]:
+               missing: ObjectKeys, ns: bytes, foreign: ObjectKeys, clock: Clock) -> Steps[int]:
     """`available_prefix(keys[lo:hi], ...)` in pieces of SLICE_OBJECTS objects (the full-hit question still in C
     per piece); stops at the first piece that is not all available."""
     available = ctx.objects.available_prefix
@@ -90,7 +90,7 @@ def _available(ctx: Context, keys: list[bytes], lo: int, hi: int, groups: Sequen
     return hi - lo
 
 
-def count_foreign(ctx: Context, foreign: set[ObjectKey]) -> None:
+def count_foreign(ctx: Context, foreign: ObjectKeys) -> None:
     """A request that named objects of another namespace is counted once (namespace_refusals)."""
     if foreign:
         ctx.counters.namespace_refusals += 1

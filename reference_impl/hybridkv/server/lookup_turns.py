@@ -24,6 +24,7 @@ from hybridkv.server.context import Context
 from hybridkv.server.hitrule import count_foreign, count_hit, hit_length_turns
 from hybridkv.server.l1 import Entry, NoSlot, ObjectKey, State
 from hybridkv.server.sessions import Engine
+from hybridkv.server.table import SegmentedSet
 from hybridkv.server.turns import SLICE_OBJECTS, TURN, WAIT, Clock, Steps, TurnedOp, Work, encoded_locs, probe_l2, unpin
 
 _state, _ns, _offset, _length = (attrgetter(a) for a in ("state", "ns", "offset", "length"))
@@ -42,8 +43,9 @@ class TurnedLookupOp(TurnedOp):
         # before it (a pass pins afresh what an earlier pass had pinned too), let go once a pass has finished.
         self.pins: list[Entry] = []
         self.stale: list[Entry] = []
-        self.missing: set[ObjectKey] = set()
-        self.foreign: set[ObjectKey] = set()
+        # What it collects per object over all its passes, in segments (table.SegmentedSet): its size bounds neither
+        self.missing: SegmentedSet[ObjectKey] = SegmentedSet()
+        self.foreign: SegmentedSet[ObjectKey] = SegmentedSet()  # objects of another namespace (counted once)
         self.loading: list[Entry] = []
         self.waited = False
         self.from_l2: set[int] = set()

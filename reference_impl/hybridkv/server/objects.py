@@ -25,6 +25,7 @@ from hybridkv.server.config import ServerConfig
 from hybridkv.server.counters import Counters
 from hybridkv.server.l1 import Entry, L1Cache, NoSlot, ObjectKey, State
 from hybridkv.server.l2.base import L2Adapter
+from hybridkv.server.table import ObjectKeys, SegmentedSet
 from hybridkv.server.workers import Workers
 
 log = logging.getLogger("hybridkv.server")
@@ -96,7 +97,7 @@ class ObjectStore:
         self.l2.probe([(k, g) for k in keys for g in range(groups) if self.l1.get((k, g)) is None])
 
     def available_prefix(self, keys: list[bytes], groups: Sequence[int], lengths: list[int],
-                         missing: set[ObjectKey], ns: bytes, foreign: set[ObjectKey]) -> int:
+                         missing: ObjectKeys, ns: bytes, foreign: ObjectKeys) -> int:
         """How many leading keys have the object of every one of `groups` available to a lookup of namespace
         `ns`: READY or LOADING in L1, or in L2, of namespace `ns` and length `lengths[group]`, and not in
         `missing`; an object that is held but not so goes into `foreign`. One loop, no call per object: it is
@@ -110,6 +111,8 @@ class ObjectStore:
             else:
                 return len(keys)
         get, l2, reserved = self.l1.get, self.l2, State.RESERVED
+        if type(missing) is SegmentedSet:
+            missing = missing.view()  # a plain set unless it outgrew one segment: `in` asked in C
         for n, k in enumerate(keys):
             for g in groups:
                 oid = (k, g)

@@ -25,6 +25,7 @@ from hybridkv.server.l1 import Entry, NoSlot, ObjectKey, State
 from hybridkv.server.lookup import resume_request
 from hybridkv.server.objects import Held
 from hybridkv.server.sessions import Engine
+from hybridkv.server.table import SegmentedSet
 from hybridkv.server.turns import BIG_OBJECTS, SLICE_OBJECTS, TURN, WAIT, Clock, TurnedOp, Work, probe_l2, unpin
 
 E = P.ErrorCode
@@ -191,7 +192,7 @@ class TurnedPrefetchOp(TurnedOp, _Reads):
         objects, lengths, ns = ctx.objects, eng.object_bytes, eng.ns
         get = objects.get
         yield from probe_l2(objects, keys, len(eng.layout.groups), clock)
-        foreign: set[ObjectKey] = set()
+        foreign: SegmentedSet[ObjectKey] = SegmentedSet()
         n = yield from hit_length_turns(ctx, eng, keys, msg.policy, set(), foreign, clock)
         count_foreign(ctx, foreign)
         absent = 0

@@ -11,7 +11,7 @@ import pytest
 from hybridkv.server import table, turns
 from hybridkv.server.l1 import Entry, State
 from hybridkv.server.lru import LruQueue, Queue
-from hybridkv.server.table import KeySet, ObjectTable
+from hybridkv.server.table import KeySet, ObjectTable, SegmentedSet
 
 
 def entry(k: bytes, g: int) -> Entry:
@@ -74,6 +74,34 @@ def test_keyset_answers_as_one_set(monkeypatch, segment):
         assert ks.issuperset(ask) == s.issuperset(ask)
         assert ks.issuperset(sorted(s)[:7])
         assert all(len(seg) <= segment for seg in ks.segs) and (len(ks.segs) == 1 or all(ks.segs))
+
+
+@pytest.mark.parametrize("segment", [3, 1 << 17])
+def test_a_request_set_answers_as_one_set(monkeypatch, segment):
+    # what a large request collects per object (misses, objects of another namespace): added again and again, as a
+    # set's add (lookup_turns' passes find the same objects again), asked `in` through its view
+    monkeypatch.setattr(table, "KEYSET_SEGMENT", segment)
+    rng = random.Random(segment + 1)
+    oids = [(rng.randbytes(8), g) for _ in range(30) for g in range(3)]
+    ss: SegmentedSet[tuple[bytes, int]] = SegmentedSet()
+    s: set[tuple[bytes, int]] = set()
+    assert not ss and not s and not ss.view() and len(ss) == 0
+    most = 1
+    for _ in range(3000):
+        o = rng.choice(oids)
+        if rng.random() < 0.8:
+            ss.add(o)
+            s.add(o)
+        else:
+            ss.discard(o)
+            s.discard(o)
+        view = ss.view()
+        assert ss.keys() == s and len(ss) == len(s) and bool(ss) == bool(s) == bool(view)
+        assert all((x in ss) == (x in view) == (x in s) for x in rng.sample(oids, 10))
+        assert all(len(seg) <= segment for seg in ss.segs) and (len(ss.segs) == 1 or all(ss.segs))
+        assert (view is ss.segs[0]) == (len(ss.segs) == 1)
+        most = max(most, len(ss.segs))
+    assert most > 1 or segment > len(oids)  # the small segment did grow past one
 
 
 def test_lists_done_with_are_emptied_a_piece_per_turn_and_counts_taken_before():
