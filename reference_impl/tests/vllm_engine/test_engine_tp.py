@@ -8,6 +8,7 @@ that first schedules it (checked on every rank with `layerwise_probe`)."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 from enginekit import (
@@ -28,6 +29,7 @@ TP = 2
 # raise the attention block to 256 tokens, and retention and steps follow the block.
 TP_BLOCK = 256
 LENGTHS = [300, 600, 1030, 1536, 2100]
+EXECUTE_TIMEOUT_S = 90
 
 
 def expected_hit(n: int) -> int:
@@ -61,7 +63,9 @@ def llm(tp_model, server, load_mode):
     bind = os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % os.cpu_count()) for i in range(TP)))
     args = engine_args(tp_model, server.endpoint, load_mode=load_mode)
     args.update(tensor_parallel_size=TP, prefix_cache_retention_interval=TP_BLOCK, max_num_batched_tokens=2 * TP_BLOCK)
-    engine = LLM(**args)
+    with pytest.MonkeyPatch.context() as mp:  # a step stuck in a collective fails in 90 s, not vLLM's 300
+        mp.setenv("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", str(EXECUTE_TIMEOUT_S))
+        engine = LLM(**args)
     yield engine
     close_llm(engine)
     if bind == os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
@@ -136,3 +140,41 @@ def test_tp2_a_prefix_one_rank_lacks_is_no_hit(llm, server, load_mode):
     assert external_hits(llm) == hits
     assert _counters(llm) == before  # and no rank started a load it could not finish (nor an in-step copy)
 
+
+def _break_rank1(worker, load_mode: str) -> int:
+    """In a worker: rank 1's in-step copies from now on cannot start (its arena's connection made to raise);
+    rank 0's are untouched. Returns the worker's process id."""
+    from layerwise_probe import _break_in_step_loads
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    ws = get_kv_transfer_group().worker_side
+    if ws.tp_rank == 1:
+        _break_in_step_loads(worker)
+    return os.getpid()
+
+
+def test_tp2_a_load_failing_on_one_rank_only(llm, load_mode):
+    """Layerwise (the last test of the mode: it stops the engine): an in-step copy cannot be recomputed, so the
+    step stops, on every rank at the same point (`layerwise.tp_vote`), and the engine with it at once; rank 1
+    raising alone left rank 0 in the forward's collective until vLLM's execute_model timeout, and rank 0's worker
+    spinning after the engine's shutdown."""
+    if load_mode != "layerwise":
+        pytest.skip("async: see the next commit")
+    import psutil
+
+    p = prompt(1030, seed=_seed(300, load_mode))
+    (cold,) = generate(llm, [p])
+    forget_local(llm)
+    pids = llm.collective_rpc(_break_rank1, args=(load_mode,))
+    t0 = time.monotonic()
+    with pytest.raises(Exception) as failed:
+        generate(llm, [p])
+    took = time.monotonic() - t0
+    assert type(failed.value).__name__ == "EngineDeadError", repr(failed.value)
+    assert took < EXECUTE_TIMEOUT_S / 2, f"the engine stopped after {took:.0f} s: a rank waited in a collective"
+    close_llm(llm)
+    until = time.monotonic() + 30
+    while (alive := [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]) \
+            and time.monotonic() < until:
+        time.sleep(0.5)
+    assert not alive, f"worker processes {alive} outlived the engine"
