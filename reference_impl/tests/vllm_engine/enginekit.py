@@ -221,16 +221,16 @@ def corrupt_stored(llm, endpoint: str, tokens: list[int], kind: str, salt: str =
 
 
 @contextmanager
-def _stored_objects(llm, endpoint: str, tokens: list[int], salt: str = ""):
-    """(layout, chunk_tokens, the objects a lookup of `tokens`' prefix hands out, the server's arena mapped for
-    writing), pinned until the block ends."""
+def _stored_objects(llm, endpoint: str, tokens: list[int], salt: str = "", tp_rank: int = 0):
+    """(layout, chunk_tokens, the objects a lookup of `tokens`' prefix hands out under TP rank `tp_rank`'s
+    namespace (that rank's shard), the server's arena mapped for writing), pinned until the block ends."""
     from hybridkv import protocol as P
     from hybridkv.engine.client import CacheClient
     from hybridkv.keys import chunk_keys
 
     layout, chunk = connector_layout(llm)
     with CacheClient(endpoint, timeout_s=10) as c:
-        reg, _ = c.call(P.Register(layout=layout, chunk_tokens=chunk, tp_rank=0, salt=salt, name="inspector"))
+        reg, _ = c.call(P.Register(layout=layout, chunk_tokens=chunk, tp_rank=tp_rank, salt=salt, name="inspector"))
         try:
             keys = chunk_keys(reg.namespace, tokens, chunk)
             hit, _ = c.call(P.Lookup(engine=reg.engine, request="inspect", keys=keys, policy="boundary"))
@@ -350,15 +350,16 @@ def prefix_reads(llm) -> list[PrefixRead]:
             for tokens, ids, digests in llm.collective_rpc(_take_prefix_reads)[0]]
 
 
-def unlike_stored(llm, endpoint: str, read: PrefixRead, salt: str = "") -> list[str]:
-    """Where the blocks a forward read its prefix from (`prefix_reads`) are not the bytes of the server's objects
-    of that prefix, page for page: each block vLLM's block table names for an object's chunk, or a missing
-    object or block. Empty when the forward read exactly what the server holds."""
+def unlike_stored(llm, endpoint: str, read: PrefixRead, salt: str = "", tp_rank: int = 0) -> list[str]:
+    """Where the blocks a forward read its prefix from (`prefix_reads`, of rank `tp_rank`) are not the bytes of
+    the server's objects of that prefix (that rank's shard), page for page: each block vLLM's block table names
+    for an object's chunk, or a missing object or block. Empty when the forward read exactly what the server
+    holds."""
     from hybridkv.policy import object_blocks
 
     bad: list[str] = []
     covered: set[tuple[int, int]] = set()
-    with _stored_objects(llm, endpoint, read.tokens, salt) as (layout, chunk, objects, arena):
+    with _stored_objects(llm, endpoint, read.tokens, salt, tp_rank) as (layout, chunk, objects, arena):
         if len(objects) == 0 or max(o.chunk for o in objects) + 1 != len(read.tokens) // chunk:
             bad.append(f"the server's objects end at chunk {max((o.chunk for o in objects), default=-1)}, the "
                        f"prefix at {len(read.tokens) // chunk}")

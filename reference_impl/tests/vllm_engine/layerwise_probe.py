@@ -1,4 +1,4 @@
-"""What the layer-wise real-engine tests see inside rank 0's worker (load_mode "layerwise"): the attention blocks of
+"""What the layer-wise real-engine tests see inside each rank's worker (load_mode "layerwise"): the attention blocks of
 every in-step load digested right before its copies start and right after the step ended them, the blocks each
 request's first forward read its prefix from digested after that forward (the in-step copies land during it), and
 every attention layer's wait for its own pages. It only reads: vLLM and the connector run as they would."""
@@ -82,10 +82,13 @@ def _watch(worker) -> int:
 
 
 def _take(worker) -> dict:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
     log = worker.model_runner._hkv_layerwise
     out = {k: list(v) for k, v in log.items() if k != "steps"}
     for k in out:
         log[k].clear()
+    out["rank"] = get_kv_transfer_group().worker_side.tp_rank
     return out
 
 
@@ -101,11 +104,18 @@ def watch(llm) -> None:
 
 
 def take(llm) -> dict:
-    """{'reads': [PrefixRead], 'loads': [(tokens, block ids, before, after, step)], 'waits': [(step, layer, loads)]}
-    since the last call."""
-    got = llm.collective_rpc(_take)[0]
-    got["reads"] = [PrefixRead(t, ids, {(g, b): d for g, b, d in ds}) for t, ids, ds in got["reads"]]
-    return got
+    """Rank 0's {'reads': [PrefixRead], 'loads': [(tokens, block ids, before, after, step)], 'waits': [(step, layer,
+    loads)], 'rank': 0} since the last call."""
+    return take_all(llm)[0]
+
+
+def take_all(llm) -> list[dict]:
+    """`take` of every tensor-parallel rank, in rank order."""
+    out = []
+    for got in sorted(llm.collective_rpc(_take), key=lambda g: g["rank"]):
+        got["reads"] = [PrefixRead(t, ids, {(g, b): d for g, b, d in ds}) for t, ids, ds in got["reads"]]
+        out.append(got)
+    return out
 
 
 def attention_layers(llm) -> list[str]:
@@ -114,12 +124,13 @@ def attention_layers(llm) -> list[str]:
 
 
 def attention_unlike_stored(llm, endpoint: str, tokens: list[int], block_ids: list[list[int]],
-                            digests: list) -> list[str]:
-    """Where the attention blocks an in-step load writes (`digests`: [group, block, digest]) do not hold the
-    server's objects of `tokens`' prefix, page for page. Empty when every one does."""
+                            digests: list, tp_rank: int = 0) -> list[str]:
+    """Where the attention blocks an in-step load of rank `tp_rank` writes (`digests`: [group, block, digest]) do
+    not hold the server's objects of `tokens`' prefix (that rank's shard), page for page. Empty when every one
+    does."""
     have = {(g, b): d for g, b, d in digests}
     bad = []
-    with _stored_objects(llm, endpoint, tokens) as (layout, chunk, objects, arena):
+    with _stored_objects(llm, endpoint, tokens, tp_rank=tp_rank) as (layout, chunk, objects, arena):
         for o in objects:
             grp = layout.groups[o.group]
             if grp.kind == "recurrent":
@@ -130,6 +141,27 @@ def attention_unlike_stored(llm, endpoint: str, tokens: list[int], block_ids: li
                 if have.get((o.group, int(b))) != _digest(arena[a:a + grp.page_bytes] for a in at):
                     bad.append(f"group {o.group} chunk {o.chunk}: block {b}")
     return bad
+
+
+def check_in_step_loads(llm, endpoint: str, got: dict, n_loads: int) -> None:
+    """Every in-step load of one rank (`got`: `take`'s) wrote blocks that did not hold the server's bytes (that
+    rank's shard) before its step and do after it; the attention layers of each step that had loads to wait for
+    waited in the forward's order, each once."""
+    rank = got["rank"]
+    assert len(got["loads"]) == n_loads, (rank, [len(x[0]) for x in got["loads"]])
+    for tokens, block_ids, before, after, _ in got["loads"]:
+        assert before and len(before) == len(after)
+        assert len(attention_unlike_stored(llm, endpoint, tokens, block_ids, before, rank)) == len(before), \
+            f"rank {rank}: the {len(tokens)}-token hit's attention blocks held the server's bytes before its load"
+        assert not (bad := attention_unlike_stored(llm, endpoint, tokens, block_ids, after, rank)), (rank, bad)
+    layers = attention_layers(llm)
+    by_step: dict[int, list[str]] = {}
+    for step, name, pending in got["waits"]:
+        assert pending > 0
+        by_step.setdefault(step, []).append(name)
+    assert by_step, f"rank {rank}: no attention layer waited for an in-step load"
+    assert set(by_step) <= {load[4] for load in got["loads"]}, f"rank {rank}: a wait in a step without loads"
+    assert all(names == layers for names in by_step.values()), (rank, by_step)
 
 
 def _break_in_step_loads(worker) -> int:

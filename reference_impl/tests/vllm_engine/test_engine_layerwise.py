@@ -26,7 +26,8 @@ from enginekit import (
     worker_counters,
     write_model,
 )
-from layerwise_probe import attention_layers, attention_unlike_stored, break_in_step_loads, take, watch
+from layerwise_probe import attention_layers, break_in_step_loads, take, watch
+from layerwise_probe import check_in_step_loads as probe_check
 
 BLOCK = 128  # the 8-layer hybrid's unified block on vLLM's CPU backend, as the 4-layer one's
 LENGTHS = [129, 300, 511, 777, 1025, 1500, 2049]
@@ -57,23 +58,9 @@ def stored(lw_llm):
 
 
 def check_in_step_loads(llm, endpoint: str, got: dict, n_loads: int) -> None:
-    """Every in-step load wrote blocks that did not hold the server's bytes before its step and do after it; the
-    attention layers of each step that had loads to wait for waited in the forward's order, each once."""
-    assert len(got["loads"]) == n_loads, [len(x[0]) for x in got["loads"]]
-    for tokens, block_ids, before, after, _ in got["loads"]:
-        assert before and len(before) == len(after)
-        assert len(attention_unlike_stored(llm, endpoint, tokens, block_ids, before)) == len(before), \
-            f"the {len(tokens)}-token hit's attention blocks held the server's bytes before its in-step load"
-        assert not (bad := attention_unlike_stored(llm, endpoint, tokens, block_ids, after)), bad
-    layers = attention_layers(llm)
-    assert len(layers) == 2, layers
-    by_step: dict[int, list[str]] = {}
-    for step, name, pending in got["waits"]:
-        assert pending > 0
-        by_step.setdefault(step, []).append(name)
-    assert by_step, "no attention layer waited for an in-step load"
-    assert set(by_step) <= {load[4] for load in got["loads"]}, "a layer waited in a step without in-step loads"
-    assert all(names == layers for names in by_step.values()), by_step
+    """`layerwise_probe.check_in_step_loads`, on this model's two attention layers."""
+    assert len(attention_layers(llm)) == 2, attention_layers(llm)
+    probe_check(llm, endpoint, got, n_loads)
 
 
 def test_layerwise_warm_equals_cold_with_vllm_cache_zeroed(lw_llm, server, stored):

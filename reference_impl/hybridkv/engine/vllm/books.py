@@ -44,4 +44,5 @@ class RequestTrack:
     looked_up: bool = False
     tier: HitTier | None = None  # of the load planned for it (vLLM asks after update_state_after_alloc)
     l2_since: float = 0.0  # when its first "not yet" was answered (its prefix's L2 reads started); 0: never
-    refused: bool = False  # vLLM's blocks for its hit did not match the objects: no external hit for it again
+    refused: bool = False  # its load was refused (vLLM's blocks did not match the objects) or failed on some rank:
+    # no external hit for it again

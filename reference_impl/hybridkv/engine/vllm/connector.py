@@ -95,7 +95,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler_side = SchedulerSide(self.settings, self.layout, self.chunk_tokens, tp, tracker)
         else:
             self.worker_side = WorkerSide(self.settings, self.layout, self.chunk_tokens, parallel.rank % tp,
-                                          self.events)
+                                          self.events, tp)
 
     # ---- worker side ------------------------------------------------------------------------------
 

@@ -13,13 +13,16 @@ or on vLLM's stream, when the step's `wait_for_save` returns, so no later step r
 
 An in-step copy that fails cannot be handed back to vLLM as a recompute (vLLM 0.32/0.33 ignore `failed_recving`
 for a request that left WAITING_FOR_REMOTE_KVS and raise on `invalid_block_ids` for models of several KV-cache
-groups), so it stops the step with `StepLoadError`: never a forward over unwritten blocks.
+groups), so it stops the step with `StepLoadError`: never a forward over unwritten blocks. Under tensor parallelism
+every rank stops at the same point (`tp_vote`): a rank that raised alone would leave the others waiting in the
+forward's next collective until vLLM's execute_model timeout (300 s) and their processes spinning after it.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -55,6 +58,26 @@ def promoted(held: set[str], requests: dict[str, Request]) -> list[str]:
     return out
 
 
+def tp_vote(tp_size: int) -> Callable[[bool], bool] | None:
+    """For a worker of a tensor-parallel group (`tp_size` > 1): vote(failed) -> whether any rank's vote was True,
+    over vLLM's CPU (gloo) group of the ranks. Every rank calls it at the same points of a step (the step's loads
+    and attention layers are the same on every rank), so all stop together, before any of them enters a collective
+    the others would never join. None at TP 1."""
+    if tp_size <= 1:
+        return None
+
+    def vote(failed: bool) -> bool:
+        import torch
+        import torch.distributed as dist
+        from vllm.distributed.parallel_state import get_tp_group
+
+        flag = torch.tensor([int(failed)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=get_tp_group().cpu_group)
+        return bool(flag.item())
+
+    return vote
+
+
 @dataclass(slots=True, eq=False)
 class _Held:
     """A hit's attention part, pinned under its lease, waiting for the step that schedules its request."""
@@ -67,13 +90,16 @@ class _Held:
 class LayerwiseLoads:
     """One worker rank's layer-wise loads: the held attention parts, and this step's in-step copies."""
 
-    def __init__(self, layout: ModelLayout, stats: WorkerStats, timeout_s: float):
+    def __init__(self, layout: ModelLayout, stats: WorkerStats, timeout_s: float,
+                 vote: Callable[[bool], bool] | None = None):
         self.recurrent = set(layout.recurrent_groups)
         self.stats = stats
         self.timeout_s = timeout_s
+        self.vote = vote  # TP > 1: `tp_vote`'s, so that a failure on one rank stops every rank at the same point
         self._held: dict[str, _Held] = {}
         self._step: list[tuple[str, TransferHandle]] = []
         self.started = False  # this step's copies are queued (by start_load_kv, or the first layer's wait)
+        self._failed = ""  # why this rank's in-step load of this step failed; kept until the step ends
         self._closing: list[KVTransfer] = []  # dropped connections closed once no held hit reads their arena
         self._lock = threading.Lock()
 
@@ -94,38 +120,45 @@ class LayerwiseLoads:
     def start(self, request_ids: list[str], ready) -> None:
         """Queue the in-step copies of the requests vLLM promoted: from the arena slots their lease pins into the
         blocks the asynchronous phase checked, layer by layer. Raises StepLoadError when one has nothing to copy
-        from: vLLM's blocks for it would stay unwritten."""
+        from (vLLM's blocks for it would stay unwritten), on every rank when one rank's has (`_stop_if_failed`)."""
         self.started = True
         for rid in request_ids:
             with self._lock:
                 held = self._held.pop(rid, None)
             if held is None:
-                raise StepLoadError(f"hybridkv: vLLM scheduled {rid} for its in-step attention load, but this rank "
-                                    "holds no pinned hit for it")
+                self._fail(f"vLLM scheduled {rid} for its in-step attention load, but this rank holds no pinned "
+                           "hit for it")
+                continue
             try:
-                h = held.transfer.retrieve(held.hit, held.job.block_ids, ready, layerwise=True)
+                self._step.append((rid, held.transfer.retrieve(held.hit, held.job.block_ids, ready, layerwise=True)))
             except Exception as e:
-                raise StepLoadError(f"hybridkv: the in-step attention load of {rid} could not start: {e}") from e
+                self._fail(f"the in-step attention load of {rid} could not start: {e!r}")
             finally:
                 self._close_unheld()
-            self._step.append((rid, h))
+        self._stop_if_failed()
 
     def wait_layer(self, name: str) -> None:
         """vLLM's attention layer `name` is about to read the cache: order it after this step's copies of that
         layer (CUDA: on the GPU; CPU: the copies run on the load thread, so this waits for each load whole)."""
-        if not self._step:
+        if not self.started:  # the same on every rank: the step's loads are
             return
         self.stats.layer_waits += 1
         for rid, h in self._step:
             try:
                 h.wait_layer(name, timeout=self.timeout_s)
             except Exception as e:
-                raise StepLoadError(f"hybridkv: the in-step attention load of {rid} failed: {e}") from e
+                self._fail(f"the in-step attention load of {rid} failed: {e!r}")
+                break
+        self._stop_if_failed()
 
     def end_step(self, stream) -> None:
         """Every copy of this step has ended (CPU) or is ahead of whatever vLLM queues next on `stream` (CUDA),
-        whether or not a forward waited for it (a step without one, layers the forward never asked for)."""
-        step, self._step, self.started = self._step, [], False
+        whether or not a forward waited for it (a step without one, layers the forward never asked for). A step
+        whose in-step load failed on any rank raises StepLoadError here on every rank (again, if a layer's wait
+        raised it already: vLLM calls this in a `finally`), before the step's stores read any block."""
+        step, started, self._step, self.started = self._step, self.started, [], False
+        if not started:
+            return
         for rid, h in step:
             try:
                 if stream is not None and h.layer_ready is not None:
@@ -137,9 +170,27 @@ class LayerwiseLoads:
                 else:
                     h.wait(self.timeout_s)
             except Exception as e:
-                raise StepLoadError(f"hybridkv: the in-step attention load of {rid} failed: {e}") from e
+                self._fail(f"the in-step attention load of {rid} failed: {e!r}")
+                continue
             self.stats.step_loads += 1
             self.stats.step_loaded_bytes += h.nbytes
+        try:
+            self._stop_if_failed()
+        finally:
+            self._failed = ""
+
+    def _fail(self, why: str) -> None:
+        self._failed = self._failed or f"hybridkv: {why}"
+
+    def _stop_if_failed(self) -> None:
+        """Raise StepLoadError when this rank's in-step load of this step failed, or (TP > 1) another rank's: every
+        rank votes here at the same point of the step, and all raise together."""
+        failed = bool(self._failed)
+        if self.vote is not None:
+            failed = self.vote(failed)
+        if failed:
+            raise StepLoadError(self._failed or "hybridkv: another tensor-parallel rank's in-step attention load of "
+                                "this step failed; every rank stops the step")
 
     def finished(self, request_ids: set[str]) -> None:
         """Requests vLLM finished: their held hits go (their server sessions end, which drops the pins)."""

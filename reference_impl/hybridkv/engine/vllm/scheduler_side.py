@@ -144,7 +144,7 @@ class SchedulerSide:
         track = self._requests.setdefault(rid, RequestTrack())
         track.looked_up = True
         if track.refused:
-            return 0, False  # its load was refused once: vLLM recomputes it, and would get the same blocks again
+            return 0, False  # its load was refused or failed once: vLLM recomputes it
         if (pending := self._pending.get(rid)) is not None:
             if pending.skip_tokens == num_computed_tokens:
                 return len(pending.token_ids) - num_computed_tokens, False  # pinned already: no second lookup
@@ -314,8 +314,14 @@ class SchedulerSide:
         return jobs
 
     def load_failed(self, request_ids: set[str]) -> None:
-        """Asynchronous phases that failed (vLLM recomputes those requests): no in-step load follows them."""
+        """Loads that failed on some rank (vLLM recomputes those requests): no in-step load follows them, and they
+        get no external hit again. vLLM asks again right away; a failure the scheduler's own lookup cannot see
+        (one rank's connection or arena) would fail every retry, each a lookup, pins and, at TP > 1, a whole load
+        on the other ranks, for as long as that lasts."""
         self._held -= request_ids
+        for rid in request_ids:
+            if (track := self._requests.get(rid)) is not None:
+                track.refused = True
 
     def hit_tier(self, request_id: str) -> HitTier | None:
         """Where the load planned for a live request reads from; None when none was planned."""

@@ -35,7 +35,7 @@ from hybridkv.engine.client import ServerError
 from hybridkv.engine.paged import engine_pages
 from hybridkv.engine.transfer import KVTransfer, PreparedStore, TransferConfig, TransferHandle
 from hybridkv.engine.vllm.events import StoreReports
-from hybridkv.engine.vllm.layerwise import LayerwiseLoads
+from hybridkv.engine.vllm.layerwise import LayerwiseLoads, tp_vote
 from hybridkv.engine.vllm.plan import HybridKVMetadata, LoadJob, LoadRefused
 from hybridkv.engine.vllm.settings import ConnectorSettings
 from hybridkv.engine.vllm.stats import WorkerStats
@@ -70,7 +70,7 @@ class WorkerSide:
     """One vLLM worker rank's transfers."""
 
     def __init__(self, settings: ConnectorSettings, layout: ModelLayout, chunk_tokens: int, tp_rank: int,
-                 events: bool = False):
+                 events: bool = False, tp_size: int = 1):
         self.settings = settings
         self.layout = layout
         self.chunk_tokens = chunk_tokens
@@ -88,7 +88,7 @@ class WorkerSide:
         self._prepared: dict[tuple[str, int], PreparedStore] = {}  # (request, start chunk) -> this step's prepare
         # vLLM publishes KV events: how each store ended, for the scheduler side's (`hybridkv.engine.vllm.events`)
         self.events = StoreReports(tp_rank, chunk_tokens) if events else None
-        self.layerwise = LayerwiseLoads(layout, self.stats, settings.timeout_s) \
+        self.layerwise = LayerwiseLoads(layout, self.stats, settings.timeout_s, tp_vote(tp_size)) \
             if settings.load_mode == "layerwise" else None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
