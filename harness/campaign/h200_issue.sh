@@ -5,10 +5,13 @@
 #   OUT=dir BASE=../t-6be3029 bash harness/campaign/h200_issue.sh profile   # issue_parts, fixed_cost, bare round trip
 #   OUT=dir BASE=../t-6be3029 bash harness/campaign/h200_issue.sh cover     # CUDA tests; TP8 docs + multi-turn, Next 99k
 #   OUT=dir bash harness/campaign/h200_issue.sh compute                     # compute beside loads (decode attention)
+#   OUT=dir bash harness/campaign/h200_issue.sh tests                       # the CUDA tests alone (a short call)
+#   OUT=dir bash harness/campaign/h200_issue.sh hf                          # the real model's layer-wise warm start
+# harness/campaign/device_trees.sh lays out a candidate and a baseline tree under .device/ for such a call.
 # The wheels (msgspec, pyzmq, isal) must be installed in /tmp/site already (see gpu_env.sh); no editable install:
 # each tree runs from its own PYTHONPATH, so two trees can alternate.
 set -uo pipefail
-part=${1:?part: profile, cover or compute}
+part=${1:?part: profile, cover, compute, tests or hf}
 export PYTHONUNBUFFERED=1
 trees=("$PWD")
 [ -n "${BASE:-}" ] && trees=("$(cd "$BASE" && pwd)" "$PWD")
@@ -82,6 +85,20 @@ EOF
         | sed "s/^{/{\"tree\": \"$tag\", \"pass\": 3, /" >> "$OUT/fixed_cost.jsonl" || echo "fixed_cost $tag rc=$?"
     done
     [ -n "${BASE:-}" ] && cover "${trees[0]}"
+    ;;
+  tests)
+    use "$PWD"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda reference_impl/tests/engine kernels/tests \
+      reference_impl/tests/server/test_prepare_store.py -rs > "$OUT/cuda-tests.log" 2>&1
+    echo "cuda tests ($tag) rc=$?"; tail -3 "$OUT/cuda-tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/cuda-tests.log" | head
+    ;;
+  hf)
+    use "$PWD"  # needs fla (flash-linear-attention, fla-core) among the wheels
+    runs=$(mktemp -d)
+    (cd "$PWD" && timeout 300 python3 -c "$bench" scenarios/h200_hf_layerwise.toml --out "$runs/h200_hf_layerwise" \
+      > "$runs/h200_hf_layerwise.log" 2>&1)
+    echo "h200_hf_layerwise rc=$?"; grep -E "^\[1/1\]|Error|warm_pipeline" "$runs/h200_hf_layerwise.log" | tail -5
+    tar czf "$OUT/hf.tgz" -C "$runs" .
     ;;
   compute)
     use "$PWD"
