@@ -1,9 +1,9 @@
 """The two routes a transfer's bytes take, one per kind of wire, chosen once when `KVTransfer` is built.
 
-A `DirectRoute` drives a `DirectWire` (the server's arena slots): it queues the page copies to or from
-the slots, waits for them, then commits a store or releases a load's lease. On CUDA the caller of store() /
-retrieve() queues the (asynchronous) copies, so no hand-off precedes the first byte; the worker waits for
-them. Elsewhere copies run synchronously, on the workers. A `PayloadRoute` hands a whole store or load to its `PayloadWire`, on a worker.
+A `DirectRoute` drives a `DirectWire` (the server's arena slots): it queues the page copies to or from the slots,
+waits for them, then commits a store or releases a load's lease. On CUDA the caller of store() / retrieve() queues
+the (asynchronous) copies, so no hand-off precedes the first byte; the worker waits for them. Elsewhere copies run
+synchronously, on the workers. A `PayloadRoute` hands a whole store or load to its `PayloadWire`, on a worker.
 
 Both share what `Route` holds: the workers (stores and loads on their own threads: a store parked behind L2
 never delays a retrieve), the requests finished since `get_finished`, the commits in flight, and what a
