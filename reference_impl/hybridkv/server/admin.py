@@ -11,6 +11,7 @@ from hybridkv import protocol as P
 from hybridkv.keys import namespace
 from hybridkv.layout import LayoutError
 from hybridkv.server import store
+from hybridkv.server.clear import clear as in_turns
 from hybridkv.server.context import Answer, Context, Frames, RequestError, no_frames
 from hybridkv.server.sessions import Engine
 from hybridkv.server.telemetry import STATUS_FIGURES, limits, server_figures
@@ -91,10 +92,9 @@ def clear(ctx: Context, ident: bytes, msg: P.Clear, frames: Frames) -> Answer:
     no_frames(msg, frames)
     if msg.engine is None:
         _admin_only(ctx, "clear of every namespace")
-        ns = None
-    else:
-        ns = ctx.sessions.engine(ident, msg.engine).ns
-    return P.Done(count=ctx.objects.clear(ns)), []
+        return in_turns(ctx, ident, msg.id, None, None)
+    eng = ctx.sessions.engine(ident, msg.engine)
+    return in_turns(ctx, ident, msg.id, eng, eng.ns)
 
 
 def health(ctx: Context, ident: bytes, msg: P.Health, frames: Frames) -> Answer:

@@ -102,6 +102,10 @@ class L1Cache:
     def entries(self) -> Iterator[Entry]:
         return iter(list(self._entries.values()))
 
+    def shard(self, i: int) -> list[Entry]:
+        """A copy of the entries of the table's shard `i` (`ObjectTable.shard`)."""
+        return self._entries.shard(i)
+
     @property
     def stuck_objects(self) -> int:
         return len(self._stuck)

@@ -12,6 +12,7 @@ opaque bytes.
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterator
 
 from hybridkv.server.l2.header import KEY_BYTES, MAX_GROUP, NS_BYTES
 
@@ -67,9 +68,9 @@ class L2Adapter(abc.ABC):
         `ValueError` (the caller's bug, not the store's).
         """
 
-    @abc.abstractmethod
     def contains(self, key: bytes, group: int) -> bool:
-        """Whether the object is held (from the index; no I/O)."""
+        """Whether the object is held (what `length` answers)."""
+        return self.length(key, group) is not None
 
     @abc.abstractmethod
     def length(self, key: bytes, group: int, ns: bytes | None = None) -> int | None:
@@ -80,9 +81,15 @@ class L2Adapter(abc.ABC):
     def remove(self, key: bytes, group: int) -> bool:
         """Drop an object; True if it was held."""
 
-    @abc.abstractmethod
     def clear(self, ns: bytes | None = None) -> int:
         """Drop every object of namespace `ns` (every object when None); returns how many."""
+        return sum(self.clear_steps(ns))
+
+    @abc.abstractmethod
+    def clear_steps(self, ns: bytes | None = None) -> Iterator[int]:
+        """`clear` in bounded pieces, each yielding how many objects it dropped, so that the server's loop serves
+        other requests between two (a Clear in turns). No lock is held across a yield; an object stored after
+        the piece that would have dropped it may stay."""
 
     @abc.abstractmethod
     def touch(self, key: bytes, group: int) -> None:

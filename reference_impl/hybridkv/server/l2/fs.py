@@ -15,6 +15,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from hybridkv.keys import ObjectKey
@@ -22,10 +23,12 @@ from hybridkv.server.l2.base import L2Adapter, L2Error, byte_view, check_key, ch
 from hybridkv.server.l2.fs_files import TMP_PREFIX, ObjectDir
 from hybridkv.server.l2.header import BadObject
 from hybridkv.server.lru import Indexed, LruIndex
+from hybridkv.server.table import SHARDS
 
 log = logging.getLogger(__name__)
 
 _KEY_LOCK_STRIPES = 64
+CLEAR_PIECE = 256  # objects a clear drops per piece (pops under the index lock, then unlinks: a few ms)
 # LRU stamps are file mtimes; successive stamps differ by at least 1 us so that file systems which
 # keep microseconds (not nanoseconds) still order them after a restart.
 _STAMP_STEP_NS = 1000
@@ -204,10 +207,6 @@ class FilesystemL2(L2Adapter):
             self._counters["misses"] += 1
         return False
 
-    def contains(self, key: bytes, group: int) -> bool:
-        """Whether the index holds the object."""
-        return self.length(key, group) is not None
-
     def length(self, key: bytes, group: int, ns: bytes | None = None) -> int | None:
         """The object's payload length from the index, or None (also when it is of another namespace than `ns`)."""
         check_key(key, group)
@@ -230,18 +229,26 @@ class FilesystemL2(L2Adapter):
             self._unlink(key, ObjectDir.name(key, group))
         return True
 
-    def clear(self, ns: bytes | None = None) -> int:
-        """Drop every object of namespace `ns`, or every object when `ns` is None."""
+    def clear_steps(self, ns: bytes | None = None) -> Iterator[int]:
+        """The index's table a shard snapshot at a time (under the lock, one C call), in pieces of CLEAR_PIECE: the
+        objects of `ns` that the index still holds (the same entry) popped under the lock, then unlinked outside it."""
         if ns is not None:
             check_ns(ns)
-        with self._lock:
-            self._check_open()
-            dropped = [e for e in self._index.values() if ns is None or e.ns == ns]
-            for e in dropped:
-                self._index.pop(e.oid)
-                self._forget(e)
-        self._unlink_dropped([e.oid for e in dropped])
-        return len(dropped)
+        for i in range(SHARDS):
+            with self._lock:
+                self._check_open()
+                snap = self._index.table.shard(i)
+            for j in range(0, len(snap), CLEAR_PIECE):
+                dropped: list[ObjectKey] = []
+                with self._lock:
+                    self._check_open()
+                    for e in snap[j:j + CLEAR_PIECE]:
+                        if (ns is None or e.ns == ns) and self._index.get(e.oid) is e:
+                            self._index.pop(e.oid)
+                            self._forget(e)
+                            dropped.append(e.oid)
+                self._unlink_dropped(dropped)
+                yield len(dropped)
 
     def touch(self, key: bytes, group: int) -> None:
         """Move the object to the most-recently-used end, in memory and in its file's mtime."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import redis
@@ -158,10 +159,6 @@ class RedisL2(L2Adapter):
         self._count(hits=1, bytes_read=out.nbytes)
         return True
 
-    def contains(self, key: bytes, group: int) -> bool:
-        """Whether the store holds the object (the local index, else one short query)."""
-        return self.length(key, group) is not None
-
     def length(self, key: bytes, group: int, ns: bytes | None = None) -> int | None:
         """The object's payload length, from the local index or one short query; None when missing or down (or
         of another namespace than `ns`)."""
@@ -240,25 +237,26 @@ class RedisL2(L2Adapter):
         self._forget((key, group))
         return raw is not None and removed > 0
 
-    def clear(self, ns: bytes | None = None) -> int:
-        """Delete every object of namespace `ns` under our prefix (every object under it when None)."""
+    def clear_steps(self, ns: bytes | None = None) -> Iterator[int]:
+        """Delete every object of namespace `ns` under our prefix (every object under it when None), a SCAN batch
+        of _PROBE_BATCH names per piece; what this server knows of the store is forgotten at the end."""
         if ns is not None:
             check_ns(ns)
         self._check_open()
         self._check_up("clear")
-        count = 0
         try:
             batch: list[bytes] = []
             for name in self._data.scan_iter(match=self._codec.scan_match(), count=1000):
                 batch.append(name)
                 if len(batch) >= _PROBE_BATCH:
-                    count += self._clear_batch(batch, ns)
+                    n = self._clear_batch(batch, ns)
                     batch = []
-            count += self._clear_batch(batch, ns)
+                    yield n
+            yield self._clear_batch(batch, ns)
         except DOWN as e:
             self._down("clear", e)
-        self._forget_all()
-        return count
+        finally:  # also when a Clear stops mid-way
+            self._forget_all()
 
     def touch(self, key: bytes, group: int) -> None:
         """Refresh the keys' LRU clock in the store (TOUCH); a no-op when missing or down."""
