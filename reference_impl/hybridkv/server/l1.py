@@ -102,9 +102,9 @@ class L1Cache:
     def entries(self) -> Iterator[Entry]:
         return iter(list(self._entries.values()))
 
-    def shard(self, i: int) -> list[Entry]:
-        """A copy of the entries of the table's shard `i` (`ObjectTable.shard`)."""
-        return self._entries.shard(i)
+    def pieces(self) -> Iterator[list[Entry]]:
+        """The entries in pieces, a shard's snapshot at a time (`ObjectTable.pieces`)."""
+        return self._entries.pieces()
 
     @property
     def stuck_objects(self) -> int:

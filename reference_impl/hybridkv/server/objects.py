@@ -25,7 +25,7 @@ from hybridkv.server.config import ServerConfig
 from hybridkv.server.counters import Counters
 from hybridkv.server.l1 import Entry, L1Cache, NoSlot, ObjectKey, State
 from hybridkv.server.l2.base import L2Adapter
-from hybridkv.server.table import SHARDS, ObjectKeys, SegmentedSet
+from hybridkv.server.table import ObjectKeys, SegmentedSet
 from hybridkv.server.workers import Workers
 
 log = logging.getLogger("hybridkv.server")
@@ -34,7 +34,6 @@ SPILL_BATCH = 64          # objects per spill job: one hand-off to a worker, not
 # ... and bytes per spill job: a job of large objects ends early, so a flush or a burst of spills keeps
 # every I/O thread writing (64 Qwen3.6-27B objects in one job would leave the other threads idle).
 SPILL_BATCH_BYTES = 8 << 20
-CLEAR_PIECE = 256         # L1 entries a clear looks at per piece (a drop is ~10 us on the 2-core VM)
 SPILL_RETRY_S = 10.0      # an object whose L2 write failed is tried again after this long
 FAILURE_LOG_EVERY_S = 10.0
 _state = attrgetter("state")
@@ -203,19 +202,16 @@ class ObjectStore:
 
     def clear_l1_steps(self, ns: bytes | None) -> Iterator[int]:
         """The L1 part of `clear` in pieces, each yielding how many objects it dropped: a table shard's snapshot at a
-        time, in pieces of CLEAR_PIECE entries. Between two pieces the caller may serve other requests: an entry is
+        time, in pieces of table.PIECE entries. Between two pieces the caller may serve other requests: an entry is
         dropped only if, when its piece comes, it is still the table's, of namespace `ns` and evictable; an object
         stored after its piece passed stays."""
-        l1 = self.l1
-        for i in range(SHARDS):
-            snap = l1.shard(i)
-            for j in range(0, len(snap), CLEAR_PIECE):
-                n = 0
-                for e in snap[j:j + CLEAR_PIECE]:
-                    if not e.gone and (ns is None or e.ns == ns) and e.evictable:  # not gone: still the table's
-                        l1.drop(e)
-                        n += 1
-                yield n
+        for piece in self.l1.pieces():
+            n = 0
+            for e in piece:
+                if not e.gone and (ns is None or e.ns == ns) and e.evictable:  # not gone: still the table's
+                    self.l1.drop(e)
+                    n += 1
+            yield n
 
     def tick(self, now: float) -> None:
         """Free quarantined slots whose time is up; retry L2 writes that failed a while ago."""

@@ -23,12 +23,10 @@ from hybridkv.server.l2.base import L2Adapter, L2Error, byte_view, check_key, ch
 from hybridkv.server.l2.fs_files import TMP_PREFIX, ObjectDir
 from hybridkv.server.l2.header import BadObject
 from hybridkv.server.lru import Indexed, LruIndex
-from hybridkv.server.table import SHARDS
 
 log = logging.getLogger(__name__)
 
 _KEY_LOCK_STRIPES = 64
-CLEAR_PIECE = 256  # objects a clear drops per piece (pops under the index lock, then unlinks: a few ms)
 # LRU stamps are file mtimes; successive stamps differ by at least 1 us so that file systems which
 # keep microseconds (not nanoseconds) still order them after a restart.
 _STAMP_STEP_NS = 1000
@@ -230,25 +228,24 @@ class FilesystemL2(L2Adapter):
         return True
 
     def clear_steps(self, ns: bytes | None = None) -> Iterator[int]:
-        """The index's table a shard snapshot at a time (under the lock, one C call), in pieces of CLEAR_PIECE: the
+        """The index's table a shard snapshot at a time (under the lock, one C call), in pieces of table.PIECE: the
         objects of `ns` that the index still holds (the same entry) popped under the lock, then unlinked outside it."""
         if ns is not None:
             check_ns(ns)
-        for i in range(SHARDS):
-            with self._lock:
+        pieces = self._index.table.pieces()
+        while True:
+            dropped: list[ObjectKey] = []
+            with self._lock:  # the next piece (a shard's snapshot when the walk reaches it) taken under the lock too
                 self._check_open()
-                snap = self._index.table.shard(i)
-            for j in range(0, len(snap), CLEAR_PIECE):
-                dropped: list[ObjectKey] = []
-                with self._lock:
-                    self._check_open()
-                    for e in snap[j:j + CLEAR_PIECE]:
-                        if (ns is None or e.ns == ns) and self._index.get(e.oid) is e:
-                            self._index.pop(e.oid)
-                            self._forget(e)
-                            dropped.append(e.oid)
-                self._unlink_dropped(dropped)
-                yield len(dropped)
+                if (piece := next(pieces, None)) is None:
+                    return
+                for e in piece:
+                    if (ns is None or e.ns == ns) and self._index.get(e.oid) is e:
+                        self._index.pop(e.oid)
+                        self._forget(e)
+                        dropped.append(e.oid)
+            self._unlink_dropped(dropped)
+            yield len(dropped)
 
     def touch(self, key: bytes, group: int) -> None:
         """Move the object to the most-recently-used end, in memory and in its file's mtime."""
