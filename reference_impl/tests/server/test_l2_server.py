@@ -61,6 +61,36 @@ def l2_files(l2_dir: Path) -> tuple[set[tuple[bytes, int]], list[Path]]:
     return objs, tmps
 
 
+def all_threads_stopped(pid: int) -> bool:
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):
+            continue  # a thread that ended
+    return bool(states) and all(s in "tT" for s in states)
+
+
+def freeze_inside_put(proc: subprocess.Popen, l2_dir: Path, within_s: float = 20) -> bool:
+    """SIGSTOP the server at a moment a put's temp file exists, and leave it stopped: True once it is.
+
+    A temp file seen by polling may be renamed before a kill lands, so the server is stopped first and
+    the directory looked at again; if the put finished meanwhile, the server goes on and the poll repeats.
+    """
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not l2_files(l2_dir)[1]:
+            continue
+        proc.send_signal(signal.SIGSTOP)
+        while not all_threads_stopped(proc.pid):
+            assert proc.poll() is None, "the server ended on its own"
+            time.sleep(0.001)
+        if l2_files(l2_dir)[1]:
+            return True
+        proc.send_signal(signal.SIGCONT)
+    return False
+
+
 def check_file(path: Path) -> None:
     """An L2 file on disk holds exactly the deterministic payload of the object it is named for."""
     raw = path.read_bytes()
@@ -324,10 +354,9 @@ def test_sigkill_during_l2_writes_loses_no_completed_object(server_factory, l2_d
         try:
             assert writer.stdout.readline().strip() == "ready"
             time.sleep(rng.uniform(0.2, 1.0))
-            # Odd rounds kill at a random moment; even rounds at the moment a put's temp file is seen.
-            deadline = time.monotonic() + 5
-            while rnd % 2 == 0 and not l2_files(l2_dir)[1] and time.monotonic() < deadline:
-                pass
+            # Odd rounds kill at a random moment; even rounds while the server is frozen inside a put.
+            if rnd % 2 == 0:
+                assert freeze_inside_put(srv.proc, l2_dir), "no put's temp file was seen in 20 s"
             srv.proc.send_signal(signal.SIGKILL)
             srv.proc.wait(timeout=10)
         finally:
