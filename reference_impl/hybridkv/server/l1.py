@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import enum
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 
 import msgspec
 
 from hybridkv.arena import Arena, ExtentAllocator
 from hybridkv.keys import ObjectKey
-from hybridkv.server.lru import LruQueue, Queue
+from hybridkv.server.lru import LruQueue, Queue, Segment
 from hybridkv.server.table import KeySet, ObjectTable
 
 
@@ -39,8 +38,9 @@ class NoSlot(enum.Enum):
 
 class Entry(msgspec.Struct, gc=False, eq=False):
     """One object in L1. Not tracked by the cycle collector (gc=False): a server of 1M objects walked them all in
-    every full collection (350 ms of CPU, now 60). Its references to its queue and segment are dropped when it
-    leaves them (`LruQueue.remove`), so it is never part of a cycle that only the collector could free."""
+    every full collection (350 ms of CPU); nor are the queues and tables that hold it. Its references to its queue
+    and segment are dropped when it leaves them (`LruQueue.remove`), so it is never part of a cycle that only the
+    collector could free."""
     key: bytes
     group: int
     ns: bytes
@@ -54,7 +54,7 @@ class Entry(msgspec.Struct, gc=False, eq=False):
     evict_after_spill: bool = False
     failed_at: float = 0.0  # monotonic time of its last failed L2 write
     queue: LruQueue[Entry] | None = None
-    seg: OrderedDict[ObjectKey, Entry] | None = None  # the queue's segment that holds it
+    seg: Segment | None = None  # the queue's segment that holds it
     gone: bool = False      # dropped from the table (a failed prefetch, an abort)
     oid: ObjectKey = (b"", 0)  # (key, group), the table's key, set from them: kept, not rebuilt per queue move
 

@@ -4,7 +4,7 @@ eviction queues (l1.py), and `LruIndex`, a table of objects in one such queue (t
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -28,13 +28,21 @@ SEGMENT = 16_384
 _SPARSE = SEGMENT // 2  # a segment (not the youngest) under this many entries merges into a neighbour
 
 
+Segment = dict[Any, None]
+"""A piece of a queue: a plain dict of its entries (as keys, hashed by identity: eq=False) in insertion order. Not an
+OrderedDict, nor one keyed by oid: the cycle collector tracks every OrderedDict and walks its entries in each full
+collection (1M queued entries: ~50 ms of it on the 2-core VM), and a dict stays tracked from the moment a (key,
+group) tuple, still tracked when new, enters it to the next full collection. A dict whose keys are untracked
+entries (gc=False) and whose values are None is never tracked."""
+
+
 class Queued(Keyed, Protocol):
     """What a queue holds: an object (its oid), its bytes, and the queue and segment it sits in (the queue's to set;
     `LruQueue.remove` drops them, so an entry leaves no cycle behind)."""
     @property
     def size(self) -> int: ...
     queue: LruQueue[Any] | None
-    seg: OrderedDict[ObjectKey, Any] | None
+    seg: Segment | None
 
 
 E = TypeVar("E", bound=Queued)
@@ -43,15 +51,18 @@ E = TypeVar("E", bound=Queued)
 class LruQueue(Generic[E]):
     """One eviction queue: entries oldest first, and the slot bytes they hold.
 
-    Kept as segments, each an OrderedDict of about SEGMENT entries, oldest segment first: an entry enters the
-    youngest (or, taken back to the old end, the oldest), leaves wherever it sits (`Entry.seg`). A segment left
-    empty goes; one left sparse is merged into a neighbour with room, so the segments stay at most about twice as
-    many as the entries need (a segment keeps its table's memory until it goes)."""
-    __slots__ = ("kind", "segs", "n", "bytes")
+    Kept as segments (`Segment`), each of about SEGMENT entries, oldest segment first: an entry enters the youngest
+    and leaves wherever it sits (`Entry.seg`). One taken back to the old end enters `front`, a segment read
+    backwards (its last entry is the queue's oldest; a plain dict cannot put one before its first), which joins
+    the segments at the old end once it holds SEGMENT entries. A segment left empty goes; one left sparse is merged
+    into a neighbour with room, so the segments stay at most about twice as many as the entries need (a segment
+    keeps its table's memory until it goes)."""
+    __slots__ = ("kind", "front", "segs", "n", "bytes")
 
     def __init__(self, kind: Queue | None = None):
         self.kind = kind
-        self.segs: deque[OrderedDict[ObjectKey, E]] = deque([OrderedDict()])
+        self.front: Segment = {}
+        self.segs: deque[Segment] = deque([{}])
         self.n = 0
         self.bytes = 0
 
@@ -61,88 +72,102 @@ class LruQueue(Generic[E]):
     def __bool__(self) -> bool:
         return self.n > 0
 
+    def __iter__(self) -> Iterator[E]:
+        """The entries, oldest first (the queue not to be changed while walked)."""
+        yield from reversed(self.front)
+        for seg in self.segs:
+            yield from seg
+
+    def segments(self) -> list[Segment]:
+        """Every segment that holds the queue's entries (the front first)."""
+        return [self.front, *self.segs]
+
     def oldest(self) -> E:
+        if self.front:
+            return next(reversed(self.front))
         for seg in self.segs:  # only the youngest segment may be empty
             if seg:
-                return next(iter(seg.values()))
+                return next(iter(seg))
         raise KeyError("oldest() of an empty queue")
 
     def add(self, e: E, young: bool = True) -> None:
         """`e`, in no queue, at the young (or the old) end."""
-        segs = self.segs
         if young:
-            seg = segs[-1]
+            seg = self.segs[-1]
             if len(seg) >= SEGMENT:
-                seg = OrderedDict()
-                segs.append(seg)
-            seg[e.oid] = e
+                seg = {}
+                self.segs.append(seg)
         else:
-            seg = segs[0]
-            if len(seg) >= SEGMENT:
-                seg = OrderedDict()
-                segs.appendleft(seg)
-            seg[e.oid] = e
-            seg.move_to_end(e.oid, last=False)
+            seg = self.front
+        seg[e] = None
         e.seg, e.queue = seg, self
         self.n += 1
         self.bytes += e.size
+        if not young and len(seg) >= SEGMENT:
+            self._settle_front()
 
     def remove(self, e: E) -> None:
         seg = e.seg
         assert seg is not None
-        del seg[e.oid]
+        del seg[e]
         e.seg = e.queue = None
         self.n -= 1
         self.bytes -= e.size
-        if len(seg) < _SPARSE and seg is not self.segs[-1]:
+        if len(seg) < _SPARSE and seg is not self.segs[-1] and seg is not self.front:
             self._sparse(seg)
 
     def move(self, e: E, young: bool = True) -> None:
         """`e`, in this queue, to the young (or the old) end."""
-        if young and e.seg is self.segs[-1]:
-            e.seg.move_to_end(e.oid)
+        seg = e.seg
+        if young and seg is self.segs[-1]:
+            del seg[e]  # a plain dict's end: taken out and put back
+            seg[e] = None
             return
         self.remove(e)
         self.add(e, young)
 
-    def _sparse(self, seg: OrderedDict[ObjectKey, E]) -> None:
+    def _settle_front(self) -> None:
+        """The front, full, becomes the oldest of the segments (its entries in the order it is read)."""
+        seg: Segment = dict.fromkeys(reversed(self.front))
+        for e in seg:
+            e.seg = seg
+        self.segs.appendleft(seg)
+        self.front = {}
+
+    def _sparse(self, seg: Segment) -> None:
         """`seg` (not the youngest) fell under _SPARSE entries: drop it when empty, else merge it into the older
-        neighbour (its entries after that one's) or the younger (before that one's) where the result stays
-        within 2 x SEGMENT; else it stays (both neighbours are full)."""
+        neighbour (its entries after that one's), or the younger neighbour into it, where the result stays within
+        2 x SEGMENT; else it stays (both neighbours are full)."""
         segs = self.segs
         i = next(j for j, s in enumerate(segs) if s is seg)
         if not seg:
             del segs[i]
             return
         if i > 0 and len(segs[i - 1]) + len(seg) <= 2 * SEGMENT:
-            into = segs[i - 1]
-            for oid, e in seg.items():
-                into[oid] = e
-                e.seg = into
+            into, gone = segs[i - 1], i
         elif len(segs[i + 1]) + len(seg) <= 2 * SEGMENT:
-            into = segs[i + 1]
-            for oid, e in reversed(seg.items()):
-                into[oid] = e
-                into.move_to_end(oid, last=False)
-                e.seg = into
+            into, gone = seg, i + 1
         else:
             return
-        del segs[i]
+        for e in segs[gone]:
+            into[e] = None
+            e.seg = into
+        del segs[gone]
 
 
 class _Links(msgspec.Struct, gc=False, eq=False, kw_only=True):
     """The queue and segment that hold an entry, set by the queue (keyword-only, after a subclass's fields)."""
     queue: LruQueue[Any] | None = None
-    seg: OrderedDict[ObjectKey, Any] | None = None
+    seg: Segment | None = None
 
 
 class Indexed(_Links):
     """An object in an `LruIndex` (an L2 adapter's subclass adds what it knows of the object). Not compared by
-    value (an index tells its entries apart by identity), and, as the L1's entries, not tracked by the cycle
-    collector (gc=False, inherited): 700k L2 entries as dataclasses made every full collection walk them
-    (171-178 ms, against 71-74 for untracked ones). So an entry is never left in a cycle that only the collector
-    could free: one that leaves its index is unlinked (`LruQueue.remove`), or its segment emptied (`LruIndex.clear`,
-    an index freed)."""
+    value (an index tells its entries apart by identity, and its segments hash them so), and, as the L1's entries,
+    not tracked by the cycle collector (gc=False, inherited): 700k L2 entries as dataclasses made every full
+    collection walk them (171-178 ms; 71-74 untracked in OrderedDict segments, under 1 ms in plain dicts). So an
+    entry is never left in a cycle that only the collector could free: one that leaves its index is unlinked
+    (`LruQueue.remove`), or its segment emptied (`LruIndex.clear`, an index freed)."""
     oid: ObjectKey
     size: int  # the bytes that the index's `bytes` counts
 
@@ -210,25 +235,27 @@ class LruIndex(Generic[E]):
 
     def values(self) -> Iterator[E]:
         """The entries, least recently used first (not to be changed while walked)."""
-        for seg in self.queue.segs:
-            yield from seg.values()
+        return iter(self.queue)
 
     def clear(self) -> None:
         """Take every entry out: a fresh table and queue at once, then the old segments emptied one at a time
         (each in one C call of a few ms; 1M entries in one OrderedDict.clear() took 104-114 ms). Callers with a
         lock that the loop waits on swap in a new index under it and clear the old one outside it."""
-        segs = self.queue.segs
+        queue = self.queue
         self.table, self.queue = ObjectTable(), LruQueue()
         self.get = self.table.get
-        _empty(segs)
+        _empty(queue)
 
     def __del__(self) -> None:
         # the entries link to the queue, not to the index: emptied here, they and the segments go with it
-        _empty(self.queue.segs)
+        _empty(self.queue)
 
 
-def _empty(segs: deque[OrderedDict[ObjectKey, Any]]) -> None:
-    """Empty the segments: an entry that outlives its segment's emptying (held elsewhere) links only to an empty
-    segment and a queue with none, so no cycle is left that only the collector could free."""
+def _empty(queue: LruQueue[Any]) -> None:
+    """Empty the queue's segments, one C call each: an entry that outlives its segment's emptying (held elsewhere)
+    links only to an empty segment and a queue with none, so no cycle is left that only the collector could free."""
+    front, queue.front = queue.front, {}
+    front.clear()
+    segs = queue.segs
     while segs:
         segs.popleft().clear()

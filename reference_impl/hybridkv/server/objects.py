@@ -103,16 +103,16 @@ class ObjectStore:
         `missing`; an object that is held but not so goes into `foreign`. One loop, no call per object: it is
         the lookup's hit rule over every chunk of a long prompt."""
         if not missing:  # the common full hit, every object READY in L1 in this namespace: asked in C
-            ready = self.l1.ready_keys.get
+            ready, wanted = self.l1.ready_keys.get, set(keys)
             for g in groups:
                 r = ready((ns, g))
-                if r is None or not r.issuperset(keys):
+                if r is None or not r.issuperset(wanted):
                     break
             else:
                 return len(keys)
         get, l2, reserved = self.l1.get, self.l2, State.RESERVED
-        if type(missing) is SegmentedSet:
-            missing = missing.view()  # a plain set unless it outgrew one segment: `in` asked in C
+        # `in` asked in C: a plain set, or one segment unless it outgrew one
+        missed = missing.view() if type(missing) is SegmentedSet else missing
         for n, k in enumerate(keys):
             for g in groups:
                 oid = (k, g)
@@ -127,7 +127,7 @@ class ObjectStore:
                     if l2 is not None and l2.length(k, g) is not None:  # held, not ours: once per call, at the end
                         foreign.add(oid)
                     return n
-                if missing and oid in missing:
+                if missed and oid in missed:
                     return n
         return len(keys)
 

@@ -3,7 +3,7 @@ table, (key, group) -> Entry, and the sets of READY keys a lookup asks.
 
 CPython grows a dict in one step that walks every entry: the L1 table as one dict stopped the loop 66 ms at
 1.4M objects on a quiet 2-core VM (120-370 ms on a loaded one), the moment a prepare crossed a power of two.
-Here each of SHARDS dicts holds about 1/SHARDS of the objects, chosen by the key's hash (a chunk key is
+Here each of a group's SHARDS dicts holds about 1/SHARDS of its objects, chosen by the key's hash (a chunk key is
 already a hash; bytes keep theirs, so choosing costs no hashing). The shards fill evenly, so they cross their
 powers of two within a few thousand objects of each other, not in the same one: code that inserts many
 objects reads the clock between pieces of at most a few hundred (`store.TURN_OBJECTS`), and a piece meets one
@@ -45,49 +45,66 @@ K = TypeVar("K")
 
 
 class ObjectTable(Generic[E]):
-    """A dict of objects in SHARDS dicts (the L1's entries; in `lru.LruIndex`, an L2 adapter's). `get_many` is
-    the bulk question of a lookup (one pass, no call per object)."""
-    __slots__ = ("_shards", "_n")
+    """A dict of objects by oid (the L1's entries; in `lru.LruIndex`, an L2 adapter's), kept per group in SHARDS
+    dicts by chunk key. `get_many` is the bulk question of a lookup (one pass, no call per object).
+
+    Keyed by the chunk key (bytes), not by the (key, group) tuple: a dict is tracked by the cycle collector from the
+    moment a tuple still tracked (every new one is, until a young collection) enters it to the next full
+    collection, which then walks all its entries (1M objects: most of a full collection's time), while a dict of
+    bytes keys and untracked entries (gc=False) is never tracked."""
+    __slots__ = ("_groups", "_n")
 
     def __init__(self) -> None:
-        self._shards: list[dict[ObjectKey, E]] = [{} for _ in range(SHARDS)]
+        self._groups: dict[int, list[dict[bytes, E]]] = {}
         self._n = 0
 
     def __len__(self) -> int:
         return self._n
 
     def get(self, oid: ObjectKey) -> E | None:
-        return self._shards[hash(oid[0]) & _MASK].get(oid)
+        shards = self._groups.get(oid[1])
+        return None if shards is None else shards[hash(oid[0]) & _MASK].get(oid[0])
 
     def get_many(self, oids: list[ObjectKey]) -> list[E | None]:
-        shards = self._shards
-        return [shards[hash(o[0]) & _MASK].get(o) for o in oids]
+        groups = self._groups
+        return [None if (s := groups.get(g)) is None else s[hash(k) & _MASK].get(k) for k, g in oids]
+
+    def _shard(self, e: E) -> dict[bytes, E] | None:
+        shards = self._groups.get(e.oid[1])
+        return None if shards is None else shards[hash(e.key) & _MASK]
 
     def put(self, e: E) -> None:
         """`e` under its oid (in place of the entry there, as a dict's item assignment)."""
-        shard = self._shards[hash(e.key) & _MASK]
+        shard = self._shard(e)
+        if shard is None:
+            shards = self._groups[e.oid[1]] = [{} for _ in range(SHARDS)]
+            shard = shards[hash(e.key) & _MASK]
         n = len(shard)
-        shard[e.oid] = e
+        shard[e.key] = e
         self._n += len(shard) - n
 
     def remove(self, e: E) -> bool:
         """Take `e` out if the table holds it (not another entry of its oid); whether it did."""
-        shard = self._shards[hash(e.key) & _MASK]
-        if shard.get(e.oid) is not e:
+        shard = self._shard(e)
+        if shard is None or shard.get(e.key) is not e:
             return False
-        del shard[e.oid]
+        del shard[e.key]
         self._n -= 1
         return True
 
+    def _all_shards(self) -> Iterator[dict[bytes, E]]:
+        for shards in list(self._groups.values()):
+            yield from shards
+
     def values(self) -> Iterator[E]:
-        for shard in self._shards:
+        for shard in self._all_shards():
             yield from shard.values()
 
     def pieces(self, size: int = PIECE) -> Iterator[list[E]]:
         """The table's entries in pieces of at most `size`, for a walk in pieces over the whole table (a Clear):
         each shard's entries are copied (one C call, about 1/SHARDS of the table) when the walk reaches that shard,
         so an entry of a later piece may have left the table meanwhile (the walker checks)."""
-        for shard in self._shards:
+        for shard in self._all_shards():
             snap = list(shard.values())
             for j in range(0, len(snap), size):
                 yield snap[j:j + size]
@@ -96,11 +113,15 @@ class ObjectTable(Generic[E]):
 class SegmentedSet(Generic[K]):
     """A set in segments of at most KEYSET_SEGMENT keys, which answers as one set: the keys of a namespace's group
     that are READY in L1 (`KeySet`), and what a large request collects per object (`lookup_turns`'s misses and
-    objects of another namespace). Below KEYSET_SEGMENT keys it is one plain set (`view`: asked in C)."""
+    objects of another namespace). Below KEYSET_SEGMENT keys it is one segment (`view`: asked in C).
+
+    A segment is a dict of keys to None, not a set: the cycle collector tracks every set and walks all its keys in
+    each full collection (a million READY keys in sets: 51 ms), while a dict of keys that hold no references (bytes)
+    is not tracked at all."""
     __slots__ = ("segs",)
 
     def __init__(self) -> None:
-        self.segs: list[set[K]] = [set()]
+        self.segs: list[dict[K, None]] = [{}]
 
     def __len__(self) -> int:
         return sum(map(len, self.segs))
@@ -118,26 +139,23 @@ class SegmentedSet(Generic[K]):
             if key in self:
                 return
             if len(last) >= KEYSET_SEGMENT:
-                last = set()
+                last = {}
                 segs.append(last)
-        last.add(key)
+        last[key] = None
 
     def discard(self, key: K) -> None:
         segs = self.segs
         for i, s in enumerate(segs):
             if key in s:
-                s.remove(key)
+                del s[key]
                 if not s and len(segs) > 1:
                     del segs[i]
                 return
 
-    def issuperset(self, keys: list[K]) -> bool:
-        """Whether every one of `keys` is held: one C call when the set is one segment."""
-        segs = self.segs
-        if len(segs) == 1:
-            return segs[0].issuperset(keys)
-        left = set(keys)
-        for s in segs:
+    def issuperset(self, keys: set[K] | list[K]) -> bool:
+        """Whether every one of `keys` is held: in C (a set of `keys`, less each segment's keys, a lookup each)."""
+        left = keys if type(keys) is set else set(keys)
+        for s in self.segs:
             left = left.difference(s)  # walks `left`, not `s`
             if not left:
                 return True
@@ -146,7 +164,7 @@ class SegmentedSet(Generic[K]):
     def keys(self) -> set[K]:
         return set().union(*self.segs)
 
-    def view(self) -> set[K] | SegmentedSet[K]:
+    def view(self) -> dict[K, None] | SegmentedSet[K]:
         """What to ask `in` of, once per object: the one segment itself while there is one (a question in C),
         else this set. Valid until the next `add` or `discard`."""
         return self.segs[0] if len(self.segs) == 1 else self

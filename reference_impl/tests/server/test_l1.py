@@ -191,6 +191,7 @@ def test_a_segmented_queue_keeps_the_order_one_ordered_dict_keeps(monkeypatch, s
     """LruQueue in segments of 8 (merging under 4): 20,000 random adds at either end, moves to either end and
     removes (runs of them, so segments empty, go sparse and merge) keep exactly the order, count and bytes of
     one OrderedDict; every entry's segment is one of the queue's and holds it; segments stay few."""
+    import gc
     import random
     from collections import OrderedDict
 
@@ -217,11 +218,13 @@ def test_a_segmented_queue_keeps_the_order_one_ordered_dict_keeps(monkeypatch, s
             q.remove(e)
             del ref[e.oid]
         if step % 97 == 0 or step > 19_900:
-            got = [oid for seg in q.segs for oid in seg]
+            got = [x.oid for x in q]
             assert got == list(ref), step
             assert len(q) == len(ref) and q.bytes == sum(x.size for x in ref.values())
-            assert all(any(x.seg is s for s in q.segs) and x.oid in x.seg for x in ref.values())
+            assert all(any(x.seg is s for s in q.segments()) and x in x.seg for x in ref.values())
             assert all(q.segs[i] for i in range(len(q.segs) - 1)), "an empty segment other than the youngest"
             assert len(q.segs) <= 2 * len(ref) // 8 + 3, (len(q.segs), len(ref))
+            assert len(q.front) < 8 and sum(map(len, q.segments())) == len(ref)
+            assert not any(gc.is_tracked(s) for s in q.segments()), "a segment the cycle collector walks"
             if ref:
                 assert q.oldest() is next(iter(ref.values()))

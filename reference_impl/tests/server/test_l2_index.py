@@ -5,6 +5,7 @@ RedisL2's index of known lengths against a real redis-server."""
 
 from __future__ import annotations
 
+import gc
 import random
 from collections import OrderedDict
 from pathlib import Path
@@ -45,7 +46,9 @@ def check_index(index: LruIndex, model: OrderedDict) -> None:
     assert index.bytes == sum(e.size for e in got)
     assert all(index.get(oid) is e and oid in index for oid, e in zip(model, got, strict=True))
     segs = index.queue.segs
-    assert all(e.queue is index.queue and any(e.seg is s for s in segs) for e in got)
+    assert all(e.queue is index.queue and any(e.seg is s for s in index.queue.segments()) for e in got)
+    assert not any(gc.is_tracked(s) for s in index.queue.segments())
+    assert not any(gc.is_tracked(s) for s in index.table._all_shards())
     assert all(segs[i] for i in range(len(segs) - 1)), "an empty segment other than the youngest"
     assert len(segs) <= 2 * len(model) // lru.SEGMENT + 3
 
@@ -284,23 +287,20 @@ def test_redis_known_lengths_forget_the_oldest_across_segments(small_segments, m
 
 
 def test_entries_are_untracked_and_go_with_their_index(small_segments, tmp_path):
-    """The collector does not walk L2 entries (gc=False), so nothing but emptying frees a segment they link to: an
-    index that is dropped (its adapter closed and gone) empties its segments, and entries and segments are freed
-    (an entry held elsewhere keeps only its own, empty, segment)."""
-    import gc
-    import weakref
-
+    """The collector does not walk L2 entries (gc=False) nor the segments and shards that hold them (plain dicts
+    of untracked entries), so nothing but emptying frees a segment they link to: an index that is dropped (its
+    adapter closed and gone) empties its segments and leaves its queue none, so an entry held elsewhere links only
+    to its own, empty, segment and a queue with no segments, and reaches no other entry."""
     l2 = FilesystemL2(tmp_path, 1 << 20)
     for i in range(10):
         l2.put(key_of(i), 0, NS_A, payload(i, 10))
     e = l2._index.get((key_of(0), 0))
     assert e is not None and not gc.is_tracked(e) and "seg" not in repr(e) and "gen=" in repr(e)
-    segs = [weakref.ref(s) for s in l2._index.queue.segs]
-    assert len(segs) >= 3
+    queue = l2._index.queue
+    assert len(queue.segs) >= 3 and not any(gc.is_tracked(s) for s in queue.segments())
+    del queue
     l2.close()
     del l2
     gc.collect()
-    assert e.seg is not None and not e.seg and [s() is None for s in segs] == [s() is not e.seg for s in segs]
-    del e
-    gc.collect()
-    assert all(s() is None for s in segs)
+    assert e.seg is not None and not e.seg and e.queue is not None
+    assert not e.queue.segs and not e.queue.front and e.seg is not e.queue.front

@@ -50,9 +50,11 @@ def test_object_table_shards_fill_evenly():
         k = os.urandom(16)
         for g in range(4):
             t.put(entry(k, g))
-    sizes = [len(s) for s in t._shards]
-    assert len(sizes) == table.SHARDS and sum(sizes) == n
-    assert max(sizes) < 1.25 * n / table.SHARDS
+    assert sorted(t._groups) == [0, 1, 2, 3] and len(t) == n
+    for g in range(4):  # the shards of each group
+        sizes = [len(s) for s in t._groups[g]]
+        assert len(sizes) == table.SHARDS and sum(sizes) == n // 4
+        assert max(sizes) < 1.25 * n / 4 / table.SHARDS
 
 
 @pytest.mark.parametrize("segment", [3, 1 << 17])
@@ -122,3 +124,28 @@ def test_l1_entries_are_not_tracked_by_the_cycle_collector():
     assert not gc.is_tracked(e) and e.queue is q and e.seg is not None
     q.remove(e)
     assert e.queue is None and e.seg is None
+
+
+def test_the_tables_that_hold_l1_objects_are_not_tracked_either():
+    """A full collection walks every item of every tracked dict or set: the object table's shards, the queues'
+    segments and the READY key sets stay untracked while objects of brand-new (still tracked) oid tuples enter,
+    move and leave them, so a full collection at 1M objects walks none of them (`microbench/gc_pause`)."""
+    gc.disable()  # no collection may untrack anything meanwhile: the containers must never be tracked at all
+    try:
+        t, q, ready = ObjectTable(), LruQueue(Queue.CLEAN), KeySet()
+        es = [entry(os.urandom(16), g) for _ in range(300) for g in range(3)]
+        assert gc.is_tracked(es[0].oid)  # what a dict keyed by oid would have been tracked for
+        for i, e in enumerate(es):
+            t.put(e)
+            q.add(e, young=i % 3 != 0)
+            ready.add(e.key)
+        for e in es[::4]:
+            q.move(e, young=False)
+        for e in es[::5]:
+            t.remove(e)
+            q.remove(e)
+            ready.discard(e.key)
+        containers = [*t._all_shards(), *q.segments(), *ready.segs]
+        assert len(containers) > table.SHARDS and not any(gc.is_tracked(c) for c in containers)
+    finally:
+        gc.enable()
