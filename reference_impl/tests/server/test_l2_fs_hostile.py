@@ -171,3 +171,23 @@ def test_unaligned_buffers_and_odd_sizes_round_trip(tmp_path):
             view[off:off + n] = bytes(n)
             assert l2.get_into(key, 0, view[off:off + n])
             assert view[off:off + n] == data[:n]
+
+
+def test_object_files_of_groups_no_layout_has_are_not_indexed(tmp_path):
+    """A layout has at most 64 groups, and each group an index holds is a table of its own: a directory planted
+    with files of group 64 and past (or a group spelled with a leading zero) is not indexed, nor refused whole;
+    the adapter takes no such group either."""
+    l2_dir = tmp_path / "l2"
+    key = key_with_first_byte(0x21)
+    with FilesystemL2(l2_dir, MB) as l2:
+        l2.put(key, 63, NS, b"g" * 3000)
+        with pytest.raises(ValueError, match=r"group must be an int in \[0, 63\], got 64"):
+            l2.put(key, 64, NS, b"g" * 3000)
+    good = l2_dir / "21" / f"{key.hex()}-63.obj"
+    for group in ("64", "99999", "4294967295", "063", "7" * 200):
+        (good.parent / f"{key.hex()}-{group}.obj").write_bytes(good.read_bytes())
+    with FilesystemL2(l2_dir, MB) as l2:
+        assert l2.stats()["objects"] == 1 and l2.length(key, 63) == 3000
+        with pytest.raises(ValueError):
+            l2.length(key, 64)
+    assert len(list(good.parent.iterdir())) == 6  # ignored, not removed: not the server's to judge

@@ -14,7 +14,8 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterator
 
-from hybridkv.server.l2.header import KEY_BYTES, MAX_GROUP, NS_BYTES
+from hybridkv.layout import MAX_GROUPS
+from hybridkv.server.l2.header import KEY_BYTES, NS_BYTES
 
 
 class L2Error(Exception):
@@ -22,12 +23,14 @@ class L2Error(Exception):
 
 
 def check_key(key: bytes, group: int) -> None:
-    """Reject a key that is not 16 bytes or a group outside u32, naming the value."""
+    """Reject a key that is not 16 bytes or a group no layout has (a layout has at most MAX_GROUPS), naming the
+    value. The header stores a u32, but an object of a group past MAX_GROUPS is nobody's, and each group is a
+    table of its own in an index (`table.ObjectTable`)."""
     if not isinstance(key, bytes) or len(key) != KEY_BYTES:
         shown = len(key) if isinstance(key, bytes | bytearray | memoryview) else type(key).__name__
         raise ValueError(f"key must be {KEY_BYTES} bytes, got {shown!r} ({key!r:.60})")
-    if not isinstance(group, int) or isinstance(group, bool) or not 0 <= group <= MAX_GROUP:
-        raise ValueError(f"group must be an int in [0, {MAX_GROUP}], got {group!r}")
+    if not isinstance(group, int) or isinstance(group, bool) or not 0 <= group < MAX_GROUPS:
+        raise ValueError(f"group must be an int in [0, {MAX_GROUPS - 1}], got {group!r}")
 
 
 def check_ns(ns: bytes) -> None:

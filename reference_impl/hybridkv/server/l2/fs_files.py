@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hybridkv.layout import MAX_GROUPS
 from hybridkv.server.l2.base import L2Error
 from hybridkv.server.l2.header import BadObject, ObjectHeader, crc32
 
@@ -41,7 +42,7 @@ _PIECE = 16 << 20   # bytes per read syscall, so the checksum of one piece overl
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-_OBJ_NAME = re.compile(r"([0-9a-f]{32})-([0-9]+)\.obj")
+_OBJ_NAME = re.compile(r"([0-9a-f]{32})-(0|[1-9][0-9]?)\.obj")  # a group below layout.MAX_GROUPS (64)
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _syncfs = getattr(_libc, "syncfs", None)
@@ -146,7 +147,7 @@ class ObjectDir:
     def parse_name(name: str) -> tuple[bytes, int] | None:
         """The (key, group) an object file's name stands for, or None for a name that is not an object's."""
         m = _OBJ_NAME.fullmatch(name)
-        return None if m is None else (bytes.fromhex(m[1]), int(m[2]))
+        return None if m is None or int(m[2]) >= MAX_GROUPS else (bytes.fromhex(m[1]), int(m[2]))
 
     def path(self, key: bytes, group: int) -> Path:
         """For messages only: every syscall goes through the subdirectory's fd."""
