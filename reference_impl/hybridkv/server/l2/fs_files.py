@@ -137,8 +137,6 @@ class ObjectDir:
                 os.close(fd)
         self._fds, self.lock_fd, self.base_fd = [], -1, -1
 
-    # ---- names ----
-
     @staticmethod
     def name(key: bytes, group: int) -> str:
         return f"{key.hex()}-{group}.obj"
