@@ -4,13 +4,14 @@ piece at a time on the loop (`ObjectStore.clear_l1_steps`), then from L2 on an I
 which any client may send for its own namespace, does not hold the loop (4.7 s for 524k L1 objects in one step on
 the 2-core VM; 193 s for 200k filesystem-L2 objects, whose files were unlinked on the loop): every other client's
 requests are answered meanwhile. A Clear that finishes in its first turn (a small L1, a small or no local L2 index)
-answers at once, as before.
+answers at once, as before. L2 walks run one at a time, and the Clears of a namespace that wait for one share it
+(`clear_lane`): a flood of Clears holds one I/O thread, not all of them.
 
 What it drops: the objects of the namespace that are present and evictable (READY, unpinned, not being spilled)
-when their piece is reached; pinned ones, and ones stored or unpinned after their piece passed, stay. An engine
-unregistered or reclaimed while its Clear works is answered unknown_engine (as a Lookup in turns is); what was
-dropped by then stays dropped, and an L2 part under way stops at its next piece. The admin form (engine None) has
-no engine to lose.
+when their piece is reached; pinned ones, and ones stored or unpinned after their piece passed, stay. Clears that
+shared an L2 walk each count what it dropped. An engine unregistered or reclaimed while its Clear works is answered
+unknown_engine (as a Lookup in turns is); what was dropped by then stays dropped, and an L2 walk under way stops at
+its next piece once every Clear sharing it has stopped. The admin form (engine None) has no engine to lose.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class TurnedClearOp:
         self.clock = Clock()
         self.count = 0
         self.answered = False
-        self.stopped = False  # read by the L2 part's thread between its pieces
+        self.stopped = False  # read by the L2 walk's thread between its pieces (`clear_lane`)
         self._l2: tuple[Any, BaseException | None] | None = None
         self._work = self._run()
 
@@ -47,8 +48,7 @@ class TurnedClearOp:
         if not objects.probes_l2 and l2.stats()["objects"] <= BIG_OBJECTS:  # a small local index: here and now
             self.count += l2.clear(self.ns)
             return
-        if not self.ctx.workers.submit(self._clear_l2, self._l2_done):
-            raise RuntimeError("the server is shutting down")
+        self.ctx.clear_lane.join(self, self.ctx.workers, objects)  # one walk at a time, shared by a namespace's Clears
         while self._l2 is None:
             yield WAIT
         n, exc = self._l2
@@ -56,17 +56,7 @@ class TurnedClearOp:
             raise exc
         self.count += n
 
-    def _clear_l2(self) -> int:
-        """On an I/O thread: the L2 part in the adapter's pieces, until done, the Clear stopped or the server stops."""
-        assert self.ctx.objects.l2 is not None
-        n = 0
-        for piece in self.ctx.objects.l2.clear_steps(self.ns):
-            n += piece
-            if self.stopped or self.ctx.objects.stopping:
-                break
-        return n
-
-    def _l2_done(self, n: Any, exc: BaseException | None) -> None:
+    def l2_done(self, n: int, exc: BaseException | None) -> None:
         self._l2 = (n, exc)
 
     def turn(self) -> bool:

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 from hybridkv import protocol as P
 from hybridkv.arena import Arena
 from hybridkv.keys import KEY_BYTES
+from hybridkv.server.clear_lane import ClearLane
 from hybridkv.server.config import ServerConfig
 from hybridkv.server.counters import Counters
 from hybridkv.server.errors import RequestError
@@ -49,6 +50,9 @@ class Context:
     """Requests waiting for workers; the loop steps them again when a worker finishes."""
     telemetry: Telemetry = field(default_factory=Telemetry)
     """Latencies, error codes and the snapshots other threads read (metrics endpoint, Status)."""
+
+    clear_lane: ClearLane = field(default_factory=ClearLane)
+    """The L2 parts of Clears, one walk at a time (clear.py)."""
 
     another_turn: bool = False
     """A parked request stopped at its share of one loop turn (not to wait for a worker): the loop steps the

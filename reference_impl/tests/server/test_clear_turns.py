@@ -168,3 +168,32 @@ def test_engine_unregistered_while_its_clear_works(servers):
         # what it had not dropped yet stays, and a Clear of every namespace takes it
         assert cb.call(P.Clear())[0].count == c["l1_objects"]
         assert counters(cb)["l1_objects"] == 0
+
+
+def test_a_flood_of_clears_holds_one_io_thread_and_clears_every_namespace(servers, tmp_path):
+    """20 Clears sent at once over 4 namespaces, each with 3,000 keys x 2 groups on a filesystem L2: their L2 walks
+    run one at a time (never more than one job on the I/O threads, which other clients' spills and prefetches
+    need: before, each Clear queued a walk of its own, 20 at once), Clears of a namespace waiting for a walk share
+    it, and every namespace ends empty on disk, each Clear counting 0 or all of its namespace's objects."""
+    l2_dir = tmp_path / "l2"
+    salts = "abcd"
+    nss = [namespace(LAYOUT, 0, CT, s) for s in salts]
+    for i, ns in enumerate(nss):
+        l2_files(l2_dir, ns, keys(ns, 3_000, 10 + i))
+    s = servers("flood", f"--l2-dir={l2_dir}", "--l2-gib=1", "--io-threads=2")
+    with CacheClient(s.endpoint, timeout_s=120) as c, CacheClient(s.endpoint, timeout_s=120) as watcher:
+        engines = [c.call(P.Register(layout=LAYOUT, chunk_tokens=CT, salt=salt))[0].engine for salt in salts]
+        assert settled(watcher)["l2_objects"] == 4 * 6_000
+        futs = [(i % 4, c.submit(P.Clear(engine=engines[i % 4]))) for i in range(20)]
+        most = 0
+        while not all(f.done() for _, f in futs):
+            most = max(most, counters(watcher)["workers_inflight"])
+        assert most <= 1, f"{most} jobs on the I/O threads at once"
+        counts: list[list[int]] = [[] for _ in nss]
+        for i, f in futs:
+            counts[i].append(f.result(timeout=120)[0].count)
+        for per_ns in counts:
+            assert set(per_ns) <= {0, 6_000} and 6_000 in per_ns, counts
+        assert settled(watcher)["l2_objects"] == 0
+    s.close()
+    assert not any(p.suffix == ".obj" for p in l2_dir.rglob("*"))
