@@ -14,6 +14,7 @@ import mmap
 import os
 import secrets
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 SLOT_ALIGN = 4096  # page-aligned slots: DMA and 16-byte vector access both want it
@@ -161,13 +162,62 @@ def map_arena(path: str | Path, size: int, writable: bool = True) -> mmap.mmap:
         os.close(fd)
 
 
+class SortedStarts:
+    """Integers in ascending order, kept in runs of at most 2 x RUN: adding or removing one moves the items of one
+    run, not of all (the free extents' starts, one sorted list, moved up to 4 MB per call at 500k extents: a Clear
+    of 524k objects from an arena of 1M spent most of its 5-12 s there, a worst piece of 30 ms)."""
+    RUN = 1024
+    __slots__ = ("_runs", "_maxes")
+
+    def __init__(self) -> None:
+        self._runs: list[list[int]] = []
+        self._maxes: list[int] = []  # each run's last
+
+    def __iter__(self) -> Iterator[int]:
+        for run in self._runs:
+            yield from run
+
+    def add(self, x: int) -> None:
+        runs, maxes = self._runs, self._maxes
+        if not runs:
+            runs.append([x])
+            maxes.append(x)
+            return
+        i = min(bisect.bisect_left(maxes, x), len(maxes) - 1)
+        run = runs[i]
+        bisect.insort(run, x)
+        maxes[i] = run[-1]
+        if len(run) > 2 * self.RUN:
+            half = run[self.RUN:]
+            del run[self.RUN:]
+            runs.insert(i + 1, half)
+            maxes[i] = run[-1]
+            maxes.insert(i + 1, half[-1])
+
+    def remove(self, x: int) -> None:
+        """Take `x` out (ValueError when it is not held)."""
+        maxes = self._maxes
+        i = bisect.bisect_left(maxes, x)
+        run = self._runs[i] if i < len(maxes) else []
+        j = bisect.bisect_left(run, x)
+        if j == len(run) or run[j] != x:
+            raise ValueError(f"{x} is not held")
+        del run[j]
+        if run:
+            maxes[i] = run[-1]
+        else:
+            del self._runs[i], maxes[i]
+
+
 class ExtentAllocator:
     """First-fit allocator of aligned extents over [0, size), coalescing freed neighbours."""
 
     def __init__(self, size: int, align: int = SLOT_ALIGN):
         self.align = align
         self.size = size - size % align
-        self._starts: list[int] = [0] if self.size else []
+        self._starts = SortedStarts()
+        if self.size:
+            self._starts.add(0)
         self._len: dict[int, int] = {0: self.size} if self.size else {}
         self._by_end: dict[int, int] = {self.size: 0} if self.size else {}
         self.free_bytes = self.size
@@ -209,12 +259,11 @@ class ExtentAllocator:
         return max(self._len.values(), default=0)
 
     def _insert(self, start: int, length: int) -> None:
-        bisect.insort(self._starts, start)
+        self._starts.add(start)
         self._len[start] = length
         self._by_end[start + length] = start
 
     def _remove(self, start: int) -> None:
-        i = bisect.bisect_left(self._starts, start)
-        del self._starts[i]
+        self._starts.remove(start)
         length = self._len.pop(start)
         del self._by_end[start + length]

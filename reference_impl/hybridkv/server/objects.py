@@ -103,10 +103,10 @@ class ObjectStore:
         `missing`; an object that is held but not so goes into `foreign`. One loop, no call per object: it is
         the lookup's hit rule over every chunk of a long prompt."""
         if not missing:  # the common full hit, every object READY in L1 in this namespace: asked in C
-            ready, wanted = self.l1.ready_keys.get, set(keys)
+            ready = self.l1.ready_keys.get
             for g in groups:
                 r = ready((ns, g))
-                if r is None or not r.issuperset(wanted):
+                if r is None or not r.issuperset(keys):
                     break
             else:
                 return len(keys)

@@ -7,7 +7,7 @@ import random
 import stat
 
 import pytest
-from hybridkv.arena import SLOT_ALIGN, Arena, ArenaError, ExtentAllocator, map_arena
+from hybridkv.arena import SLOT_ALIGN, Arena, ArenaError, ExtentAllocator, SortedStarts, map_arena
 
 
 def test_allocator_against_a_byte_map():
@@ -39,6 +39,29 @@ def test_allocator_against_a_byte_map():
     for off, n in live:
         a.free(off, n)
     assert a.free_bytes == size and a.largest_free() == size  # fully coalesced
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_sorted_starts_keep_the_order_of_one_sorted_list(monkeypatch, seed):
+    """The free extents' starts in runs of 4 (split past 8): random adds and removes keep exactly one sorted list's
+    items, every run sorted, none empty, none past twice the run length."""
+    monkeypatch.setattr(SortedStarts, "RUN", 4)
+    rng = random.Random(seed)
+    s, ref = SortedStarts(), set()
+    for step in range(4000):
+        x = rng.randrange(300)
+        if x in ref:
+            s.remove(x)
+            ref.discard(x)
+        else:
+            s.add(x)
+            ref.add(x)
+        if step % 50 == 0:
+            assert list(s) == sorted(ref)
+            assert all(run and len(run) <= 8 and run == sorted(run) for run in s._runs)
+            assert s._maxes == [run[-1] for run in s._runs]
+    with pytest.raises(ValueError, match="not held"):
+        s.remove(1000)
 
 
 def test_allocator_refuses_foreign_extents():
