@@ -25,12 +25,11 @@ class ClearsL2(Protocol):
 
 class ClearLane:
     """The Clears waiting for an L2 walk, per namespace, and the ones whose walk runs."""
-    __slots__ = ("waiting", "running", "walks")
+    __slots__ = ("waiting", "running")
 
     def __init__(self) -> None:
         self.waiting: dict[bytes | None, list[ClearsL2]] = {}
         self.running: list[ClearsL2] | None = None
-        self.walks = 0  # walks started
 
     def join(self, op: ClearsL2, workers: Workers, objects: ObjectStore) -> None:
         """`op`'s L2 part: in the walk waiting for its namespace, or in a new one."""
@@ -63,7 +62,6 @@ class ClearLane:
                 op.l2_done(n, exc)
             self._start(workers, objects)
 
-        self.walks += 1
         if not workers.submit(walk, done):
             self.running = None
             gone = RuntimeError("the server is shutting down")

@@ -111,8 +111,8 @@ class ObjectStore:
             else:
                 return len(keys)
         get, l2, reserved = self.l1.get, self.l2, State.RESERVED
-        # `in` asked in C: a plain set, or one segment unless it outgrew one
-        missed = missing.view() if type(missing) is SegmentedSet else missing
+        if type(missing) is SegmentedSet:
+            missing = missing.view()  # a plain set unless it outgrew one segment: `in` asked in C
         for n, k in enumerate(keys):
             for g in groups:
                 oid = (k, g)
@@ -127,7 +127,7 @@ class ObjectStore:
                     if l2 is not None and l2.length(k, g) is not None:  # held, not ours: once per call, at the end
                         foreign.add(oid)
                     return n
-                if missed and oid in missed:
+                if missing and oid in missing:
                     return n
         return len(keys)
 
