@@ -35,7 +35,7 @@ from hybridkv.server.l2.specs import FsL2Spec
 from hybridkv.server.launch import ServerProcess, start_server
 from hybridkv.wire_formats import WireFormat, traits
 
-from hybridkv_bench.engines.base import CLIENT_TIMEOUT_S, Engine, EngineSite
+from hybridkv_bench.engines.base import CLIENT_TIMEOUT_S, Engine, EngineSite, HitMismatch
 from hybridkv_bench.engines.procs import EngineProcs, EngineSpec
 from hybridkv_bench.engines.registry import builder
 from hybridkv_bench.engines.sim import EnginePools
@@ -84,6 +84,7 @@ class Runner:
         self._shared: dict[str, Any] = {}  # what an engine kind builds once per run (a transformers model)
         self._tmp: list[Path] = []
         self._servers: list[ServerProcess] = []
+        self._l2_dirs: dict[int, Path] = {}  # each running server's L2 directory, by id(server)
         self._nonce = f"{os.getpid()}-{time.time_ns()}"
 
     # ---- resources ----------------------------------------------------------------------------------
@@ -119,11 +120,13 @@ class Runner:
         sock = self._mkdtemp("hkv-bench-")  # /tmp: ipc:// paths must stay short; mkdtemp makes it 0700
         # only the CUDA-IPC baseline's server may see a GPU: it maps the engine's pages and copies itself
         # admin: the runner reads server-wide Stats around each case (its own private server)
-        l2 = None
+        l2 = l2_dir = None
         if srv.l2_gib > 0:
             parent = Path(srv.l2_dir) if srv.l2_dir else self.folder / ".tmp"
             parent.mkdir(parents=True, exist_ok=True)
-            l2 = FsL2Spec(str(self._mkdtemp("l2-", parent)), srv.l2_bytes)
+            l2_dir = self._mkdtemp("l2-", parent)
+            check_l2_room(l2_dir, srv.l2_bytes, srv.l2_gib)
+            l2 = FsL2Spec(str(l2_dir), srv.l2_bytes)
         log_path = server_log(self.folder, label)
         log_path.parent.mkdir(exist_ok=True)
         with open(log_path, "w") as log:
@@ -131,12 +134,17 @@ class Runner:
                                                client_timeout_s=srv.client_timeout_s, admin=True,
                                                cuda_ipc=traits(wire_format).server_holds_cuda), stderr=log)
         self._servers.append(server)
+        if l2_dir is not None:
+            self._l2_dirs[id(server)] = l2_dir
         return server
 
     def _stop_server(self, server: ServerProcess) -> None:
         server.stop()
         server.close()
         self._servers.remove(server)
+        l2_dir = self._l2_dirs.pop(id(server), None)
+        if l2_dir is not None:  # the next case's L2 gets the disk room this one held
+            shutil.rmtree(l2_dir, ignore_errors=True)
 
     def cleanup(self) -> None:
         """Stop every server this run started and remove its temp dirs (sockets, L2 files)."""
@@ -164,7 +172,7 @@ class Runner:
         clients: list[CacheClient] = []
         engines: list[Engine] = []
         procs: EngineProcs | None = None  # the engines as processes of their own (engines_in_processes)
-        server = watch = None
+        server = watch = control = None
         try:
             server = None if self.opt.server else self._start_server(label, wire_format)
             endpoint = self.opt.server if server is None else server.endpoint
@@ -191,7 +199,7 @@ class Runner:
             if server is not None and not server.alive():
                 tail = log_tail(server_log(self.folder, label))
                 return failed(f"server exited with status {server.proc.returncode}{tail}")
-            return failed(f"{type(e).__name__}: {e}")
+            return failed(f"{type(e).__name__}: {e}{l2_losses(control) if isinstance(e, HitMismatch) else ''}")
         finally:
             if watch:
                 watch.stop()
@@ -337,6 +345,29 @@ class Runner:
             stop.set()
             self.cleanup()
         return RunOutcome(folder=self.folder, cases=len(self.selected), failed=failed)
+
+
+def l2_losses(control: CacheClient | None) -> str:
+    """Why a hit may have come short when L2 writes failed (a full disk): the server's counts, or ""."""
+    try:
+        c = control.call(P.Stats())[0].counters if control is not None else {}
+    except Exception:
+        return ""
+    failures, dropped = c.get("l2_spill_failures", 0), c.get("l1_dropped_unspilled", 0)
+    if not failures and not dropped:
+        return ""
+    return (f"; the server's L2 writes failed {failures} times and it dropped {dropped} objects from L1 with no "
+            "L2 copy (its log says why: a full disk?)")
+
+
+def check_l2_room(directory: Path, need: int, l2_gib: float) -> None:
+    """Refuse an L2 whose capacity its disk cannot hold: once the disk filled, its writes would fail, objects
+    would leave L1 with no L2 copy, and the hit checks would fail with nothing saying why."""
+    free = shutil.disk_usage(directory).free
+    if free < need:
+        raise BenchError(f"server.l2_gib {l2_gib:g} needs {need / 2**30:.3f} GiB of disk, but {directory} has "
+                         f"{free / 2**30:.3f} GiB free: free some disk, point server.l2_dir at a larger one, "
+                         "or lower server.l2_gib")
 
 
 def run_bench(sf: ScenarioFile, options: BenchOptions | None = None) -> RunOutcome:

@@ -9,8 +9,10 @@ through ISA-L when installed: it must equal zlib.crc32, and damage at the edges 
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
+import shutil
 import subprocess
 import uuid
 import zlib
@@ -185,3 +187,18 @@ def test_damage_at_the_edges_of_the_direct_part_is_a_miss_and_removed(tmp_path, 
             assert l2.stats()["corrupt_removed"] == 1
     finally:
         s.close()
+
+
+def test_an_l2_larger_than_its_disk_is_warned_of_at_start(tmp_path: Path, caplog):
+    """A capacity the disk cannot hold serves on (failed writes are counted, their objects stay in L1), but the
+    operator hears of it when the server starts, not when the disk fills."""
+    from hybridkv.server.l2.specs import GIB, FsL2Spec
+
+    free = shutil.disk_usage(tmp_path).free
+    with caplog.at_level(logging.WARNING, logger="hybridkv.server.l2.specs"):
+        FsL2Spec(str(tmp_path / "small"), 64 * MB).open().close()
+        assert not caplog.records
+        FsL2Spec(str(tmp_path / "huge"), free + 64 * GIB).open().close()
+    (warning,) = caplog.records
+    assert "L2: capacity" in warning.getMessage() and "ENOSPC" in warning.getMessage()
+    assert str(tmp_path / "huge") in warning.getMessage()

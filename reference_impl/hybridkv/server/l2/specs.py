@@ -8,7 +8,9 @@ adapter with `open()`. A new kind of L2 is its adapter's module and its spec her
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import stat
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -18,6 +20,8 @@ if TYPE_CHECKING:
 
 GIB = 1 << 30
 MIB = 1 << 20
+
+log = logging.getLogger(__name__)
 
 
 class L2ConfigError(ValueError):
@@ -83,7 +87,13 @@ class FsL2Spec:
     def open(self) -> L2Adapter:
         from hybridkv.server.l2.fs import FilesystemL2
 
-        return FilesystemL2(self.base_path, self.capacity_bytes, fsync=self.fsync)
+        l2 = FilesystemL2(self.base_path, self.capacity_bytes, fsync=self.fsync)
+        room = shutil.disk_usage(self.base_path).free + l2.stats()["disk_bytes"]
+        if room < self.capacity_bytes:  # serving goes on: a failed write is counted and its object stays in L1
+            log.warning("L2: capacity %.3f GiB, but %s has room for %.3f GiB (free + what L2 holds): once the disk "
+                        "fills, writes fail (ENOSPC) and objects leave L1 with no L2 copy", self.capacity_bytes / GIB,
+                        self.base_path, room / GIB)
+        return l2
 
     def describe(self) -> str:
         """The L2 as the server's ready line shows it."""
