@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import msgspec
+import pytest
 from benchkit import SCENARIOS
 from hybridkv_bench.results.folder import load_run
 from hybridkv_bench.run.options import BenchOptions
@@ -39,6 +40,7 @@ def test_an_l2_larger_than_its_disk_fails_the_case_saying_so(tmp_path: Path):
     assert list(l2_dir.iterdir()) == []
 
 
+@pytest.mark.slow  # 13 s on the 2-core VM: `nox -s tests_slow` runs it
 def test_each_case_removes_its_l2_files_when_its_server_stops(tmp_path: Path):
     l2_dir = tmp_path / "l2"
     seen: list[list[str]] = []

@@ -82,6 +82,7 @@ def test_a_comparison_that_cannot_measure_what_it_is_for_is_rejected(replace, ex
     assert expected in str(e.value)
 
 
+@pytest.mark.slow  # 7 s on the 2-core VM: `nox -s tests_slow` runs it
 def test_cpu_prefetch_scenario_runs_verified_and_reports_each_tier(tmp_path, capsys):
     sf = load_scenario(SCENARIOS / "prefetch.toml")
     one = ScenarioFile(sf.path, sf.sha256, msgspec.structs.replace(sf.scenario, repeats=1), sf.scale)

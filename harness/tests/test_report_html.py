@@ -55,6 +55,7 @@ def test_compare_html_renders_its_picture(tmp_path: Path, smoke):
     assert pixels_near(screenshot(bare, tmp_path / "bare.png", 2000), TAB_BLUE) < 50
 
 
+@pytest.mark.slow  # 8 s on the 2-core VM: `nox -s tests_slow` runs it
 def test_report_html_renders_every_figure(tmp_path: Path, run_folder: Path):
     import re
 

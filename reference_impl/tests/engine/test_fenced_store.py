@@ -72,6 +72,7 @@ def test_on_a_cpu_a_store_writes_its_fence_after_its_copies(server_factory, mode
         assert _stored_equal(kv, pools, alloc, prompts[-1], src, 1)
 
 
+@pytest.mark.slow  # 6 s on the 2-core VM: `nox -s tests_slow` runs it
 def test_a_fenced_store_to_a_server_that_died_fails_and_never_hangs(server_factory):
     srv = server_factory(client_timeout=2.0)
     layout = preset_layout("tiny-hybrid", 1)

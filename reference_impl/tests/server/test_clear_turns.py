@@ -90,6 +90,7 @@ def answered_between_turns(watcher: CacheClient, fut) -> None:
     assert not fut.done()
 
 
+@pytest.mark.slow  # 8 s on the 2-core VM: `nox -s tests_slow` runs it
 def test_large_clear_in_turns_drops_own_evictable_objects_from_l1_and_disk(servers, tmp_path):
     l2_dir = tmp_path / "l2"
     a_l1, b_l1 = keys(NS_A, 60_000, 1), keys(NS_B, 20_000, 2)
@@ -170,6 +171,7 @@ def test_engine_unregistered_while_its_clear_works(servers):
         assert counters(cb)["l1_objects"] == 0
 
 
+@pytest.mark.slow  # 11 s on the 2-core VM: `nox -s tests_slow` runs it
 def test_a_flood_of_clears_holds_one_io_thread_and_clears_every_namespace(servers, tmp_path):
     """20 Clears sent at once over 4 namespaces, each with 3,000 keys x 2 groups on a filesystem L2: their L2 walks
     run one at a time (never more than one job on the I/O threads, which other clients' spills and prefetches

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.keys import chunk_keys
@@ -32,6 +33,7 @@ def settled(pid: int) -> int:
     return low
 
 
+@pytest.mark.slow  # 11 s on the 2-core VM: `nox -s tests_slow` runs it
 def test_a_huge_prepare_holds_what_the_formula_says_and_gives_it_back(server_factory):
     """The review saw RSS go 54 -> 243 MB after one 65,536-key PrepareStore and stay. While the reservation is
     open its 262,144 objects hold about 0.6 KiB each (an Entry, its table slot, a Slot); once it ends they are

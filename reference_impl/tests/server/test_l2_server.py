@@ -339,6 +339,7 @@ def _verify_l2_after_kill(client: CacheClient, eng: Engine, objs: set[tuple[byte
         lookup_checked(eng, [key], 1)
 
 
+@pytest.mark.slow  # 7 s on the 2-core VM: `nox -s tests_slow` runs it
 def test_sigkill_during_l2_writes_loses_no_completed_object(server_factory, l2_dir, sock_dir):
     layout = preset_layout(BIG)
     obj = layout.object_bytes(0, layout.default_chunk_tokens())

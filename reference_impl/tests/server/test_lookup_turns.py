@@ -144,6 +144,7 @@ def test_large_lookups_and_prefetches_answer_what_one_turn_answers(servers):
     assert counted[1]["l1_pinned_objects"] == 0 and counted[1]["leases"] == 0
 
 
+@pytest.mark.slow  # 7 s on the 2-core VM: `nox -s tests_slow` runs it
 def test_a_large_prefetch_from_l2_answers_what_one_turn_answers(servers, tmp_path):
     """Every object in L2 and none in L1 (a server's flush on exit, its L2 directory copied for two fresh servers):
     the turned prefetch starts the same reads as the one-turn one, and the lookup after it finds the same objects in
@@ -253,7 +254,7 @@ def no_pins_left(client: CacheClient) -> dict:
     return c
 
 
-@pytest.mark.parametrize("how", ["unregister", "reclaim"])
+@pytest.mark.parametrize("how", ["unregister", pytest.param("reclaim", marks=pytest.mark.slow)])  # reclaim: 15 s
 @pytest.mark.parametrize("request_kind", ["lookup", "prefetch"])
 def test_an_engine_gone_mid_request_is_answered_unknown_engine_and_leaves_no_pin(servers, tmp_path, how, request_kind):
     """Unregistered (the Unregister sent right behind it), or silent past --client-timeout and reclaimed, while its
