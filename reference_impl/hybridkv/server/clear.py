@@ -4,8 +4,9 @@ piece at a time on the loop (`ObjectStore.clear_l1_steps`), then from L2 on an I
 which any client may send for its own namespace, does not hold the loop (4.7 s for 524k L1 objects in one step on
 the 2-core VM; 193 s for 200k filesystem-L2 objects, whose files were unlinked on the loop): every other client's
 requests are answered meanwhile. A Clear that finishes in its first turn (a small L1, a small or no local L2 index)
-answers at once, as before. L2 walks run one at a time, and the Clears of a namespace that wait for one share it
-(`clear_lane`): a flood of Clears holds one I/O thread, not all of them.
+answers at once, as before. L2 walks run one at a time, and the Clears that wait for one share it, whatever their
+namespaces (`clear_lane`): a flood of Clears holds one I/O thread, not all of them, and no Clear waits more than two
+walks.
 
 What it drops: the objects of the namespace that are present and evictable (READY, unpinned, not being spilled)
 when their piece is reached; pinned ones, and ones stored or unpinned after their piece passed, stay. Clears that
@@ -48,7 +49,7 @@ class TurnedClearOp:
         if not objects.probes_l2 and l2.stats()["objects"] <= BIG_OBJECTS:  # a small local index: here and now
             self.count += l2.clear(self.ns)
             return
-        self.ctx.clear_lane.join(self, self.ctx.workers, objects)  # one walk at a time, shared by a namespace's Clears
+        self.ctx.clear_lane.join(self, self.ctx.workers, objects, self.ctx.counters)  # one walk at a time, shared
         while self._l2 is None:
             yield WAIT
         n, exc = self._l2

@@ -1,15 +1,17 @@
 """The L2 parts of Clears, one walk at a time: a Clear's L2 part walks the adapter's whole index on an I/O thread
-(`L2Adapter.clear_steps`), so Clears sent together (any client may clear its own namespace, as often as it likes)
+(`L2Adapter.clear_walk`), so Clears sent together (any client may clear its own namespace, as often as it likes)
 would each hold an I/O thread for a walk, and spills and prefetches of every other client would queue behind them.
-Here they form one lane: one walk runs at a time, and a Clear of a namespace whose walk is waiting joins that walk
-(it starts after the Clear came, so it drops what the Clear must). A flood of Clears then costs one I/O thread and
-one walk per namespace named, and delays nothing but Clears.
+Here they form one lane: one walk runs at a time, and every Clear that came while it ran waits for the next, which
+drops the objects of all their namespaces at once (it starts after they came, so it drops what each must). A flood
+of Clears then costs one I/O thread, and any Clear waits for two walks at most, however many namespaces the flood
+names (before, one walk per namespace: a client with 64 engines could hold another's Clear for 64 walks).
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
+from hybridkv.server.counters import Counters
 from hybridkv.server.objects import ObjectStore
 from hybridkv.server.workers import Workers
 
@@ -31,36 +33,36 @@ class ClearLane:
         self.waiting: dict[bytes | None, list[ClearsL2]] = {}
         self.running: list[ClearsL2] | None = None
 
-    def join(self, op: ClearsL2, workers: Workers, objects: ObjectStore) -> None:
-        """`op`'s L2 part: in the walk waiting for its namespace, or in a new one."""
-        ops = self.waiting.get(op.ns)
-        if ops is not None:
-            ops.append(op)
-            return
-        self.waiting[op.ns] = [op]
-        self._start(workers, objects)
+    def join(self, op: ClearsL2, workers: Workers, objects: ObjectStore, counters: Counters) -> None:
+        """`op`'s L2 part: in the next walk, which starts now when none runs."""
+        self.waiting.setdefault(op.ns, []).append(op)
+        self._start(workers, objects, counters)
 
-    def _start(self, workers: Workers, objects: ObjectStore) -> None:
+    def _start(self, workers: Workers, objects: ObjectStore, counters: Counters) -> None:
         if self.running is not None or not self.waiting:
             return
-        ns = next(iter(self.waiting))
-        ops = self.running = self.waiting.pop(ns)
+        batch, self.waiting = self.waiting, {}
+        ops = self.running = [op for waiting in batch.values() for op in waiting]
+        namespaces = None if None in batch else frozenset(ns for ns in batch if ns is not None)
         l2 = objects.l2
         assert l2 is not None
+        counters.l2_clear_walks += 1
 
-        def walk() -> int:  # on an I/O thread: until done, every Clear in it stopped, or the server stops
-            n = 0
-            for piece in l2.clear_steps(ns):
-                n += piece
+        def walk() -> dict[bytes, int]:  # on an I/O thread: until done, every Clear in it stopped, or the server stops
+            counts: dict[bytes, int] = {}
+            for piece in l2.clear_walk(namespaces):
+                for ns, n in piece.items():
+                    counts[ns] = counts.get(ns, 0) + n
                 if objects.stopping or all(op.stopped for op in ops):
                     break
-            return n
+            return counts
 
-        def done(n: int, exc: BaseException | None) -> None:  # on the loop
+        def done(counts: dict[bytes, int] | None, exc: BaseException | None) -> None:  # on the loop
             self.running = None
             for op in ops:
-                op.l2_done(n, exc)
-            self._start(workers, objects)
+                op.l2_done(0 if counts is None else sum(counts.values()) if op.ns is None else counts.get(op.ns, 0),
+                           exc)
+            self._start(workers, objects, counters)
 
         if not workers.submit(walk, done):
             self.running = None

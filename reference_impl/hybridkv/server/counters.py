@@ -32,6 +32,7 @@ class Counters:
     l2_prefetches: int = 0
     l2_prefetch_bytes: int = 0
     l2_prefetch_failures: int = 0
+    l2_clear_walks: int = 0             # walks of the L2 index for Clears (the Clears waiting together share one)
     engines_registered: int = 0
     engines_reclaimed: int = 0
     reservations_reclaimed: int = 0

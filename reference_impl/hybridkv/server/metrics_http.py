@@ -148,6 +148,8 @@ def families(snap: Snapshot, now: float) -> Iterator:
                         "server saw them, store as the adapter counted them (writes or store requests)", "op",
                         {"spill": f["l2_spill_failures"], "reload": f["l2_prefetch_failures"],
                          "store": f.get("l2_write_errors", f.get("l2_store_errors", 0))})
+        yield _counter("hybridkv_l2_clear_walks", "walks of the L2 index for Clears (the Clears waiting share one)",
+                       f["l2_clear_walks"])
         if "l2_store_up" in f:
             yield _gauge("hybridkv_l2_up", "1 while the shared L2 store answers (0: backing off, lookups miss)",
                          f["l2_store_up"])

@@ -155,6 +155,31 @@ def test_miss_remove_clear_by_namespace(tmp_path):
     l2.close()
 
 
+def walked(pieces) -> dict[bytes, int]:
+    """The per-namespace counts of a whole `clear_walk`, summed over its pieces."""
+    total: dict[bytes, int] = {}
+    for piece in pieces:
+        for ns, n in piece.items():
+            total[ns] = total.get(ns, 0) + n
+    return total
+
+
+def test_one_clear_walk_drops_several_namespaces_and_counts_each(tmp_path):
+    """The walk the server's waiting Clears share: the objects of the namespaces named, counted per namespace; the
+    others stay, byte-exact; a walk of every namespace takes the rest."""
+    ns_c = b"namespace-c-0003"
+    spaces = [NS_A, NS_B, ns_c]
+    with FilesystemL2(tmp_path, 16 * MB) as l2:
+        for i in range(9):
+            l2.put(key_of(i), 0, spaces[i % 3], payload(i, 100 + i))
+        assert walked(l2.clear_walk(frozenset({NS_A, ns_c}))) == {NS_A: 3, ns_c: 3}
+        assert [read_back(l2, key_of(i), 0) for i in range(9)] == [payload(i, 100 + i) if i % 3 == 1 else None
+                                                                   for i in range(9)]
+        assert walked(l2.clear_walk(frozenset({NS_A}))) == {}
+        assert walked(l2.clear_walk(None)) == {NS_B: 3}
+        assert files_on_disk(tmp_path) == (set(), set())
+
+
 def test_fsync_mode_round_trip(tmp_path):
     with FilesystemL2(tmp_path, 16 * MB, fsync=True) as l2:
         l2.put(key_of(4), 2, NS_A, payload(4, MB + 1))

@@ -157,6 +157,29 @@ def test_clear_by_namespace(store):
         assert store.client().dbsize() == 0
 
 
+def test_one_clear_walk_drops_several_namespaces_and_counts_each(store):
+    """The walk the server's waiting Clears share: the objects of the namespaces named (chunks too), counted per
+    namespace; the others stay; a walk of every namespace takes the rest."""
+    ns_c = b"namespace-c-0003"
+    spaces = [NS_A, NS_B, ns_c]
+
+    def walked(namespaces) -> dict[bytes, int]:
+        total: dict[bytes, int] = {}
+        for piece in l2.clear_walk(namespaces):
+            for ns, n in piece.items():
+                total[ns] = total.get(ns, 0) + n
+        return total
+
+    with make(store) as l2:
+        for i in range(9):
+            l2.put(key_of(i), 0, spaces[i % 3], payload(i, 300 * 1024))
+        assert walked(frozenset({NS_A, ns_c})) == {NS_A: 3, ns_c: 3}
+        assert [read_back(l2, key_of(i), 0) for i in range(9)] == [payload(i, 300 * 1024) if i % 3 == 1 else None
+                                                                   for i in range(9)]
+        assert walked(None) == {NS_B: 3}
+        assert store.client().dbsize() == 0
+
+
 def test_a_prefix_that_extends_another_is_a_separate_tenant(store):
     """Tenants "t" and "tm:": a SCAN for "t" + "m:*" matches every key of "tm:". Neither clear of "t" (its own
     namespace, then everything) touches the other tenant's objects, nor keys that are not ours to parse."""

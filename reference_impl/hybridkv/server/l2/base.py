@@ -88,11 +88,19 @@ class L2Adapter(abc.ABC):
         """Drop every object of namespace `ns` (every object when None); returns how many."""
         return sum(self.clear_steps(ns))
 
-    @abc.abstractmethod
     def clear_steps(self, ns: bytes | None = None) -> Iterator[int]:
         """`clear` in bounded pieces, each yielding how many objects it dropped, so that the server's loop serves
         other requests between two (a Clear in turns). No lock is held across a yield; an object stored after
         the piece that would have dropped it may stay."""
+        if ns is not None:
+            check_ns(ns)
+        for counts in self.clear_walk(None if ns is None else frozenset((ns,))):
+            yield sum(counts.values())
+
+    @abc.abstractmethod
+    def clear_walk(self, namespaces: frozenset[bytes] | None) -> Iterator[dict[bytes, int]]:
+        """`clear_steps` for several namespaces in one walk (every namespace when None): each piece yields how many
+        objects of each namespace it dropped. The server's Clears that wait together share one walk this way."""
 
     @abc.abstractmethod
     def touch(self, key: bytes, group: int) -> None:

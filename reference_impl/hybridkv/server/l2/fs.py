@@ -227,25 +227,26 @@ class FilesystemL2(L2Adapter):
             self._unlink(key, ObjectDir.name(key, group))
         return True
 
-    def clear_steps(self, ns: bytes | None = None) -> Iterator[int]:
+    def clear_walk(self, namespaces: frozenset[bytes] | None) -> Iterator[dict[bytes, int]]:
         """The index's table a shard snapshot at a time (under the lock, one C call), in pieces of table.PIECE: the
-        objects of `ns` that the index still holds (the same entry) popped under the lock, then unlinked outside it."""
-        if ns is not None:
-            check_ns(ns)
+        objects of `namespaces` that the index still holds (the same entry) popped under the lock, then unlinked
+        outside it."""
         pieces = self._index.table.pieces()
         while True:
             dropped: list[ObjectKey] = []
+            counts: dict[bytes, int] = {}
             with self._lock:  # the next piece (a shard's snapshot when the walk reaches it) taken under the lock too
                 self._check_open()
                 if (piece := next(pieces, None)) is None:
                     return
                 for e in piece:
-                    if (ns is None or e.ns == ns) and self._index.get(e.oid) is e:
+                    if (namespaces is None or e.ns in namespaces) and self._index.get(e.oid) is e:
                         self._index.pop(e.oid)
                         self._forget(e)
                         dropped.append(e.oid)
+                        counts[e.ns] = counts.get(e.ns, 0) + 1
             self._unlink_dropped(dropped)
-            yield len(dropped)
+            yield counts
 
     def touch(self, key: bytes, group: int) -> None:
         """Move the object to the most-recently-used end, in memory and in its file's mtime."""

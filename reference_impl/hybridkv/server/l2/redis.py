@@ -237,11 +237,9 @@ class RedisL2(L2Adapter):
         self._forget((key, group))
         return raw is not None and removed > 0
 
-    def clear_steps(self, ns: bytes | None = None) -> Iterator[int]:
-        """Delete every object of namespace `ns` under our prefix (every object under it when None), a SCAN batch
+    def clear_walk(self, namespaces: frozenset[bytes] | None) -> Iterator[dict[bytes, int]]:
+        """Delete every object of `namespaces` under our prefix (every object under it when None), a SCAN batch
         of _PROBE_BATCH names per piece; what this server knows of the store is forgotten at the end."""
-        if ns is not None:
-            check_ns(ns)
         self._check_open()
         self._check_up("clear")
         try:
@@ -249,10 +247,10 @@ class RedisL2(L2Adapter):
             for name in self._data.scan_iter(match=self._codec.scan_match(), count=1000):
                 batch.append(name)
                 if len(batch) >= _PROBE_BATCH:
-                    n = self._clear_batch(batch, ns)
+                    counts = self._clear_batch(batch, namespaces)
                     batch = []
-                    yield n
-            yield self._clear_batch(batch, ns)
+                    yield counts
+            yield self._clear_batch(batch, namespaces)
         except DOWN as e:
             self._down("clear", e)
         finally:  # also when a Clear stops mid-way
@@ -327,14 +325,14 @@ class RedisL2(L2Adapter):
         self._remember((key, group), size, hdr.ns)
         return True
 
-    def _clear_batch(self, metas: list[bytes], ns: bytes | None) -> int:
+    def _clear_batch(self, metas: list[bytes], namespaces: frozenset[bytes] | None) -> dict[bytes, int]:
         metas = [m for m in metas if self._codec.is_meta_name(m)]
         if not metas:
-            return 0
-        names, count = self._codec.cleared(metas, self._data.mget(metas), ns)
+            return {}
+        names, counts = self._codec.cleared(metas, self._data.mget(metas), namespaces)
         if names:
             self._data.unlink(*names)
-        return count
+        return counts
 
     def _drop(self, key: bytes, group: int, size: int) -> None:
         self._forget((key, group))

@@ -82,11 +82,12 @@ class MetaCodec:
             raise BadObject("chunk size 0")
         return hdr, cb
 
-    def cleared(self, metas: list[bytes], values: list[Any], ns: bytes | None) -> tuple[list[bytes | str], int]:
-        """For a clear of namespace `ns` (every one when None): the keys to delete among these meta keys of ours
-        and their values, and how many objects they are."""
+    def cleared(self, metas: list[bytes], values: list[Any],
+                namespaces: frozenset[bytes] | None) -> tuple[list[bytes | str], dict[bytes, int]]:
+        """For a clear of `namespaces` (every one when None): the keys to delete among these meta keys of ours
+        and their values, and how many objects they are per namespace."""
         names: list[bytes | str] = []
-        count = 0
+        counts: dict[bytes, int] = {}
         for name, raw in zip(metas, values, strict=True):
             if raw is None:
                 continue
@@ -94,13 +95,13 @@ class MetaCodec:
                 hdr = ObjectHeader.unpack(raw[:HEADER_BYTES])
                 (cb,) = CHUNK.unpack_from(raw, HEADER_BYTES)
             except (BadObject, struct.error):
-                if ns is None:
+                if namespaces is None:
                     names.append(name)  # damaged, and its name is ours: gone in a clear of everything
                 continue  # whose namespace it was cannot be told: not for a clear of one namespace
             if name != self.meta_key(hdr.key, hdr.group).encode():
                 continue  # a header copied under another name: not the object this name stands for
-            if ns is not None and hdr.ns != ns:
+            if namespaces is not None and hdr.ns not in namespaces:
                 continue
             names += [name, *self.data_keys(hdr.key, hdr.group, hdr.payload_len, max(cb, 1))]
-            count += 1
-        return names, count
+            counts[hdr.ns] = counts.get(hdr.ns, 0) + 1
+        return names, counts
