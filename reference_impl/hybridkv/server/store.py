@@ -107,7 +107,7 @@ class PrepareOp:
                 self.present.append((c, g))  # delta-aware: no bytes move for what the server holds
             elif held is Held.OTHER:
                 # never "present" (another namespace's object would stand in for this one), never written over
-                self.refused.append(P.Refusal(c, g, "held under another namespace"))
+                self.refused.append(P.Refusal(c, g, "held under another namespace or length"))
                 self.foreign = True
             else:
                 r = objects.reserve(oid, eng.ns, length)

@@ -14,6 +14,7 @@ import pytest
 from hybridkv.server.l2.base import L2Error
 from hybridkv.server.l2.fs import FilesystemL2
 from hybridkv.server.l2.fs_files import DATA_OFFSET
+from hybridkv.server.l2.header import ObjectHeader
 from serverkit import small_tmpfs
 
 NS = b"namespace-a-0001"
@@ -191,3 +192,25 @@ def test_object_files_of_groups_no_layout_has_are_not_indexed(tmp_path):
         with pytest.raises(ValueError):
             l2.length(key, 64)
     assert len(list(good.parent.iterdir())) == 6  # ignored, not removed: not the server's to judge
+
+
+def test_a_planted_file_larger_than_the_l2_is_removed_and_evicts_nothing(tmp_path):
+    """A file with a valid header claiming a payload larger than the capacity (sparse: a few blocks on disk), and
+    the newest: put() refuses such an object, so the rebuild removes it as bad. Before, it was indexed at its
+    claimed size, and fitting the capacity evicted every older object first, then it."""
+    l2_dir = tmp_path / "l2"
+    with FilesystemL2(l2_dir, 64 * MB) as l2:
+        for i in range(10):
+            l2.put(key_with_first_byte(1, i), 0, NS, bytes([i]) * 5000)
+    huge = key_with_first_byte(2)
+    planted = l2_dir / "02" / f"{huge.hex()}-0.obj"
+    with open(planted, "wb") as f:
+        f.write(ObjectHeader(NS, huge, 0, 128 * MB, 0).pack(DATA_OFFSET))
+        f.truncate(DATA_OFFSET + 128 * MB)
+    with FilesystemL2(l2_dir, 64 * MB) as l2:
+        s = l2.stats()
+        assert (s["objects"], s["evictions"], s["corrupt_removed"]) == (10, 0, 1), s
+        for i in range(10):
+            out = bytearray(5000)
+            assert l2.get_into(key_with_first_byte(1, i), 0, memoryview(out)) and out == bytes([i]) * 5000
+    assert not planted.exists()

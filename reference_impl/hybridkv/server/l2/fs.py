@@ -294,6 +294,8 @@ class FilesystemL2(L2Adapter):
                 key, group = oid
                 try:
                     hdr, mtime = self._dir.check_object(i, de.name, key, group)
+                    if self._dir.disk_bytes(hdr.payload_len) > self.capacity_bytes:  # put() refuses one as large
+                        raise BadObject(f"its {hdr.payload_len} B payload outgrows the L2 ({self.capacity_bytes} B)")
                 except (BadObject, OSError) as e:
                     log.warning("L2: removing bad object file %s/%02x/%s: %s", self.directory, i, de.name, e)
                     self._dir.unlink_in(i, de.name)
