@@ -10,9 +10,10 @@ walks.
 
 What it drops: the objects of the namespace that are present and evictable (READY, unpinned, not being spilled)
 when their piece is reached; pinned ones, and ones stored or unpinned after their piece passed, stay. Clears that
-shared an L2 walk each count what it dropped. An engine unregistered or reclaimed while its Clear works is answered
-unknown_engine (as a Lookup in turns is); what was dropped by then stays dropped, and an L2 walk under way stops at
-its next piece once every Clear sharing it has stopped. The admin form (engine None) has no engine to lose.
+shared an L2 walk each count what it dropped of their own namespace. An engine unregistered or reclaimed while its
+Clear works is answered unknown_engine (as a Lookup in turns is); what was dropped by then stays dropped, and an L2
+walk under way stops at its next piece once every Clear sharing it has stopped (until then it may drop more of that
+namespace, which a cache may always do). The admin form (engine None) has no engine to lose.
 """
 
 from __future__ import annotations
