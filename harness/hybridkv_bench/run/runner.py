@@ -125,8 +125,11 @@ class Runner:
             parent = Path(srv.l2_dir) if srv.l2_dir else self.folder / ".tmp"
             parent.mkdir(parents=True, exist_ok=True)
             l2_dir = self._mkdtemp("l2-", parent)
-            check_l2_room(l2_dir, srv.l2_bytes, srv.l2_gib)
             l2 = FsL2Spec(str(l2_dir), srv.l2_bytes)
+            if short := l2.disk_shortfall():  # a full disk would drop objects and fail the hit checks, saying nothing
+                raise BenchError(f"server.l2_gib {srv.l2_gib:g} needs {srv.l2_bytes / 2**30:.3f} GiB of disk, but "
+                                 f"{l2_dir} has {(srv.l2_bytes - short) / 2**30:.3f} GiB free: free some disk, point "
+                                 "server.l2_dir at a larger one, or lower server.l2_gib")
         log_path = server_log(self.folder, label)
         log_path.parent.mkdir(exist_ok=True)
         with open(log_path, "w") as log:
@@ -358,16 +361,6 @@ def l2_losses(control: CacheClient | None) -> str:
         return ""
     return (f"; the server's L2 writes failed {failures} times and it dropped {dropped} objects from L1 with no "
             "L2 copy (its log says why: a full disk?)")
-
-
-def check_l2_room(directory: Path, need: int, l2_gib: float) -> None:
-    """Refuse an L2 whose capacity its disk cannot hold: once the disk filled, its writes would fail, objects
-    would leave L1 with no L2 copy, and the hit checks would fail with nothing saying why."""
-    free = shutil.disk_usage(directory).free
-    if free < need:
-        raise BenchError(f"server.l2_gib {l2_gib:g} needs {need / 2**30:.3f} GiB of disk, but {directory} has "
-                         f"{free / 2**30:.3f} GiB free: free some disk, point server.l2_dir at a larger one, "
-                         "or lower server.l2_gib")
 
 
 def run_bench(sf: ScenarioFile, options: BenchOptions | None = None) -> RunOutcome:

@@ -46,7 +46,6 @@ class ClearLane:
         namespaces = None if None in batch else frozenset(ns for ns in batch if ns is not None)
         l2 = objects.l2
         assert l2 is not None
-        counters.l2_clear_walks += 1
 
         def walk() -> dict[bytes, int]:  # on an I/O thread: until done, every Clear in it stopped, or the server stops
             counts: dict[bytes, int] = {}
@@ -59,12 +58,15 @@ class ClearLane:
 
         def done(counts: dict[bytes, int] | None, exc: BaseException | None) -> None:  # on the loop
             self.running = None
+            counts = counts or {}
+            total = sum(counts.values())
             for op in ops:
-                op.l2_done(0 if counts is None else sum(counts.values()) if op.ns is None else counts.get(op.ns, 0),
-                           exc)
+                op.l2_done(total if op.ns is None else counts.get(op.ns, 0), exc)
             self._start(workers, objects, counters)
 
-        if not workers.submit(walk, done):
+        if workers.submit(walk, done):
+            counters.l2_clear_walks += 1
+        else:
             self.running = None
             gone = RuntimeError("the server is shutting down")
             for waiting in [ops, *self.waiting.values()]:

@@ -88,12 +88,16 @@ class FsL2Spec:
         from hybridkv.server.l2.fs import FilesystemL2
 
         l2 = FilesystemL2(self.base_path, self.capacity_bytes, fsync=self.fsync)
-        room = shutil.disk_usage(self.base_path).free + l2.stats()["disk_bytes"]
-        if room < self.capacity_bytes:  # serving goes on: a failed write is counted and its object stays in L1
+        if short := self.disk_shortfall(l2.stats()["disk_bytes"]):  # serving goes on: a failed write is counted
             log.warning("L2: capacity %.3f GiB, but %s has room for %.3f GiB (free + what L2 holds): once the disk "
                         "fills, writes fail (ENOSPC) and objects leave L1 with no L2 copy", self.capacity_bytes / GIB,
-                        self.base_path, room / GIB)
+                        self.base_path, (self.capacity_bytes - short) / GIB)
         return l2
+
+    def disk_shortfall(self, held: int = 0) -> int:
+        """The bytes of the capacity that the directory's disk has no room for (its free space plus `held`, what the
+        L2 holds there already); 0 when it all fits."""
+        return max(0, self.capacity_bytes - shutil.disk_usage(self.base_path).free - held)
 
     def describe(self) -> str:
         """The L2 as the server's ready line shows it."""
