@@ -17,6 +17,8 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
+from hybridkv.memory_room import check_room
+
 SLOT_ALIGN = 4096  # page-aligned slots: DMA and 16-byte vector access both want it
 
 
@@ -43,11 +45,11 @@ class Arena:
         directory = Path(directory)
         if not directory.is_dir():
             raise ArenaError(f"arena directory {directory} does not exist")
-        free = shm_free_bytes(directory)
-        # the quick answer; posix_fallocate below is the one that holds when others share the mount
-        if size + fence_bytes + SLOT_ALIGN > free:
-            raise ArenaError(f"L1 size {size / 2**30:.2f} GiB exceeds the {free / 2**30:.2f} GiB free "
-                             f"in {directory}; lower --l1-gib or enlarge the mount")
+        # the quick answer, before a byte is taken: the mount's free space, the RAM and the memory cgroup's room
+        # (memory_room says why all three); posix_fallocate below is the one that holds when others share them
+        refused = check_room(size + fence_bytes + SLOT_ALIGN, directory, shm_free_bytes(directory))
+        if refused:
+            raise ArenaError(refused)
         self.size = size
         # the fence words start on a page boundary above the slots (the slots' allocator rounds `size` down)
         self.fence_base = -(-size // SLOT_ALIGN) * SLOT_ALIGN
@@ -55,7 +57,7 @@ class Arena:
         name = f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
         # Created under a temporary name and locked before it gets its final one, so a starting server that
         # sweeps dead arenas (remove_dead_arenas) never sees an arena whose owner has not locked it yet.
-        tmp = directory / f".{name}.creating"
+        tmp = directory / f".{name}{CREATING_SUFFIX}"
         self.path = directory / f"{name}{ARENA_SUFFIX}"
         fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
         try:
@@ -96,6 +98,7 @@ class Arena:
 
 
 ARENA_SUFFIX = ".arena"
+CREATING_SUFFIX = ".creating"  # `.hybridkv-<pid>-<hex>.creating`: an arena being backed, named once it is
 
 
 def _pid_alive(name: str) -> bool:
@@ -116,10 +119,11 @@ def _pid_alive(name: str) -> bool:
 def remove_dead_arenas(directory: str | Path, prefix: str = "hybridkv") -> list[Path]:
     """Unlink arena files in `directory` whose server is gone (killed with -9, crashed): a live server
     holds a lock on its arena for as long as it runs, so a file we can lock, named for a dead pid, has
-    no owner. (The pid check spares servers of older versions, which hold no lock.)"""
+    no owner. (The pid check spares servers of older versions, which hold no lock.) Arenas still being
+    created count too: a server killed while backing its arena (the OOM killer) leaves it under that name."""
     removed: list[Path] = []
     directory = Path(directory)
-    for path in directory.glob(f"{prefix}-*{ARENA_SUFFIX}"):
+    for path in [*directory.glob(f"{prefix}-*{ARENA_SUFFIX}"), *directory.glob(f".{prefix}-*{CREATING_SUFFIX}")]:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -115,3 +116,14 @@ class RawDealer:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+
+
+def process_fds(pid: int) -> int:
+    """Files a process holds open."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds a process has used, user and system, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

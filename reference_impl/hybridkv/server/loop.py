@@ -22,7 +22,7 @@ from hybridkv import protocol as P
 from hybridkv.arena import Arena, remove_dead_arenas
 from hybridkv.server import admin, lookup, prefetch, retrieve, store
 from hybridkv.server.config import ServerConfig
-from hybridkv.server.connections import ConnectionGate, listen_backlog
+from hybridkv.server.connections import ConnectionGate, bind_gated
 from hybridkv.server.context import Answer, Context, Frames, RequestError
 from hybridkv.server.counters import Counters
 from hybridkv.server.fences import Fences, fence_region_bytes
@@ -87,7 +87,7 @@ class CacheServer:
             raise
         self._zctx = context or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
-        self._gate: ConnectionGate | None = None  # ipc only: the connection cap
+        self._gate: ConnectionGate | None = None  # the connection cap
         self._pending: dict[bytes, int] = {}  # requests answered later, per client
         self._stopping = False
         self._closed = False
@@ -110,11 +110,8 @@ class CacheServer:
         sock.setsockopt(zmq.RCVHWM, self.config.max_pending)
         # libzmq refuses a larger frame before allocating it, and drops the connection that sent it.
         sock.setsockopt(zmq.MAXMSGSIZE, max(self.config.max_frame_bytes, self.config.max_message_bytes))
-        sock.setsockopt(zmq.BACKLOG, listen_backlog(self.config.io_threads))
-        try:
-            sock.bind(ep)
-            if ep.startswith("ipc://"):
-                self._gate = ConnectionGate(sock, ep[len("ipc://"):], self.config.max_clients, self.config.io_threads)
+        try:  # behind the connection cap, on ipc and tcp (connections.py)
+            self._gate = bind_gated(sock, ep, self.config.max_clients, self.config.io_threads)
         except BaseException:
             sock.close(linger=0)
             raise

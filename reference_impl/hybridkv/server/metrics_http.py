@@ -4,16 +4,25 @@ The HTTP server runs on its own thread. A scrape asks the loop for a fresh snaps
 flag and a wake-up; the loop builds it between two requests from the counters it keeps anyway) and turns
 it into metric families here, off the loop thread. Labels are bounded: request types, error codes, tiers,
 directions; never a request id, an engine or a namespace. docs/metrics.md lists every metric.
+
+A scraper cannot take what engines need: the endpoint holds at most MAX_CONNECTIONS connections (one more is
+closed at once) and each for at most CONNECTION_S, whatever it sends or does not read (prometheus_client's own
+server had a thread and a file for every connection, for as long as the client kept it open).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import math
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
@@ -21,6 +30,8 @@ from hybridkv import __version__
 from hybridkv.server.telemetry import BUCKETS_S, Snapshot, Telemetry
 
 SCRAPE_WAIT_S = 1.0  # a loop busier than this answers a scrape with its last snapshot (see snapshot_age)
+MAX_CONNECTIONS = 16  # at once; within connections.FD_RESERVE, the files the engines' gate leaves to the server
+CONNECTION_S = 10.0  # a connection's whole life: one request and its answer (Prometheus's default scrape timeout)
 
 
 class MetricsError(ValueError):
@@ -178,6 +189,57 @@ def families(snap: Snapshot, now: float) -> Iterator:
                    "(answered as misses for them)", f["namespace_refusals"])
 
 
+class _QuietHandler(WSGIRequestHandler):
+    timeout = CONNECTION_S  # no single read or write waits longer; BoundedServer ends the whole connection
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Log nothing: a line per scrape (or per hostile connection) is noise."""
+
+
+class BoundedServer(ThreadingMixIn, WSGIServer):
+    """A thread per connection, as prometheus_client's server, but at most MAX_CONNECTIONS of them, each ended
+    (shut down under its thread, which then closes it) CONNECTION_S after it was accepted."""
+
+    daemon_threads = True
+    request_queue_size = MAX_CONNECTIONS
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self._lock = threading.Lock()
+        self._deadlines: dict[socket.socket, float] = {}  # the connections open, and when each must end
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._lock:
+            full = len(self._deadlines) >= MAX_CONNECTIONS
+            if not full:
+                self._deadlines[request] = time.monotonic() + CONNECTION_S
+        if full:
+            super().shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._lock:  # under the lock: service_actions never shuts a socket whose number was reused
+            self._deadlines.pop(request, None)
+            super().shutdown_request(request)
+
+    def service_actions(self) -> None:
+        """Every poll of serve_forever (half a second): end the connections past their time."""
+        now = time.monotonic()
+        with self._lock:
+            for request, deadline in self._deadlines.items():
+                if now >= deadline:
+                    try:
+                        request.shutdown(socket.SHUT_RDWR)  # its thread's read or write returns, and it closes
+                    except OSError:
+                        pass
+
+
+def _server_class(host: str) -> type[BoundedServer]:
+    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    return type("BoundedServer", (BoundedServer,), {"address_family": family})
+
+
 class MetricsEndpoint:
     """The /metrics HTTP server on its own thread, until close()."""
 
@@ -187,9 +249,11 @@ class MetricsEndpoint:
         self.registry.register(SnapshotCollector(telemetry, wake))
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         try:
-            self._httpd, self._thread = start_http_server(port, host, registry=self.registry)
+            self._httpd = make_server(host, port, make_wsgi_app(self.registry), _server_class(host), _QuietHandler)
         except OSError as e:
             raise MetricsError(f"cannot serve metrics on --metrics-host {host} --metrics-port {port}: {e}") from None
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="metrics-http", daemon=True)
+        self._thread.start()
         self.host, self.port = host, self._httpd.server_port
 
     @property

@@ -3,8 +3,11 @@ loads through the transfer library, parsed with prometheus_client's parser and h
 
 from __future__ import annotations
 
+import select
+import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -12,9 +15,14 @@ import numpy as np
 import pytest
 import torch
 from hybridkv import protocol as P
+from hybridkv.engine.client import CacheClient
 from hybridkv.engine.transfer import KVTransfer, TransferConfig
 from hybridkv.presets import preset_layout
+from hybridkv.server.config import GIB, ServerConfig
+from hybridkv.server.launch import start_server
+from hybridkv.server.metrics_http import CONNECTION_S, MAX_CONNECTIONS
 from prometheus_client.parser import text_string_to_metric_families
+from serverkit import Engine, process_fds
 
 NUM_BLOCKS = 64
 
@@ -204,3 +212,46 @@ def test_grafana_dashboard_asks_only_for_metrics_the_server_exports(server_facto
     assert asked - served <= REDIS_ONLY, sorted(asked - served)
     docs = (Path(__file__).parents[3] / "docs" / "metrics.md").read_text()
     assert all(f"`{m}`" in docs for m in REDIS_ONLY)
+
+
+def test_idle_connections_to_the_metrics_port_never_lock_engines_out(sock_dir):
+    """The metrics endpoint kept a thread and a file for each connection as long as the client kept it open, and
+    the engines' gate counted those files as clients, for good: with 200 idle connections under a limit of 256
+    files the ipc door closed and stayed closed after they left. Now it holds MAX_CONNECTIONS at most, each for
+    CONNECTION_S, and an engine registers at once while they stay and after they leave."""
+    s = start_server(ServerConfig(endpoint=f"ipc://{sock_dir}/m.sock", l1_bytes=int(0.02 * GIB)), metrics_port=0,
+                     nofile=256)
+    try:
+        assert s.metrics_url is not None
+        host, port = s.metrics_url.split("/")[2].rsplit(":", 1)
+        base = process_fds(s.pid)
+        held = []
+        for _ in range(200):
+            c = socket.socket()
+            c.settimeout(5)
+            try:
+                c.connect((host, int(port)))
+            except OSError:
+                c.close()
+                continue
+            held.append(c)
+        most = process_fds(s.pid)
+        t0 = time.monotonic()
+        with CacheClient(s.endpoint, timeout_s=5) as c:
+            assert Engine(c).id
+        took = time.monotonic() - t0
+        assert took < 5 and most <= base + MAX_CONNECTIONS + 4, (took, base, most)
+        # the server ends every connection it kept within CONNECTION_S, whatever the client does
+        deadline = time.monotonic() + CONNECTION_S + 5
+        waiting = list(held)
+        while waiting and time.monotonic() < deadline:
+            readable, _, _ = select.select(waiting, [], [], 0.5)
+            waiting = [w for w in waiting if w not in readable]
+        assert not waiting, f"{len(waiting)} idle connections still open after {CONNECTION_S + 5} s"
+        assert scrape(s.metrics_url)[("hybridkv_engines", ())] == 1  # and a scrape gets in again
+        for h in held:
+            h.close()
+        with CacheClient(s.endpoint, timeout_s=5) as c:
+            assert Engine(c).id
+    finally:
+        s.close()
