@@ -79,7 +79,7 @@ class CacheServer:
                                                    config.max_leases, config.max_reservations),
                                      config.client_timeout_s, Fences(self.arena))
             self.ctx = Context(config, self.arena, self.sessions, self.objects, self.workers, self.counters,
-                               Formats(self.arena, config.cuda_ipc), self.started, self._send_later,
+                               Formats(self.objects.loans, config.cuda_ipc), self.started, self._send_later,
                                telemetry=telemetry or Telemetry())
             self.telemetry = self.ctx.telemetry
         except BaseException:
@@ -111,6 +111,7 @@ class CacheServer:
         # libzmq refuses a larger frame before allocating it, and drops the connection that sent it.
         sock.setsockopt(zmq.MAXMSGSIZE, max(self.config.max_frame_bytes, self.config.max_message_bytes))
         sock.setsockopt(zmq.BACKLOG, listen_backlog(self.config.io_threads))
+        sock.copy_threshold = self.objects.loans.copy_threshold  # smaller frames copied when sent, larger lent
         try:
             sock.bind(ep)
             if ep.startswith("ipc://"):
@@ -154,7 +155,7 @@ class CacheServer:
                             self._receive_queued()
                     elif gate is not None and what is gate.monitor:
                         gate.drain()
-                    elif self.workers.drain():
+                    elif self.workers.drain() + retrieve.take_back_loans(ctx):  # both wake the loop alike
                         self._run_parked()
                 if fences.pending:
                     store.check_fences(ctx)
