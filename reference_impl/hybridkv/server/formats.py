@@ -88,8 +88,8 @@ class RawFormat:
         if max(map(_length, entries), default=0) < self.loans.copy_threshold:  # the lengths in C
             # pyzmq copies each frame when the loop sends the reply, in this turn: no release can come between
             return [self.arena.view(e.offset, e.length) for e in entries]
-        # zero-copy: libzmq sends the frames later, and the lease may be released before; the loan's own pins
-        # keep the bytes still until libzmq has let go of every frame
+        # zero-copy: libzmq sends the frames later, and the lease may be released before; the loan keeps the
+        # slots from reuse until libzmq has let go of every frame
         return self.loans.lend(entries).views
 
 
@@ -115,7 +115,7 @@ class LegacyFormat:
 
         def encode() -> list[bytes]:
             try:  # each encoding is a copy: the frames sent hold no arena byte
-                return [encode_tensor(self.fmt, bytes_to_tensor(cast(memoryview, v), dt))  # any buffer will do
+                return [encode_tensor(self.fmt, bytes_to_tensor(v, dt))
                         for v, dt in zip(loan.views, dtypes, strict=True)]
             finally:
                 loan.close()

@@ -155,7 +155,7 @@ class CacheServer:
                             self._receive_queued()
                     elif gate is not None and what is gate.monitor:
                         gate.drain()
-                    elif self.workers.drain() + retrieve.take_back_loans(ctx):  # both wake the loop alike
+                    elif self.workers.drain() + ctx.objects.loans.take_back():  # both wake the loop alike
                         self._run_parked()
                 if fences.pending:
                     store.check_fences(ctx)

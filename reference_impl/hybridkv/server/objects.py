@@ -75,8 +75,8 @@ class ObjectStore:
         has_l2 = (lambda e: l2.length(e.key, e.group, e.ns) == e.length) if l2 is not None else None
         self.l1 = L1Cache(arena, config.eviction, self._spill if l2 is not None else None, has_l2)
         self.get: Callable[[ObjectKey], Entry | None] = self.l1.get  # the L1 table's entry of an object, or None
-        # objects whose bytes a reply frame or a worker still reads: pinned until they are given back (loans.py)
-        self.loans = Loans(arena, self.l1.pin_all, workers.wake)
+        # objects whose bytes a reply frame or a worker still reads: their slots kept until given back (loans.py)
+        self.loans = Loans(arena, self.l1, workers.wake)
         self._quarantine: deque[tuple[float, int, int]] = deque()  # (until, offset, length), in time order
         self._spills_inflight = 0
         self._last_failure_log = 0.0

@@ -32,16 +32,6 @@ def retrieve(ctx: Context, ident: bytes, msg: P.Retrieve, frames: Frames) -> Ans
     return None
 
 
-def take_back_loans(ctx: Context) -> int:
-    """Unpin the objects of the loans given back since the last call (reply frames libzmq let go of, workers'
-    reads done: loans.py); how many loans."""
-    n = 0
-    for entries in ctx.objects.loans.returned():
-        let_go(ctx, entries)
-        n += 1
-    return n
-
-
 def _unpin(ctx: Context, lease: Lease) -> None:
     ctx.sessions.close_lease(lease)
     let_go(ctx, lease.entries, [lease.locs])
