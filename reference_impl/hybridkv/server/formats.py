@@ -9,6 +9,7 @@ engine wrote the arena itself).
 from __future__ import annotations
 
 from collections.abc import Callable
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 import numpy as np
@@ -17,6 +18,7 @@ from hybridkv import protocol as P
 from hybridkv.arena import Arena
 from hybridkv.baselines.codec import bytes_to_tensor, copy_tensor_into, decode_tensor, encode_tensor
 from hybridkv.server.errors import RequestError
+from hybridkv.server.loans import Loans
 from hybridkv.server.sessions import Engine, Lease, Reservation
 from hybridkv.wire_formats import FORMATS, TRAITS, WireFormat
 
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
 
 E = P.ErrorCode
 Job = Callable[[], Any]
+_length = attrgetter("length")
 
 
 class FormatStrategy(Protocol):
@@ -61,8 +64,9 @@ class ShmFormat:
 class RawFormat:
     """One zero-copy payload frame per object, the object's bytes exactly."""
 
-    def __init__(self, arena: Arena, fmt: WireFormat):
+    def __init__(self, arena: Arena, loans: Loans, fmt: WireFormat):
         self.arena = arena
+        self.loans = loans
         self.fmt = fmt
 
     def commit(self, eng: Engine, res: Reservation, msg: P.CommitStore, frames: list[Any]) -> Job | None:
@@ -80,15 +84,21 @@ class RawFormat:
         return copy
 
     def retrieve(self, eng: Engine, lease: Lease, msg: P.Retrieve) -> list[Any] | Job:
-        # zero-copy: frames point into the arena; the lease's pins keep the bytes still until release
-        return [self.arena.view(e.offset, e.length) for e in lease.entries]
+        entries = lease.entries
+        if max(map(_length, entries), default=0) < self.loans.copy_threshold:  # the lengths in C
+            # pyzmq copies each frame when the loop sends the reply, in this turn: no release can come between
+            return [self.arena.view(e.offset, e.length) for e in entries]
+        # zero-copy: libzmq sends the frames later, and the lease may be released before; the loan keeps the
+        # slots from reuse until libzmq has let go of every frame
+        return self.loans.lend(entries).views
 
 
 class LegacyFormat:
     """The seed's formats (pickle, torch.save): a typed tensor per object, decoded and encoded here."""
 
-    def __init__(self, arena: Arena, fmt: WireFormat):
+    def __init__(self, arena: Arena, loans: Loans, fmt: WireFormat):
         self.arena = arena
+        self.loans = loans
         self.fmt = fmt
 
     def commit(self, eng: Engine, res: Reservation, msg: P.CommitStore, frames: list[Any]) -> Job | None:
@@ -101,15 +111,23 @@ class LegacyFormat:
 
     def retrieve(self, eng: Engine, lease: Lease, msg: P.Retrieve) -> list[Any] | Job:
         dtypes = [eng.layout.groups[loc.group].dtype for loc in lease.locs]
-        views = [self.arena.view(e.offset, e.length) for e in lease.entries]
-        return lambda: [encode_tensor(self.fmt, bytes_to_tensor(v, dt)) for v, dt in zip(views, dtypes, strict=True)]
+        loan = self.loans.lend(lease.entries)  # a worker encodes them later: the lease may be released before
+
+        def encode() -> list[bytes]:
+            try:  # each encoding is a copy: the frames sent hold no arena byte
+                return [encode_tensor(self.fmt, bytes_to_tensor(v, dt))
+                        for v, dt in zip(loan.views, dtypes, strict=True)]
+            finally:
+                loan.close()
+        return encode
 
 
 class CudaIpcFormat:
     """The CUDA-IPC baseline: the server maps the engine's GPU pages and copies them itself."""
 
-    def __init__(self, arena: Arena, enabled: bool):
+    def __init__(self, arena: Arena, loans: Loans, enabled: bool):
         self.arena = arena
+        self.loans = loans
         self.enabled = enabled
         self.mapped: dict[int, MappedEngine] = {}
 
@@ -163,9 +181,13 @@ class CudaIpcFormat:
         job = self._job(eng, "scatter", [(loc.chunk, loc.group, e.offset, e.length)
                                          for loc, e in zip(lease.locs, lease.entries, strict=True)],
                         cast(bytes, msg.blocks))
+        loan = self.loans.lend(lease.entries)  # a worker copies them later: the lease may be released before
 
         def run() -> list[Any]:
-            job()
+            try:
+                job()
+            finally:
+                loan.close()
             return []
         return run
 
@@ -173,19 +195,20 @@ class CudaIpcFormat:
 class Formats:
     """The table: one strategy per wire format, by the format's traits."""
 
-    def __init__(self, arena: Arena, cuda_ipc: bool):
-        self.cuda = CudaIpcFormat(arena, cuda_ipc)
-        self.table: dict[WireFormat, FormatStrategy] = {fmt: self._strategy(arena, fmt) for fmt in FORMATS}
+    def __init__(self, loans: Loans, cuda_ipc: bool):
+        self.cuda = CudaIpcFormat(loans.arena, loans, cuda_ipc)
+        self.table: dict[WireFormat, FormatStrategy] = {fmt: self._strategy(loans.arena, loans, fmt)
+                                                        for fmt in FORMATS}
 
-    def _strategy(self, arena: Arena, fmt: WireFormat) -> FormatStrategy:
+    def _strategy(self, arena: Arena, loans: Loans, fmt: WireFormat) -> FormatStrategy:
         t = TRAITS[fmt]
         if t.direct:
             return ShmFormat()
         if t.server_holds_cuda:
             return self.cuda  # the server maps the engine's GPU pages and copies itself
         if t.server_imports_torch:
-            return LegacyFormat(arena, fmt)  # the server rebuilds the seed's tensors
-        return RawFormat(arena, fmt)
+            return LegacyFormat(arena, loans, fmt)  # the server rebuilds the seed's tensors
+        return RawFormat(arena, loans, fmt)
 
     def __getitem__(self, fmt: WireFormat) -> FormatStrategy:
         return self.table[fmt]

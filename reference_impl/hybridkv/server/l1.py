@@ -53,6 +53,7 @@ class Entry(msgspec.Struct, gc=False, eq=False):
     spilling: bool = False
     evict_after_spill: bool = False
     failed_at: float = 0.0  # monotonic time of its last failed L2 write
+    lent: int = 0           # loans of its bytes still out (loans.py): its slot is freed only once they are back
     queue: LruQueue[Entry] | None = None
     seg: Segment | None = None  # the queue's segment that holds it
     gone: bool = False      # dropped from the table (a failed prefetch, an abort)
@@ -95,6 +96,7 @@ class L1Cache:
         self.ready_keys: dict[tuple[bytes, int], KeySet] = {}
         self._ready = 0
         self._used = 0
+        self.lent_dropped = 0  # slots of objects dropped while lent, freed when their last loan is back
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -196,10 +198,30 @@ class L1Cache:
                     self._place(e)
 
     def drop(self, e: Entry) -> None:
-        """Free an entry's slot now. The caller guarantees no engine writes or reads it any more."""
+        """Free an entry's slot now, or when its last loan is back (`give_back`). The caller guarantees no engine
+        writes or reads it any more."""
         assert not e.spilling, "an entry being spilled cannot be freed"
         self.detach(e)
-        self.alloc.free(e.offset, e.length)
+        if e.lent:
+            self.lent_dropped += 1
+        else:
+            self.alloc.free(e.offset, e.length)
+
+    def lend(self, entries: Iterable[Entry]) -> None:
+        """Their bytes are read outside the loop from now on: their slots are not freed until given back. The
+        objects stay evictable (they leave the table as any other) and are no pinned objects: a reader that
+        never finishes holds slots, never the cache's choice of what to keep. Only READY and LOADING objects
+        (a lease's) are lent: a reservation's slot, which `ObjectStore.discard` may quarantine, never is."""
+        for e in entries:
+            e.lent += 1
+
+    def give_back(self, entries: Iterable[Entry]) -> None:
+        """A loan of `entries` is back: free the slots of those dropped meanwhile that no other loan holds."""
+        for e in entries:
+            e.lent -= 1
+            if not e.lent and e.gone:
+                self.lent_dropped -= 1
+                self.alloc.free(e.offset, e.length)
 
     def detach(self, e: Entry) -> None:
         """Forget an entry but keep its extent allocated (the caller frees it later)."""
@@ -346,4 +368,4 @@ class L1Cache:
                 "l1_free_bytes": self.alloc.free_bytes, "l1_pinned_objects": self._pinned,
                 "l1_unready_objects": len(self._entries) - self._ready, "l1_evictions": self.evictions,
                 "l1_evicted_bytes": self.evicted_bytes, "l1_kept_after_l2_failure": self.stuck_objects,
-                "l1_dropped_unspilled": self.dropped_unspilled}
+                "l1_dropped_unspilled": self.dropped_unspilled, "l1_lent_dropped_slots": self.lent_dropped}

@@ -79,7 +79,7 @@ class CacheServer:
                                                    config.max_leases, config.max_reservations),
                                      config.client_timeout_s, Fences(self.arena))
             self.ctx = Context(config, self.arena, self.sessions, self.objects, self.workers, self.counters,
-                               Formats(self.arena, config.cuda_ipc), self.started, self._send_later,
+                               Formats(self.objects.loans, config.cuda_ipc), self.started, self._send_later,
                                telemetry=telemetry or Telemetry())
             self.telemetry = self.ctx.telemetry
         except BaseException:
@@ -110,6 +110,7 @@ class CacheServer:
         sock.setsockopt(zmq.RCVHWM, self.config.max_pending)
         # libzmq refuses a larger frame before allocating it, and drops the connection that sent it.
         sock.setsockopt(zmq.MAXMSGSIZE, max(self.config.max_frame_bytes, self.config.max_message_bytes))
+        sock.copy_threshold = self.objects.loans.copy_threshold  # smaller frames copied when sent, larger lent
         try:  # behind the connection cap, on ipc and tcp (connections.py)
             self._gate = bind_gated(sock, ep, self.config.max_clients, self.config.io_threads)
         except BaseException:
@@ -151,7 +152,7 @@ class CacheServer:
                             self._receive_queued()
                     elif gate is not None and what is gate.monitor:
                         gate.drain()
-                    elif self.workers.drain():
+                    elif self.workers.drain() + ctx.objects.loans.take_back():  # both wake the loop alike
                         self._run_parked()
                 if fences.pending:
                     store.check_fences(ctx)

@@ -25,6 +25,7 @@ from hybridkv.server.config import ServerConfig
 from hybridkv.server.counters import Counters
 from hybridkv.server.l1 import Entry, L1Cache, NoSlot, ObjectKey, State
 from hybridkv.server.l2.base import L2Adapter
+from hybridkv.server.loans import Loans
 from hybridkv.server.table import ObjectKeys, SegmentedSet
 from hybridkv.server.workers import Workers
 
@@ -74,6 +75,8 @@ class ObjectStore:
         has_l2 = (lambda e: l2.length(e.key, e.group, e.ns) == e.length) if l2 is not None else None
         self.l1 = L1Cache(arena, config.eviction, self._spill if l2 is not None else None, has_l2)
         self.get: Callable[[ObjectKey], Entry | None] = self.l1.get  # the L1 table's entry of an object, or None
+        # objects whose bytes a reply frame or a worker still reads: their slots kept until given back (loans.py)
+        self.loans = Loans(arena, self.l1, workers.wake)
         self._quarantine: deque[tuple[float, int, int]] = deque()  # (until, offset, length), in time order
         self._spills_inflight = 0
         self._last_failure_log = 0.0
@@ -262,8 +265,10 @@ class ObjectStore:
 
     def shutting_down(self) -> None:
         """From now on no spill starts by itself: the pool is about to close, and a spill that finishes would
-        start the next, which the closed pool refuses (a write that never ran is no failed write)."""
+        start the next, which the closed pool refuses (a write that never ran is no failed write). Loans given
+        back from now on wake nobody: the wake-up pipe is about to close."""
         self._stopping = True
+        self.loans.close()
 
     def spill_ahead(self) -> None:
         """Keep the spill watermark: copy the oldest dirty objects to L2, a batch per worker job."""
@@ -341,6 +346,7 @@ class ObjectStore:
     def stats(self) -> dict[str, int | float]:
         out: dict[str, int | float] = dict(self.l1.usage())
         out["l1_quarantined_slots"] = len(self._quarantine)
+        out["l1_lent_objects"] = self.loans.objects
         if self.l2 is not None:
             out.update({f"l2_{k}": v for k, v in self.l2.stats().items()})
         return out

@@ -39,6 +39,25 @@ def test_lru_evicts_the_oldest_unpinned_ready_object(arena):
     assert e.state is State.RESERVED and l1.evictions == 1
 
 
+def test_a_lent_object_is_evicted_but_its_slot_is_reused_only_once_every_loan_is_back(arena):
+    """Reply frames still being sent read a lent object's slot (server/loans.py): the object leaves the table as
+    any other (evicting it frees nothing yet, so eviction goes on to the next), but no store gets its slot until
+    the last loan of it is given back."""
+    l1 = L1Cache(arena)
+    a, b, c, d = fill(l1, 4)
+    l1.lend([a])
+    l1.lend([a, b])
+    e = l1.reserve(key(9), 0, NS, SLOT_ALIGN)  # evicts a and b (their slots stay taken), then c
+    assert e.offset == c.offset and [l1.get(x.oid) for x in (a, b, c)] == [None] * 3 and l1.get(d.oid) is d
+    assert l1.lent_dropped == 2 and l1.evictions == 3 and l1.usage()["l1_pinned_objects"] == 0
+    l1.give_back([a, b])  # b's last loan: its slot is free; a is still lent once
+    assert l1.alloc.free_bytes == SLOT_ALIGN and l1.lent_dropped == 1
+    assert l1.reserve(key(10), 0, NS, SLOT_ALIGN).offset == b.offset
+    l1.give_back([a])
+    assert l1.alloc.free_bytes == SLOT_ALIGN and l1.lent_dropped == 0
+    assert l1.reserve(key(11), 0, NS, SLOT_ALIGN).offset == a.offset
+
+
 def test_fifo_ignores_hits(arena):
     l1 = L1Cache(arena, policy="fifo")
     a, *_ = fill(l1, 4)
