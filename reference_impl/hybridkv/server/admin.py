@@ -56,9 +56,14 @@ def heartbeat(ctx: Context, ident: bytes, msg: P.Heartbeat, frames: Frames) -> A
 
 
 def drop_engine(ctx: Context, eng: Engine, reclaimed: bool) -> None:
-    """Forget an engine: unpin its leases, free its reservations (quarantined when it vanished)."""
+    """Forget an engine: unpin its leases, free its reservations (both quarantined when it vanished: it may still
+    read its leases' objects, and write into its reservations' slots)."""
     leases, reservations = ctx.sessions.remove_engine(eng)
-    let_go(ctx, [e for lease in leases for e in lease.entries], [lease.locs for lease in leases])
+    pinned = [e for lease in leases for e in lease.entries]
+    if reclaimed:
+        ctx.objects.quarantine_pins(pinned)
+        pinned = []
+    let_go(ctx, pinned, [lease.locs for lease in leases])
     for res in reservations:
         # a fenced commit waiting for the engine's copies, which may still land: its slots quarantined
         if res.committing and store.end_pending_fence(

@@ -33,7 +33,7 @@ from hybridkv.server.lifecycle import claim_ipc_path
 from hybridkv.server.objects import ObjectStore
 from hybridkv.server.sessions import SessionLimits, Sessions
 from hybridkv.server.telemetry import Telemetry
-from hybridkv.server.turns import TURN_S
+from hybridkv.server.turns import TURN_S, let_go
 from hybridkv.server.workers import Workers
 
 log = logging.getLogger("hybridkv.server")
@@ -59,6 +59,10 @@ FULL_GC_EVERY_S = 60.0
 SHUTDOWN_LINGER_MS = 500  # how long the last answers may take to leave at shutdown
 SHUTDOWN_REFUSALS = 10_000  # queued requests answered `shutting_down` at most (the rest: their timeout)
 FULL_GC_BUSY_S = 600.0  # a server never idle still frees old reference cycles this often
+# A loop turn (its poll waits 200 ms at most) longer than this: the server did not run (stopped, a VM paused, swapped
+# out), and what its clients sent meanwhile waits unread; that time is no engine's silence (Sessions.now).
+STALLED_S = 1.0
+RECLAIM_DRAIN_S = 0.25  # before a reclaim, the requests queued are read for up to this long (heartbeats among them)
 
 
 class CacheServer:
@@ -92,6 +96,7 @@ class CacheServer:
         self._stopping = False
         self._closed = False
         self._requests_seen = 0       # requests counted at the last tick: none since means idle
+        self._ran_at = time.monotonic()  # when the loop last looked at the clock (`_stalled` says why)
         self._full_gc_at = time.monotonic()
         self.heap = HeapTrim()            # gives the heap back after large requests (heap.py says why)
 
@@ -137,7 +142,7 @@ class CacheServer:
             gc.set_threshold(thresholds[0], thresholds[1], 1 << 30)
             if on_ready:
                 on_ready()
-            next_tick = time.monotonic()
+            next_tick = self._ran_at = time.monotonic()
             ctx = self.ctx
             fences = self.sessions.fences
             while not self._stopping:
@@ -147,6 +152,10 @@ class CacheServer:
                 # timers are looked at between any two requests.
                 # a fenced commit pending: its word is looked at after every poll, which then does not wait
                 events = zmq_poll(items, 0 if ctx.another_turn or fences.pending else 200)
+                now = time.monotonic()
+                if now - self._ran_at > STALLED_S:
+                    self._stalled(now)
+                self._ran_at = now
                 for what, _ in events:
                     if what is sock:
                         self._receive()
@@ -169,7 +178,7 @@ class CacheServer:
                     self._run_parked()
                 if self.telemetry.wanted:  # a scrape waits for a snapshot (metrics_http)
                     self.telemetry.publish(self.ctx)
-                if time.monotonic() >= next_tick:
+                if now >= next_tick:
                     self._tick()
                     next_tick = time.monotonic() + min(0.5, self.config.client_timeout_s / 4)
         finally:
@@ -252,12 +261,13 @@ class CacheServer:
         except Exception:  # the loop survives anything a socket delivers
             log.exception("internal error handling a message")
 
-    def _receive_queued(self) -> None:
+    def _receive_queued(self, for_s: float = TURN_S) -> None:
         """While a large request waits for its next turn: answer the requests queued meanwhile first, for up to
-        TURN_S, so that each of many clients waits one of its turns, not one turn per request queued before it."""
+        TURN_S, so that each of many clients waits one of its turns, not one turn per request queued before it.
+        (Also before a reclaim, for longer.)"""
         sock = self._sock
         assert sock is not None
-        until = time.perf_counter() + TURN_S
+        until = time.perf_counter() + for_s
         while cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN and time.perf_counter() < until:
             self._receive()
 
@@ -370,18 +380,37 @@ class CacheServer:
                 self.ctx.fail(op.ident, op.req_id, E.INTERNAL, f"{type(e).__name__}: {e}")
         self.objects.spill_ahead()
 
+    def _stalled(self, now: float) -> None:
+        """The loop did not run from `_ran_at` to `now`: its clients' heartbeats wait unread, so nobody's silence
+        counts that time."""
+        gap = now - self._ran_at
+        self.sessions.excuse(gap)
+        self._ran_at = now
+        self.counters.loop_stalls += 1
+        log.warning("the server did not run for %.1fs (stopped, paused or swapped out): engines are judged silent "
+                    "by the time it ran", gap)
+
     def _tick(self) -> None:
         if self.config.parent_pid and os.getppid() != self.config.parent_pid:
             # reparented: whoever started us is gone (a new pid cannot be mistaken for it, unlike kill(pid, 0))
             log.warning("the process that started the server (pid %d) is gone: stopping", self.config.parent_pid)
             self.stop()
             return
+        # One clock reading for both: a stop after it is excused at the next turn, and cannot age anyone here.
         now = time.monotonic()
-        for eng in self.sessions.silent(now):
-            log.warning("engine %x (%s) silent for %.1fs: reclaiming its reservations and pins",
-                        eng.id, eng.name, now - eng.last_seen)
-            self.counters.engines_reclaimed += 1
-            admin.drop_engine(self.ctx, eng, reclaimed=True)
+        if now - self._ran_at > STALLED_S:
+            self._stalled(now)
+        ran = now - self.sessions.unscheduled_s  # the sessions' clock (Sessions.now)
+        if self.sessions.silent(ran):
+            # Heartbeats queued behind other requests are read before anyone is judged silent.
+            self._receive_queued(RECLAIM_DRAIN_S)
+            for eng in self.sessions.silent(ran):
+                log.warning("engine %x (%s) silent for %.1fs: reclaiming its reservations and pins",
+                            eng.id, eng.name, ran - eng.last_seen)
+                self.counters.engines_reclaimed += 1
+                admin.drop_engine(self.ctx, eng, reclaimed=True)
+        if held := self.objects.pins_out_of_quarantine(now):
+            let_go(self.ctx, held)
         self.objects.tick(now)
         # The young generation, every tick: storing an object allocates one tracked tuple (its oid), evicting one frees
         # one, so the collector's count stayed flat and its young collection came when something else moved it,

@@ -57,7 +57,7 @@ class Engine:
     ns: bytes
     chunk_tokens: int
     object_bytes: list[int]
-    last_seen: float
+    last_seen: float  # on the sessions' clock (`Sessions.now`)
     reservations: dict[int, Reservation] = field(default_factory=dict)
     leases: dict[int, Lease] = field(default_factory=dict)
     prefetches: int = 0  # its Prefetch requests still waiting for room (bounded by max_prefetches)
@@ -83,6 +83,17 @@ class Sessions:
         self.reservations: dict[int, Reservation] = {}
         self.leases: dict[int, Lease] = {}
         self.released_objects = 0  # objects of every lease and reservation closed so far (heap.HeapTrim reads it)
+        self.unscheduled_s = 0.0  # time the loop did not run (`excuse`): no engine's silence counts it
+
+    def now(self) -> float:
+        """The time the server ran: the monotonic clock less every stretch the loop was not running. An engine is
+        silent by this clock, so a server that was stopped (SIGSTOP, a VM pause, swap) while its engines kept
+        heartbeating, their heartbeats queued unread, does not judge them silent when it runs again."""
+        return time.monotonic() - self.unscheduled_s
+
+    def excuse(self, gap_s: float) -> None:
+        """The loop did not run for `gap_s`: nobody's silence counts it."""
+        self.unscheduled_s += gap_s
 
     def _new_id(self) -> int:
         while True:
@@ -97,7 +108,7 @@ class Sessions:
             # Someone else's engine gets the same answer as none at all: ids reveal nothing.
             raise RequestError(E.UNKNOWN_ENGINE, f"engine {engine_id} is not registered on this connection "
                                f"(register first; engines silent for {self.client_timeout_s:g}s are reclaimed)")
-        eng.last_seen = time.monotonic()
+        eng.last_seen = self.now()
         return eng
 
     def add_engine(self, ident: bytes, name: str, layout: ModelLayout, ns: bytes, chunk_tokens: int,
@@ -110,8 +121,7 @@ class Sessions:
             raise RequestError(E.LIMIT, f"{mine} engines registered by this connection, the limit "
                                f"(--max-engines-per-client {self.limits.max_engines_per_client}); unregister one")
         eid = self._new_id()
-        eng = Engine(eid, ident, name or f"engine-{eid:x}", layout, ns, chunk_tokens, object_bytes,
-                     time.monotonic())
+        eng = Engine(eid, ident, name or f"engine-{eid:x}", layout, ns, chunk_tokens, object_bytes, self.now())
         self.engines[eid] = eng
         self._per_client[ident] = mine + 1
         return eng
@@ -176,4 +186,5 @@ class Sessions:
         return leases, reservations
 
     def silent(self, now: float) -> list[Engine]:
+        """The engines silent past the client timeout at `now` (`Sessions.now`)."""
         return [e for e in self.engines.values() if now - e.last_seen > self.client_timeout_s]
