@@ -57,7 +57,11 @@ HANDLERS: dict[type, Callable[[Context, bytes, Any, Frames], Answer]] = {
 # server idle (no request since the last tick, none parked), at most this often; the young generation every tick.
 FULL_GC_EVERY_S = 60.0
 SHUTDOWN_LINGER_MS = 500  # how long the last answers may take to leave at shutdown
-SHUTDOWN_REFUSALS = 10_000  # queued requests answered `shutting_down` at most (the rest: their timeout)
+# At shutdown every request that reaches the socket is answered `shutting_down` until none came for SHUTDOWN_QUIET_MS
+# (a client answered just before the stop sends its next request then), for SHUTDOWN_DRAIN_S at most (a client
+# that keeps sending cannot hold the exit).
+SHUTDOWN_QUIET_MS = 250
+SHUTDOWN_DRAIN_S = 5.0
 FULL_GC_BUSY_S = 600.0  # a server never idle still frees old reference cycles this often
 # A loop turn (its poll waits 200 ms at most) longer than this: the server did not run (stopped, a VM paused, swapped
 # out), and what its clients sent meanwhile waits unread; that time is no engine's silence (Sessions.now).
@@ -200,11 +204,13 @@ class CacheServer:
             self._refuse_waiting()
             if self.config.flush_on_exit:
                 self.objects.flush()
-            self.workers.close()  # in-flight L2 writes complete: L2 stays consistent
+            # in-flight L2 writes complete (L2 stays consistent); what arrives meanwhile is refused
+            self.workers.close(meanwhile=self._refuse_for)
         except Exception:
             log.exception("error while finishing L2 writes at shutdown")
         finally:
             try:
+                self._refuse_until_quiet()
                 if self._gate is not None:
                     self._gate.close()
                 if self._sock is not None:
@@ -230,10 +236,35 @@ class CacheServer:
             store.check_fences(self.ctx, whole=True)  # what showed is published (a flush at exit then writes it to L2)
             for p in list(self.sessions.fences.pending.values()):
                 store.end_pending_fence(self.ctx, p.res, E.SHUTTING_DOWN, "the server is shutting down")
+        self._refuse_queued(time.monotonic() + SHUTDOWN_DRAIN_S)
+
+    def _refuse_for(self, wait_ms: int = 100) -> None:
+        """Wait up to `wait_ms` for a request or a worker's completion; refuse the requests that came."""
+        sock = self._sock
+        items: list[tuple[Any, int]] = [(self.workers.wake_r, zmq.POLLIN)]
+        if sock is not None:
+            items.append((sock, zmq.POLLIN))
+        for what, _ in zmq_poll(items, wait_ms):
+            if what is sock:
+                self._refuse_queued(time.monotonic() + SHUTDOWN_DRAIN_S)
+
+    def _refuse_until_quiet(self) -> None:
+        """The last step before the socket closes: answer `shutting_down` to the requests that keep arriving, until
+        none came for SHUTDOWN_QUIET_MS (or for SHUTDOWN_DRAIN_S in all)."""
         sock = self._sock
         if sock is None:
             return
-        for _ in range(SHUTDOWN_REFUSALS):
+        until = time.monotonic() + SHUTDOWN_DRAIN_S
+        while time.monotonic() < until and sock.poll(SHUTDOWN_QUIET_MS, zmq.POLLIN):
+            self._refuse_queued(until)
+
+    def _refuse_queued(self, until: float) -> None:
+        """Answer `shutting_down` to every request queued in the socket (until the monotonic time `until`)."""
+        sock = self._sock
+        if sock is None:
+            return
+        n = 0
+        while True:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -241,6 +272,9 @@ class CacheServer:
             if len(frames) >= 2:
                 self._error(frames[0].bytes, P.peek_envelope(frames[1].buffer)[1], E.SHUTTING_DOWN,
                             "the server is shutting down")
+            n += 1
+            if n % 64 == 0 and time.monotonic() >= until:
+                return
 
     # ---- requests --------------------------------------------------------------------------------
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -101,3 +103,46 @@ def test_a_reclaimed_lease_keeps_its_objects_through_the_quarantine(server_facto
         assert overwritten(silent, keys, res) == 0, "a reclaimed lease's objects were written over in quarantine"
         with pytest.raises(ServerError, match="unknown_engine"):
             silent_c.call(P.Heartbeat(engine=silent.id))
+
+
+def test_sigterm_answers_every_request_that_reached_the_socket(server_factory):
+    """Clients storing in a loop when SIGTERM comes: each request that reaches the server until it closes its socket
+    is answered (done, or `shutting_down`), including those sent after the first refusals went out; none waits
+    out its client's timeout."""
+    srv = server_factory(l1_gib=0.05)
+    n = 15
+    clients = [CacheClient(srv.endpoint, timeout_s=30) for _ in range(n)]
+    rounds = [0] * n
+    all_going = threading.Barrier(n + 1)
+
+    def store_in_a_loop(i: int) -> str:
+        """Prepare and commit until the server refuses; what ended it."""
+        eng = Engine(clients[i], name=f"e{i}")
+        try:
+            while True:
+                eng.store(eng.keys(2, seed=1000 * i + rounds[i]), objects=[(0, 0), (1, 0)], request=str(rounds[i]))
+                rounds[i] += 1
+                if rounds[i] == 3:
+                    all_going.wait(timeout=60)
+        except ServerError as e:
+            return e.code
+        except TimeoutError:
+            return "stranded"
+
+    try:
+        with ThreadPoolExecutor(n) as pool:
+            futs = [pool.submit(store_in_a_loop, i) for i in range(n)]
+            all_going.wait(timeout=60)
+            srv.proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            ends = [f.result(timeout=60) for f in futs]
+            took = time.monotonic() - t0
+        stranded = ends.count("stranded")
+        print(f"SIGTERM with {n} clients storing: {stranded} stranded, the others answered {set(ends)} "
+              f"within {took:.1f} s")
+        assert stranded == 0 and took < 10, f"{stranded} of {n} clients waited out their timeout"
+        assert set(ends) == {P.ErrorCode.SHUTTING_DOWN}
+        assert srv.proc.wait(timeout=30) == 0
+    finally:
+        for c in clients:
+            c.close()
