@@ -3,6 +3,7 @@ status."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -18,6 +19,7 @@ from hybridkv.server.telemetry import STATUS_FIGURES, limits, server_figures
 from hybridkv.server.turns import let_go
 
 E = P.ErrorCode
+log = logging.getLogger("hybridkv.server")
 
 
 def register(ctx: Context, ident: bytes, msg: P.Register, frames: Frames) -> Answer:
@@ -53,6 +55,15 @@ def heartbeat(ctx: Context, ident: bytes, msg: P.Heartbeat, frames: Frames) -> A
     no_frames(msg, frames)
     ctx.sessions.engine(ident, msg.engine)
     return P.Done(), []
+
+
+def reclaim_silent(ctx: Context, now: float) -> None:
+    """Reclaim every engine silent at `now` (`Sessions.now`)."""
+    for eng in ctx.sessions.silent(now):
+        log.warning("engine %x (%s) silent for %.1fs: reclaiming its reservations and pins", eng.id, eng.name,
+                    now - eng.last_seen)
+        ctx.counters.engines_reclaimed += 1
+        drop_engine(ctx, eng, reclaimed=True)
 
 
 def drop_engine(ctx: Context, eng: Engine, reclaimed: bool) -> None:

@@ -29,9 +29,9 @@ from hybridkv.server.fences import Fences, fence_region_bytes
 from hybridkv.server.formats import Formats
 from hybridkv.server.heap import LARGE_FRAME, HeapTrim
 from hybridkv.server.l2.base import L2Adapter
-from hybridkv.server.lifecycle import claim_ipc_path
+from hybridkv.server.lifecycle import claim_ipc_path, refuse_meanwhile, refuse_queued, refuse_until_quiet
 from hybridkv.server.objects import ObjectStore
-from hybridkv.server.sessions import SessionLimits, Sessions
+from hybridkv.server.sessions import STALLED_S, SessionLimits, Sessions
 from hybridkv.server.telemetry import Telemetry
 from hybridkv.server.turns import TURN_S, let_go
 from hybridkv.server.workers import Workers
@@ -57,15 +57,7 @@ HANDLERS: dict[type, Callable[[Context, bytes, Any, Frames], Answer]] = {
 # server idle (no request since the last tick, none parked), at most this often; the young generation every tick.
 FULL_GC_EVERY_S = 60.0
 SHUTDOWN_LINGER_MS = 500  # how long the last answers may take to leave at shutdown
-# At shutdown every request that reaches the socket is answered `shutting_down` until none came for SHUTDOWN_QUIET_MS
-# (a client answered just before the stop sends its next request then), for SHUTDOWN_DRAIN_S at most (a client
-# that keeps sending cannot hold the exit).
-SHUTDOWN_QUIET_MS = 250
-SHUTDOWN_DRAIN_S = 5.0
 FULL_GC_BUSY_S = 600.0  # a server never idle still frees old reference cycles this often
-# A loop turn (its poll waits 200 ms at most) longer than this: the server did not run (stopped, a VM paused, swapped
-# out), and what its clients sent meanwhile waits unread; that time is no engine's silence (Sessions.now).
-STALLED_S = 1.0
 RECLAIM_DRAIN_S = 0.25  # before a reclaim, the requests queued are read for up to this long (heartbeats among them)
 
 
@@ -85,7 +77,7 @@ class CacheServer:
             self.objects = ObjectStore(config, self.arena, l2, self.workers, self.counters)
             self.sessions = Sessions(SessionLimits(config.max_engines, config.max_engines_per_client,
                                                    config.max_leases, config.max_reservations),
-                                     config.client_timeout_s, Fences(self.arena))
+                                     config.client_timeout_s, Fences(self.arena), self.counters)
             self.ctx = Context(config, self.arena, self.sessions, self.objects, self.workers, self.counters,
                                Formats(self.arena, config.cuda_ipc), self.started, self._send_later,
                                telemetry=telemetry or Telemetry())
@@ -100,7 +92,6 @@ class CacheServer:
         self._stopping = False
         self._closed = False
         self._requests_seen = 0       # requests counted at the last tick: none since means idle
-        self._ran_at = time.monotonic()  # when the loop last looked at the clock (`_stalled` says why)
         self._full_gc_at = time.monotonic()
         self.heap = HeapTrim()            # gives the heap back after large requests (heap.py says why)
 
@@ -146,9 +137,9 @@ class CacheServer:
             gc.set_threshold(thresholds[0], thresholds[1], 1 << 30)
             if on_ready:
                 on_ready()
-            next_tick = self._ran_at = time.monotonic()
-            ctx = self.ctx
-            fences = self.sessions.fences
+            ctx, sessions = self.ctx, self.sessions
+            fences = sessions.fences
+            next_tick = sessions.ran_at = time.monotonic()
             while not self._stopping:
                 # One request per turn: the next poll finds any request still queued at once (its first pass
                 # does not wait), so a busy socket costs one poll a request, as a drain loop's poll(0) did,
@@ -157,9 +148,9 @@ class CacheServer:
                 # a fenced commit pending: its word is looked at after every poll, which then does not wait
                 events = zmq_poll(items, 0 if ctx.another_turn or fences.pending else 200)
                 now = time.monotonic()
-                if now - self._ran_at > STALLED_S:
-                    self._stalled(now)
-                self._ran_at = now
+                if now - sessions.ran_at > STALLED_S:
+                    sessions.ran(now)  # the server did not run: nobody's silence counts it
+                sessions.ran_at = now
                 for what, _ in events:
                     if what is sock:
                         self._receive()
@@ -205,15 +196,15 @@ class CacheServer:
             if self.config.flush_on_exit:
                 self.objects.flush()
             # in-flight L2 writes complete (L2 stays consistent); what arrives meanwhile is refused
-            self.workers.close(meanwhile=self._refuse_for)
+            self.workers.close(meanwhile=lambda: refuse_meanwhile(self._sock, self.workers.wake_r, self._refuse))
         except Exception:
             log.exception("error while finishing L2 writes at shutdown")
         finally:
             try:
-                self._refuse_until_quiet()
                 if self._gate is not None:
                     self._gate.close()
                 if self._sock is not None:
+                    refuse_until_quiet(self._sock, self._refuse)
                     # long enough for the last answers to leave; a client that does not read loses them
                     self._sock.close(linger=SHUTDOWN_LINGER_MS)
                     self._sock = None
@@ -236,45 +227,10 @@ class CacheServer:
             store.check_fences(self.ctx, whole=True)  # what showed is published (a flush at exit then writes it to L2)
             for p in list(self.sessions.fences.pending.values()):
                 store.end_pending_fence(self.ctx, p.res, E.SHUTTING_DOWN, "the server is shutting down")
-        self._refuse_queued(time.monotonic() + SHUTDOWN_DRAIN_S)
+        refuse_queued(self._sock, self._refuse)
 
-    def _refuse_for(self, wait_ms: int = 100) -> None:
-        """Wait up to `wait_ms` for a request or a worker's completion; refuse the requests that came."""
-        sock = self._sock
-        items: list[tuple[Any, int]] = [(self.workers.wake_r, zmq.POLLIN)]
-        if sock is not None:
-            items.append((sock, zmq.POLLIN))
-        for what, _ in zmq_poll(items, wait_ms):
-            if what is sock:
-                self._refuse_queued(time.monotonic() + SHUTDOWN_DRAIN_S)
-
-    def _refuse_until_quiet(self) -> None:
-        """The last step before the socket closes: answer `shutting_down` to the requests that keep arriving, until
-        none came for SHUTDOWN_QUIET_MS (or for SHUTDOWN_DRAIN_S in all)."""
-        sock = self._sock
-        if sock is None:
-            return
-        until = time.monotonic() + SHUTDOWN_DRAIN_S
-        while time.monotonic() < until and sock.poll(SHUTDOWN_QUIET_MS, zmq.POLLIN):
-            self._refuse_queued(until)
-
-    def _refuse_queued(self, until: float) -> None:
-        """Answer `shutting_down` to every request queued in the socket (until the monotonic time `until`)."""
-        sock = self._sock
-        if sock is None:
-            return
-        n = 0
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            if len(frames) >= 2:
-                self._error(frames[0].bytes, P.peek_envelope(frames[1].buffer)[1], E.SHUTTING_DOWN,
-                            "the server is shutting down")
-            n += 1
-            if n % 64 == 0 and time.monotonic() >= until:
-                return
+    def _refuse(self, ident: bytes, req_id: int) -> None:
+        self._error(ident, req_id, E.SHUTTING_DOWN, "the server is shutting down")
 
     # ---- requests --------------------------------------------------------------------------------
 
@@ -414,35 +370,17 @@ class CacheServer:
                 self.ctx.fail(op.ident, op.req_id, E.INTERNAL, f"{type(e).__name__}: {e}")
         self.objects.spill_ahead()
 
-    def _stalled(self, now: float) -> None:
-        """The loop did not run from `_ran_at` to `now`: its clients' heartbeats wait unread, so nobody's silence
-        counts that time."""
-        gap = now - self._ran_at
-        self.sessions.excuse(gap)
-        self._ran_at = now
-        self.counters.loop_stalls += 1
-        log.warning("the server did not run for %.1fs (stopped, paused or swapped out): engines are judged silent "
-                    "by the time it ran", gap)
-
     def _tick(self) -> None:
         if self.config.parent_pid and os.getppid() != self.config.parent_pid:
             # reparented: whoever started us is gone (a new pid cannot be mistaken for it, unlike kill(pid, 0))
             log.warning("the process that started the server (pid %d) is gone: stopping", self.config.parent_pid)
             self.stop()
             return
-        # One clock reading for both: a stop after it is excused at the next turn, and cannot age anyone here.
         now = time.monotonic()
-        if now - self._ran_at > STALLED_S:
-            self._stalled(now)
-        ran = now - self.sessions.unscheduled_s  # the sessions' clock (Sessions.now)
+        ran = self.sessions.ran(now)  # the sessions' clock: a stop after this reading ages nobody here
         if self.sessions.silent(ran):
-            # Heartbeats queued behind other requests are read before anyone is judged silent.
-            self._receive_queued(RECLAIM_DRAIN_S)
-            for eng in self.sessions.silent(ran):
-                log.warning("engine %x (%s) silent for %.1fs: reclaiming its reservations and pins",
-                            eng.id, eng.name, ran - eng.last_seen)
-                self.counters.engines_reclaimed += 1
-                admin.drop_engine(self.ctx, eng, reclaimed=True)
+            self._receive_queued(RECLAIM_DRAIN_S)  # heartbeats queued behind other requests count first
+            admin.reclaim_silent(self.ctx, ran)
         if held := self.objects.pins_out_of_quarantine(now):
             let_go(self.ctx, held)
         self.objects.tick(now)

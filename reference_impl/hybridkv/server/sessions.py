@@ -8,17 +8,24 @@ is the object store's job (see handlers in admin.py / retrieve.py / store.py).
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from dataclasses import dataclass, field
 
 from hybridkv import protocol as P
 from hybridkv.layout import ModelLayout
+from hybridkv.server.counters import Counters
 from hybridkv.server.errors import RequestError
 from hybridkv.server.fences import Fences
 from hybridkv.server.l1 import Entry
 
 E = P.ErrorCode
+log = logging.getLogger("hybridkv.server")
+
+# A loop turn (its poll waits 200 ms at most) longer than this: the server did not run (stopped, a VM paused, swapped
+# out), and what its clients sent meanwhile waited unread; no engine's silence counts that time.
+STALLED_S = 1.0
 
 
 @dataclass(slots=True, eq=False)
@@ -74,7 +81,7 @@ class SessionLimits:
 class Sessions:
     """Every live engine, reservation and lease, indexed by id."""
 
-    def __init__(self, limits: SessionLimits, client_timeout_s: float, fences: Fences):
+    def __init__(self, limits: SessionLimits, client_timeout_s: float, fences: Fences, counters: Counters):
         self.limits = limits
         self.fences = fences  # where each reservation's fence word comes from and goes back to
         self.client_timeout_s = client_timeout_s
@@ -83,7 +90,9 @@ class Sessions:
         self.reservations: dict[int, Reservation] = {}
         self.leases: dict[int, Lease] = {}
         self.released_objects = 0  # objects of every lease and reservation closed so far (heap.HeapTrim reads it)
-        self.unscheduled_s = 0.0  # time the loop did not run (`excuse`): no engine's silence counts it
+        self.counters = counters
+        self.unscheduled_s = 0.0  # time the loop did not run (`ran`): no engine's silence counts it
+        self.ran_at = time.monotonic()  # when the loop last ran (`ran`)
 
     def now(self) -> float:
         """The time the server ran: the monotonic clock less every stretch the loop was not running. An engine is
@@ -91,9 +100,17 @@ class Sessions:
         heartbeating, their heartbeats queued unread, does not judge them silent when it runs again."""
         return time.monotonic() - self.unscheduled_s
 
-    def excuse(self, gap_s: float) -> None:
-        """The loop did not run for `gap_s`: nobody's silence counts it."""
-        self.unscheduled_s += gap_s
+    def ran(self, now: float) -> float:
+        """The loop runs at `now` (monotonic); returns `Sessions.now` then. A gap of more than STALLED_S since it last
+        ran is time it did not run, its clients' heartbeats waiting unread: nobody's silence counts it."""
+        gap = now - self.ran_at
+        self.ran_at = now
+        if gap > STALLED_S:
+            self.unscheduled_s += gap
+            self.counters.loop_stalls += 1
+            log.warning("the server did not run for %.1fs (stopped, paused or swapped out): engines are judged silent "
+                        "by the time it ran", gap)
+        return now - self.unscheduled_s
 
     def _new_id(self) -> int:
         while True:
