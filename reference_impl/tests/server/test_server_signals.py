@@ -70,7 +70,7 @@ def test_a_server_stopped_longer_than_the_client_timeout_reclaims_no_live_engine
             print(f"after a {STOP_S:g} s stop (--client-timeout 3): {st['engines_reclaimed']} of 3 live engines "
                   f"reclaimed, {lost} of 16 leased objects each overwritten by the next store")
             assert st["engines_reclaimed"] == 0 and after["engines_reclaimed"] == 0, "a live engine was reclaimed"
-            assert st["loop_stalls"] == 1, "the stop was not seen"
+            assert st["loop_stalls"] >= 1, "the stop was not seen"
             assert lost == [0, 0, 0], "objects under a live lease were written over"
             assert after["l1_pinned_objects"] == 48
             for (eng, _, res), c in zip(leased, clients, strict=True):
