@@ -83,8 +83,10 @@ class Workers:
         for a while (it wakes on a completion), called until every job's completion ran, each as it comes."""
         with self._lock:
             self._closed = True
-        if meanwhile is not None:
-            while self.inflight > 0:
+        if meanwhile is not None:  # the pool is waited for on a thread of its own, the loop thread goes on
+            waiter = threading.Thread(target=self._pool.shutdown, name="hkv-io-close")
+            waiter.start()
+            while waiter.is_alive():
                 meanwhile()
                 self.drain()
         self._pool.shutdown(wait=True)

@@ -146,3 +146,30 @@ def test_sigterm_answers_every_request_that_reached_the_socket(server_factory):
     finally:
         for c in clients:
             c.close()
+
+
+def test_sigterm_answers_requests_that_come_while_the_l2_writes_finish(server_factory, tmp_path):
+    """With --flush-on-exit the server writes its dirty objects to L2 before it exits; a request that comes
+    meanwhile (here: sent after another was refused) is refused too, not left to its client's timeout (with a flush
+    of 256 synced objects, each of 20 requests sent in turn after the first refusal was refused at once; before,
+    the first of them waited out its timeout)."""
+    srv = server_factory("--l2-dir", str(tmp_path / "l2"), "--l2-gib", "1", "--l2-fsync", "--io-threads", "1",
+                         "--spill-watermark", "0", "--flush-on-exit", l1_gib=0.05)
+    with CacheClient(srv.endpoint, timeout_s=20) as c:
+        eng = Engine(c)
+        eng.store(eng.keys(64, seed=7))  # 256 objects to write, each synced: the flush takes a while
+        srv.proc.send_signal(signal.SIGTERM)
+        while True:  # answered until the loop stops; the first refusal says the server is closing
+            try:
+                c.call(P.Health())
+            except ServerError as e:
+                assert e.code == P.ErrorCode.SHUTTING_DOWN, e
+                break
+        st = time.monotonic()
+        for _ in range(20):  # requests that come while the server writes to L2: each refused at once
+            with pytest.raises(ServerError, match="shutting_down"):
+                c.call(P.Health())
+        running = srv.proc.poll() is None
+        print(f"20 requests during the flush at exit answered in {time.monotonic() - st:.3f} s")
+    assert running, "the server exited before the requests: nothing tested"
+    assert srv.proc.wait(timeout=60) == 0
