@@ -3,6 +3,7 @@ status."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -18,6 +19,7 @@ from hybridkv.server.telemetry import STATUS_FIGURES, limits, server_figures
 from hybridkv.server.turns import let_go
 
 E = P.ErrorCode
+log = logging.getLogger("hybridkv.server")
 
 
 def register(ctx: Context, ident: bytes, msg: P.Register, frames: Frames) -> Answer:
@@ -55,10 +57,24 @@ def heartbeat(ctx: Context, ident: bytes, msg: P.Heartbeat, frames: Frames) -> A
     return P.Done(), []
 
 
+def reclaim_silent(ctx: Context, now: float) -> None:
+    """Reclaim every engine silent at `now` (`Sessions.now`)."""
+    for eng in ctx.sessions.silent(now):
+        log.warning("engine %x (%s) silent for %.1fs: reclaiming its reservations and pins", eng.id, eng.name,
+                    now - eng.last_seen)
+        ctx.counters.engines_reclaimed += 1
+        drop_engine(ctx, eng, reclaimed=True)
+
+
 def drop_engine(ctx: Context, eng: Engine, reclaimed: bool) -> None:
-    """Forget an engine: unpin its leases, free its reservations (quarantined when it vanished)."""
+    """Forget an engine: unpin its leases, free its reservations (both quarantined when it vanished: it may still
+    read its leases' objects, and write into its reservations' slots)."""
     leases, reservations = ctx.sessions.remove_engine(eng)
-    let_go(ctx, [e for lease in leases for e in lease.entries], [lease.locs for lease in leases])
+    pinned = [e for lease in leases for e in lease.entries]
+    if reclaimed:
+        ctx.objects.quarantine_pins(pinned)
+        pinned = []
+    let_go(ctx, pinned, [lease.locs for lease in leases])
     for res in reservations:
         # a fenced commit waiting for the engine's copies, which may still land: its slots quarantined
         if res.committing and store.end_pending_fence(

@@ -36,6 +36,8 @@ class Counters:
     engines_registered: int = 0
     engines_reclaimed: int = 0
     reservations_reclaimed: int = 0
+    # loop turns longer than loop.STALLED_S (the server stopped, paused or swapped out): excused from engines' silence
+    loop_stalls: int = 0
     bad_messages: int = 0
     limit_refusals: int = 0
     forbidden_refusals: int = 0

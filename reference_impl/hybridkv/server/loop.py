@@ -29,11 +29,11 @@ from hybridkv.server.fences import Fences, fence_region_bytes
 from hybridkv.server.formats import Formats
 from hybridkv.server.heap import LARGE_FRAME, HeapTrim
 from hybridkv.server.l2.base import L2Adapter
-from hybridkv.server.lifecycle import claim_ipc_path
+from hybridkv.server.lifecycle import claim_ipc_path, refuse_meanwhile, refuse_queued, refuse_until_quiet
 from hybridkv.server.objects import ObjectStore
-from hybridkv.server.sessions import SessionLimits, Sessions
+from hybridkv.server.sessions import STALLED_S, SessionLimits, Sessions
 from hybridkv.server.telemetry import Telemetry
-from hybridkv.server.turns import TURN_S
+from hybridkv.server.turns import TURN_S, let_go
 from hybridkv.server.workers import Workers
 
 log = logging.getLogger("hybridkv.server")
@@ -57,8 +57,8 @@ HANDLERS: dict[type, Callable[[Context, bytes, Any, Frames], Answer]] = {
 # server idle (no request since the last tick, none parked), at most this often; the young generation every tick.
 FULL_GC_EVERY_S = 60.0
 SHUTDOWN_LINGER_MS = 500  # how long the last answers may take to leave at shutdown
-SHUTDOWN_REFUSALS = 10_000  # queued requests answered `shutting_down` at most (the rest: their timeout)
 FULL_GC_BUSY_S = 600.0  # a server never idle still frees old reference cycles this often
+RECLAIM_DRAIN_S = 0.25  # before a reclaim, the requests queued are read for up to this long (heartbeats among them)
 
 
 class CacheServer:
@@ -77,7 +77,7 @@ class CacheServer:
             self.objects = ObjectStore(config, self.arena, l2, self.workers, self.counters)
             self.sessions = Sessions(SessionLimits(config.max_engines, config.max_engines_per_client,
                                                    config.max_leases, config.max_reservations),
-                                     config.client_timeout_s, Fences(self.arena))
+                                     config.client_timeout_s, Fences(self.arena), self.counters)
             self.ctx = Context(config, self.arena, self.sessions, self.objects, self.workers, self.counters,
                                Formats(self.objects.loans, config.cuda_ipc), self.started, self._send_later,
                                telemetry=telemetry or Telemetry())
@@ -135,9 +135,9 @@ class CacheServer:
             gc.set_threshold(thresholds[0], thresholds[1], 1 << 30)
             if on_ready:
                 on_ready()
-            next_tick = time.monotonic()
-            ctx = self.ctx
-            fences = self.sessions.fences
+            ctx, sessions = self.ctx, self.sessions
+            fences = sessions.fences
+            next_tick = sessions.ran_at = time.monotonic()
             while not self._stopping:
                 # One request per turn: the next poll finds any request still queued at once (its first pass
                 # does not wait), so a busy socket costs one poll a request, as a drain loop's poll(0) did,
@@ -145,6 +145,10 @@ class CacheServer:
                 # timers are looked at between any two requests.
                 # a fenced commit pending: its word is looked at after every poll, which then does not wait
                 events = zmq_poll(items, 0 if ctx.another_turn or fences.pending else 200)
+                now = time.monotonic()
+                if now - sessions.ran_at > STALLED_S:
+                    sessions.ran(now)  # the server did not run: nobody's silence counts it
+                sessions.ran_at = now
                 for what, _ in events:
                     if what is sock:
                         self._receive()
@@ -167,7 +171,7 @@ class CacheServer:
                     self._run_parked()
                 if self.telemetry.wanted:  # a scrape waits for a snapshot (metrics_http)
                     self.telemetry.publish(self.ctx)
-                if time.monotonic() >= next_tick:
+                if now >= next_tick:
                     self._tick()
                     next_tick = time.monotonic() + min(0.5, self.config.client_timeout_s / 4)
         finally:
@@ -189,7 +193,8 @@ class CacheServer:
             self._refuse_waiting()
             if self.config.flush_on_exit:
                 self.objects.flush()
-            self.workers.close()  # in-flight L2 writes complete: L2 stays consistent
+            # in-flight L2 writes complete (L2 stays consistent); what arrives meanwhile is refused
+            self.workers.close(meanwhile=lambda: refuse_meanwhile(self._sock, self.workers.wake_r, self._refuse))
         except Exception:
             log.exception("error while finishing L2 writes at shutdown")
         finally:
@@ -197,6 +202,7 @@ class CacheServer:
                 if self._gate is not None:
                     self._gate.close()
                 if self._sock is not None:
+                    refuse_until_quiet(self._sock, self._refuse)
                     # long enough for the last answers to leave; a client that does not read loses them
                     self._sock.close(linger=SHUTDOWN_LINGER_MS)
                     self._sock = None
@@ -219,17 +225,10 @@ class CacheServer:
             store.check_fences(self.ctx, whole=True)  # what showed is published (a flush at exit then writes it to L2)
             for p in list(self.sessions.fences.pending.values()):
                 store.end_pending_fence(self.ctx, p.res, E.SHUTTING_DOWN, "the server is shutting down")
-        sock = self._sock
-        if sock is None:
-            return
-        for _ in range(SHUTDOWN_REFUSALS):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            if len(frames) >= 2:
-                self._error(frames[0].bytes, P.peek_envelope(frames[1].buffer)[1], E.SHUTTING_DOWN,
-                            "the server is shutting down")
+        refuse_queued(self._sock, self._refuse)
+
+    def _refuse(self, ident: bytes, req_id: int) -> None:
+        self._error(ident, req_id, E.SHUTTING_DOWN, "the server is shutting down")
 
     # ---- requests --------------------------------------------------------------------------------
 
@@ -250,12 +249,13 @@ class CacheServer:
         except Exception:  # the loop survives anything a socket delivers
             log.exception("internal error handling a message")
 
-    def _receive_queued(self) -> None:
+    def _receive_queued(self, for_s: float = TURN_S) -> None:
         """While a large request waits for its next turn: answer the requests queued meanwhile first, for up to
-        TURN_S, so that each of many clients waits one of its turns, not one turn per request queued before it."""
+        TURN_S, so that each of many clients waits one of its turns, not one turn per request queued before it.
+        (Also before a reclaim, for longer.)"""
         sock = self._sock
         assert sock is not None
-        until = time.perf_counter() + TURN_S
+        until = time.perf_counter() + for_s
         while cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN and time.perf_counter() < until:
             self._receive()
 
@@ -375,11 +375,12 @@ class CacheServer:
             self.stop()
             return
         now = time.monotonic()
-        for eng in self.sessions.silent(now):
-            log.warning("engine %x (%s) silent for %.1fs: reclaiming its reservations and pins",
-                        eng.id, eng.name, now - eng.last_seen)
-            self.counters.engines_reclaimed += 1
-            admin.drop_engine(self.ctx, eng, reclaimed=True)
+        ran = self.sessions.ran(now)  # the sessions' clock: a stop after this reading ages nobody here
+        if self.sessions.silent(ran):
+            self._receive_queued(RECLAIM_DRAIN_S)  # heartbeats queued behind other requests count first
+            admin.reclaim_silent(self.ctx, ran)
+        if held := self.objects.pins_out_of_quarantine(now):
+            let_go(self.ctx, held)
         self.objects.tick(now)
         # The young generation, every tick: storing an object allocates one tracked tuple (its oid), evicting one frees
         # one, so the collector's count stayed flat and its young collection came when something else moved it,

@@ -78,6 +78,7 @@ class ObjectStore:
         # objects whose bytes a reply frame or a worker still reads: their slots kept until given back (loans.py)
         self.loans = Loans(arena, self.l1, workers.wake)
         self._quarantine: deque[tuple[float, int, int]] = deque()  # (until, offset, length), in time order
+        self._held_pins: deque[tuple[float, list[Entry]]] = deque()  # (until, entries) of reclaimed leases
         self._spills_inflight = 0
         self._last_failure_log = 0.0
         self._failures_unlogged = 0
@@ -186,6 +187,20 @@ class ObjectStore:
                 self._quarantine.append((time.monotonic() + self.config.quarantine_s, e.offset, e.length))
             else:
                 self.l1.drop(e)
+
+    def quarantine_pins(self, entries: list[Entry]) -> None:
+        """Keep one pin of each of a reclaimed engine's leased objects for the quarantine time: an engine judged gone
+        may still read them through its mapping of the arena, so their slots are not written over meanwhile (the
+        objects stay readable by everyone). `pins_out_of_quarantine` gives them back."""
+        if entries:
+            self._held_pins.append((time.monotonic() + self.config.quarantine_s, entries))
+
+    def pins_out_of_quarantine(self, now: float) -> list[Entry]:
+        """The pins `quarantine_pins` kept whose time is up, for the caller to let go."""
+        out: list[Entry] = []
+        while self._held_pins and self._held_pins[0][0] <= now:
+            out += self._held_pins.popleft()[1]
+        return out
 
     def pin(self, e: Entry) -> None:
         self.l1.pin(e)

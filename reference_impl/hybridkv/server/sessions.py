@@ -8,17 +8,24 @@ is the object store's job (see handlers in admin.py / retrieve.py / store.py).
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from dataclasses import dataclass, field
 
 from hybridkv import protocol as P
 from hybridkv.layout import ModelLayout
+from hybridkv.server.counters import Counters
 from hybridkv.server.errors import RequestError
 from hybridkv.server.fences import Fences
 from hybridkv.server.l1 import Entry
 
 E = P.ErrorCode
+log = logging.getLogger("hybridkv.server")
+
+# A loop turn (its poll waits 200 ms at most) longer than this: the server did not run (stopped, a VM paused, swapped
+# out), and what its clients sent meanwhile waited unread; no engine's silence counts that time.
+STALLED_S = 1.0
 
 
 @dataclass(slots=True, eq=False)
@@ -57,7 +64,7 @@ class Engine:
     ns: bytes
     chunk_tokens: int
     object_bytes: list[int]
-    last_seen: float
+    last_seen: float  # on the sessions' clock (`Sessions.now`)
     reservations: dict[int, Reservation] = field(default_factory=dict)
     leases: dict[int, Lease] = field(default_factory=dict)
     prefetches: int = 0  # its Prefetch requests still waiting for room (bounded by max_prefetches)
@@ -74,7 +81,7 @@ class SessionLimits:
 class Sessions:
     """Every live engine, reservation and lease, indexed by id."""
 
-    def __init__(self, limits: SessionLimits, client_timeout_s: float, fences: Fences):
+    def __init__(self, limits: SessionLimits, client_timeout_s: float, fences: Fences, counters: Counters):
         self.limits = limits
         self.fences = fences  # where each reservation's fence word comes from and goes back to
         self.client_timeout_s = client_timeout_s
@@ -83,6 +90,27 @@ class Sessions:
         self.reservations: dict[int, Reservation] = {}
         self.leases: dict[int, Lease] = {}
         self.released_objects = 0  # objects of every lease and reservation closed so far (heap.HeapTrim reads it)
+        self.counters = counters
+        self.unscheduled_s = 0.0  # time the loop did not run (`ran`): no engine's silence counts it
+        self.ran_at = time.monotonic()  # when the loop last ran (`ran`)
+
+    def now(self) -> float:
+        """The time the server ran: the monotonic clock less every stretch the loop was not running. An engine is
+        silent by this clock, so a server that was stopped (SIGSTOP, a VM pause, swap) while its engines kept
+        heartbeating, their heartbeats queued unread, does not judge them silent when it runs again."""
+        return time.monotonic() - self.unscheduled_s
+
+    def ran(self, now: float) -> float:
+        """The loop runs at `now` (monotonic); returns `Sessions.now` then. A gap of more than STALLED_S since it last
+        ran is time it did not run, its clients' heartbeats waiting unread: nobody's silence counts it."""
+        gap = now - self.ran_at
+        self.ran_at = now
+        if gap > STALLED_S:
+            self.unscheduled_s += gap
+            self.counters.loop_stalls += 1
+            log.warning("the server did not run for %.1fs (stopped, paused or swapped out): engines are judged silent "
+                        "by the time it ran", gap)
+        return now - self.unscheduled_s
 
     def _new_id(self) -> int:
         while True:
@@ -97,7 +125,7 @@ class Sessions:
             # Someone else's engine gets the same answer as none at all: ids reveal nothing.
             raise RequestError(E.UNKNOWN_ENGINE, f"engine {engine_id} is not registered on this connection "
                                f"(register first; engines silent for {self.client_timeout_s:g}s are reclaimed)")
-        eng.last_seen = time.monotonic()
+        eng.last_seen = self.now()
         return eng
 
     def add_engine(self, ident: bytes, name: str, layout: ModelLayout, ns: bytes, chunk_tokens: int,
@@ -110,8 +138,7 @@ class Sessions:
             raise RequestError(E.LIMIT, f"{mine} engines registered by this connection, the limit "
                                f"(--max-engines-per-client {self.limits.max_engines_per_client}); unregister one")
         eid = self._new_id()
-        eng = Engine(eid, ident, name or f"engine-{eid:x}", layout, ns, chunk_tokens, object_bytes,
-                     time.monotonic())
+        eng = Engine(eid, ident, name or f"engine-{eid:x}", layout, ns, chunk_tokens, object_bytes, self.now())
         self.engines[eid] = eng
         self._per_client[ident] = mine + 1
         return eng
@@ -176,4 +203,5 @@ class Sessions:
         return leases, reservations
 
     def silent(self, now: float) -> list[Engine]:
+        """The engines silent past the client timeout at `now` (`Sessions.now`)."""
         return [e for e in self.engines.values() if now - e.last_seen > self.client_timeout_s]

@@ -78,10 +78,17 @@ class Workers:
             except Exception:  # a bug in one completion must not take the loop down
                 log.exception("internal error in a worker completion")
 
-    def close(self) -> None:
-        """Accept no more jobs, wait for running ones, then run their completions."""
+    def close(self, meanwhile: Callable[[], None] | None = None) -> None:
+        """Accept no more jobs, wait for running ones, then run their completions. `meanwhile`: the loop's own wait
+        for a while (it wakes on a completion), called until every job's completion ran, each as it comes."""
         with self._lock:
             self._closed = True
+        if meanwhile is not None:  # the pool is waited for on a thread of its own, the loop thread goes on
+            waiter = threading.Thread(target=self._pool.shutdown, name="hkv-io-close")
+            waiter.start()
+            while waiter.is_alive():
+                meanwhile()
+                self.drain()
         self._pool.shutdown(wait=True)
         self.drain()
 
