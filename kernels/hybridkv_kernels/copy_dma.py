@@ -110,7 +110,7 @@ def copy_pages_dma(plan: PageCopyPlan, batched: bool | None = None, stream: torc
     if batch is not None and stream is not None and stream.cuda_stream != 0:
         device = plan.device.index if plan.device.index is not None else torch.cuda.current_device()
         dst, src, sizes = runs if runs is not None else dma_runs(plan)  # uint64, contiguous: sliced as they are
-        if len(dst) < (max(2, SPLIT_MIN_RUNS) if plan.direction == "gather" else 2):
+        if len(dst) < max(2, SPLIT_MIN_RUNS):
             if len(dst):
                 for lo in range(0, len(dst), 2 * SLICE_RUNS):
                     batch(dst[lo:lo + 2 * SLICE_RUNS], src[lo:lo + 2 * SLICE_RUNS], sizes[lo:lo + 2 * SLICE_RUNS],
