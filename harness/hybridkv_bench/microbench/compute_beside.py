@@ -275,7 +275,30 @@ def plot(folder: Path) -> Path:
     path = folder / "compute_ratio.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    if len({c.get("link_fraction", 1.0) for c in cases}) > 1:
+        _plot_pace(cases, folder / "compute_vs_link.png")
     return path
+
+
+def _plot_pace(cases: list[dict], path: Path) -> None:
+    """compute_ratio against the copies' share of the same-run ceiling, one line per compute, direction and page
+    size: the curve a cap on the link's share (`--link-fractions`) picks its point on."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key in sorted({(c["compute"], c["direction"], c["page_bytes"], c["impl"]) for c in cases}):
+        sel = sorted((c for c in cases if (c["compute"], c["direction"], c["page_bytes"], c["impl"]) == key),
+                     key=lambda c: c["transfer_ratio"])
+        ax.plot([c["transfer_ratio"] for c in sel], [c["compute_ratio"] for c in sel], "o-",
+                label=f"{key[0]} beside {key[1]}s, {key[2] / 1e3:.0f} KB pages, {key[3]}")
+    ax.axhline(0.97, color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("copies / same-run pinned ceiling")
+    ax.set_ylabel("compute_ratio (during / alone)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
