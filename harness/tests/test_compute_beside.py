@@ -69,7 +69,8 @@ def test_compute_loads_count_their_work() -> None:
 
 
 @pytest.mark.parametrize("bad", [dict(impls=("cuda",)), dict(pages=(100,)), dict(windows=0),
-                                 dict(launch="graph"), dict(plan_bytes=4096)])
+                                 dict(launch="graph"), dict(plan_bytes=4096), dict(link_fractions=(0.0,)),
+                                 dict(link_fractions=(1.5,)), dict(link_fractions=())])
 def test_config_rejects_bad_values(bad) -> None:
     with pytest.raises(ValueError):
         BenchConfig(**{**TINY, **bad})
@@ -88,3 +89,30 @@ def test_a_starved_measurement_stops_at_its_time_limit() -> None:
     mm = make_compute("matmul", cfg, torch.device("cpu"))
     assert len(compute_windows(mm, 1, 50, torch.device("cpu"), None, max_s=0.0)) == 1
     assert len(compute_windows(mm, 1, 4, torch.device("cpu"), None)) == 4
+
+
+def test_a_paced_copy_loop_queues_no_plan_before_its_time() -> None:
+    """At a pace of two plans a second the loop has queued at most 1 + 2 x elapsed plans (plus the one it may be
+    queueing), however fast the copies run; unpaced it runs ahead of that."""
+    import time
+
+    from hybridkv_bench.microbench.copy_loop import CopyLoop
+
+    setup = make_copy("load", 4096, 16 * 4096 * 8, torch.device("cpu"), seed=1)
+    t0 = time.perf_counter()
+    with CopyLoop(setup, "torch", torch.device("cpu"), rate_gbps=2 * setup.nbytes / 1e9) as loop:
+        time.sleep(0.5)
+    elapsed = time.perf_counter() - t0
+    assert 1 <= loop.bytes // setup.nbytes <= 2 + 2 * elapsed
+    with CopyLoop(setup, "torch", torch.device("cpu")) as fast:
+        time.sleep(0.5)
+    assert fast.bytes // setup.nbytes > 2 + 2 * elapsed
+    with pytest.raises(ValueError, match="rate_gbps"):
+        CopyLoop(setup, "torch", torch.device("cpu"), rate_gbps=-1.0)
+
+
+def test_link_fractions_give_one_case_each(tmp_path) -> None:
+    run = run_matrix(BenchConfig(**{**TINY, "impls": ("torch",), "computes": ("matmul",), "directions": ("load",),
+                                    "link_fractions": (1.0, 0.5)}), tmp_path, log=lambda s: None)
+    assert [c["link_fraction"] for c in run["cases"]] == [1.0, 0.5]
+    assert all(c["verified"] for c in run["cases"])

@@ -130,3 +130,23 @@ def test_a_tree_file_names_the_tree_a_copy_was_made_from(tmp_path: Path):
     assert git_revision(tmp_path) == (sha, True)
     (tmp_path / TREE_FILE).write_text("not a tree\n")
     assert git_revision(tmp_path) == (None, None)  # malformed: ignored, and no checkout here
+
+
+def test_a_copy_inside_another_checkout_names_its_own_tree_or_none(tmp_path: Path):
+    """A tree laid out inside another repository (the device's `.device/cand` under the project's checkout) must not
+    carry the enclosing repository's HEAD: its tree file names it (sha alone, as `git rev-parse` writes it), else
+    nothing does."""
+    from hybridkv_bench.results.host import TREE_FILE
+
+    outer = tmp_path / "outer"
+    subprocess.run(["git", "init", "-q", str(outer)], check=True)
+    subprocess.run(["git", "-C", str(outer), "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q",
+                    "--allow-empty", "-m", "x"], check=True)
+    copy = outer / ".device" / "cand"
+    copy.mkdir(parents=True)
+    assert git_revision(copy) == (None, None)
+    sha = "89abcdef0123456789abcdef0123456789abcdef"
+    (copy / TREE_FILE).write_text(sha + "\n")
+    assert git_revision(copy) == (sha, None)
+    head = subprocess.run(["git", "-C", str(outer), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    assert git_revision(outer) == (head.strip(), False)

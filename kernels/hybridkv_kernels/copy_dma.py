@@ -26,7 +26,9 @@ def copy_runs(plan: PageCopyPlan) -> tuple[np.ndarray, np.ndarray]:
     p = plan.num_pages
     if p == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    obj_storage = np.array([t.obj.untyped_storage().data_ptr() for t in plan.transfers], dtype=np.int64)
+    obj_storage = plan.object_storage
+    if obj_storage is None:
+        obj_storage = np.array([t.obj.untyped_storage().data_ptr() for t in plan.transfers], dtype=np.int64)
     obj_storage = obj_storage[plan.page_transfer]
     pb = plan.page_bytes
     # A run may cross layers or objects, but never allocations: a copy must stay inside one storage.
@@ -41,6 +43,17 @@ def copy_runs(plan: PageCopyPlan) -> tuple[np.ndarray, np.ndarray]:
     return starts, lengths
 
 
+DmaRuns = tuple[np.ndarray, np.ndarray, np.ndarray]  # uint64 destinations, sources, byte sizes: one per run
+
+
+def dma_runs(plan: PageCopyPlan) -> DmaRuns:
+    """The driver's arguments for `plan`'s runs (`copy_runs`), made ahead of the copies: a caller that binds a
+    plan before its copies are due (a prepared store) passes them to `copy_pages_dma`, off the critical path."""
+    starts, lengths = copy_runs(plan)
+    return (plan.dst_addr[starts].astype(np.uint64), plan.src_addr[starts].astype(np.uint64),
+            (lengths * plan.page_bytes).astype(np.uint64))
+
+
 _local = threading.local()
 # Runs per batched driver call. A call's copies can start only once it returns, and the driver's time in it grows
 # with its copies: one call per stream for a long store leaves the copy engines idle for milliseconds
@@ -49,7 +62,26 @@ _local = threading.local()
 SLICE_RUNS = 512
 
 
-def _side_stream(stream: torch.cuda.Stream) -> torch.cuda.Stream:
+# Plans of fewer runs than this go on the caller's stream alone, in one driver call, without the side stream's fork
+# and join (two event records, two waits). A TP8 rank's 2-chunk store (80 runs of 0.4 MB pages) queued in 289-305
+# us that way against 320-338 split, and its copies ended no later (866-882 against 883-1097 us from the call);
+# at 1,184 runs the two finished alike (H100, issue_parts, results/h100/2026-12-07). Measured on stores only.
+SPLIT_MIN_RUNS = 256
+
+
+class _Side:
+    """This thread's side stream for one main stream, with the two events that fork and join it: recorded again
+    for every plan (a wait queued earlier keeps the record it saw), so no event is made or destroyed per plan."""
+
+    __slots__ = ("stream", "fork", "join")
+
+    def __init__(self, stream: torch.cuda.Stream):
+        self.stream = torch.cuda.Stream(stream.device)
+        self.fork = torch.cuda.Event()
+        self.join = torch.cuda.Event()
+
+
+def _side_stream(stream: torch.cuda.Stream) -> _Side:
     """This thread's side stream for main stream `stream`: stores and loads (their own main streams) never
     share one, whichever thread queues them, so a store and a load keep overlapping (both directions of
     the link at once)."""
@@ -58,39 +90,45 @@ def _side_stream(stream: torch.cuda.Stream) -> torch.cuda.Stream:
         streams = _local.streams = {}
     side = streams.get(stream.cuda_stream)
     if side is None:
-        side = streams[stream.cuda_stream] = torch.cuda.Stream(stream.device)
+        side = streams[stream.cuda_stream] = _Side(stream)
     return side
 
 
-def copy_pages_dma(plan: PageCopyPlan, batched: bool | None = None, stream: torch.cuda.Stream | None = None) -> None:
+def copy_pages_dma(plan: PageCopyPlan, batched: bool | None = None, stream: torch.cuda.Stream | None = None,
+                   runs: DmaRuns | None = None) -> None:
     """Run `plan` in order with `stream` (None: the current stream): on CUDA, when the driver batches memcpys
     (`batched=None`: whenever available), its runs of pages in batched driver calls of up to `SLICE_RUNS`, half on
     the stream and half on a side stream joined back to it, the two taking turns (two copy engines at work,
-    closer to the ceiling than one batch: kernels/README.md, "Batched DMA"); else one async `copy_` per run."""
+    closer to the ceiling than one batch: kernels/README.md, "Batched DMA"); else one async `copy_` per run.
+    `runs`: `dma_runs(plan)`, made earlier (else made here)."""
     if stream is not None and plan.device.type != "cuda":
         raise ValueError(f"a CUDA stream was given for a plan on {plan.device}")
-    starts, lengths = copy_runs(plan)
     batch = cuda_batch.get() if plan.device.type == "cuda" and batched is not False else None
     if batch is not None and stream is None:
         stream = torch.cuda.current_stream(plan.device)
     # The driver refuses batches on the legacy default stream (handle 0): copies queued there go one by one.
     if batch is not None and stream is not None and stream.cuda_stream != 0:
         device = plan.device.index if plan.device.index is not None else torch.cuda.current_device()
-        dst, src, sizes = plan.dst_addr[starts], plan.src_addr[starts], lengths * plan.page_bytes
-        if len(starts) < 2:
-            if len(starts):
-                batch(dst, src, sizes, stream.cuda_stream, device)
+        dst, src, sizes = runs if runs is not None else dma_runs(plan)  # uint64, contiguous: sliced as they are
+        if len(dst) < max(2, SPLIT_MIN_RUNS):
+            if len(dst):
+                for lo in range(0, len(dst), 2 * SLICE_RUNS):
+                    batch(dst[lo:lo + 2 * SLICE_RUNS], src[lo:lo + 2 * SLICE_RUNS], sizes[lo:lo + 2 * SLICE_RUNS],
+                          stream.cuda_stream, device)
             return
         side = _side_stream(stream)
-        side.wait_stream(stream)  # the side half starts after what the caller queued, as the main half does
-        halves = ((dst[1::2], src[1::2], sizes[1::2], side.cuda_stream),
-                  (dst[0::2], src[0::2], sizes[0::2], stream.cuda_stream))
+        side.fork.record(stream)
+        side.stream.wait_event(side.fork)  # the side half starts after what the caller queued, as the main half does
+        halves = ((dst[1::2].copy(), src[1::2].copy(), sizes[1::2].copy(), side.stream.cuda_stream),
+                  (dst[0::2].copy(), src[0::2].copy(), sizes[0::2].copy(), stream.cuda_stream))
         for lo in range(0, len(halves[1][0]), SLICE_RUNS):  # the main half is the longer one
             for d, s, n, handle in halves:
                 if lo < len(d):
                     batch(d[lo:lo + SLICE_RUNS], s[lo:lo + SLICE_RUNS], n[lo:lo + SLICE_RUNS], handle, device)
-        stream.wait_stream(side)  # the plan is done on the caller's stream when both halves are
+        side.join.record(side.stream)
+        stream.wait_event(side.join)  # the plan is done on the caller's stream when both halves are
         return
+    starts, lengths = copy_runs(plan)
     if batched:
         raise RuntimeError("batched memcpy was asked for but cannot run here (not a CUDA plan, no driver entry "
                            f"point, {cuda_batch.ENV_SWITCH}=0, or the legacy default stream)")

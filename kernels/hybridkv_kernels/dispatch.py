@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from hybridkv_kernels import cuda_batch
-from hybridkv_kernels.copy_dma import copy_pages_dma
+from hybridkv_kernels.copy_dma import DmaRuns, copy_pages_dma
 from hybridkv_kernels.copy_torch import copy_pages_torch
 from hybridkv_kernels.engines import COPY_ENGINES, DMA_MIN_PAGE_BYTES, IMPLS, Impl
 from hybridkv_kernels.plan import PageCopyPlan, PageTransfer, plan_gather, plan_scatter
@@ -74,16 +74,17 @@ def choose_impl(engine: str, page_bytes: int, device: torch.device | str) -> Imp
 _RUNNERS: dict[str, Callable[[PageCopyPlan], None]] = {"torch": copy_pages_torch, "dma": copy_pages_dma}
 
 
-def run_plan(plan: PageCopyPlan, engine: str = "auto", stream: torch.cuda.Stream | None = None) -> None:
+def run_plan(plan: PageCopyPlan, engine: str = "auto", stream: torch.cuda.Stream | None = None,
+             runs: DmaRuns | None = None) -> None:
     """Enqueue every copy of `plan` with copy engine `engine` on `stream` (or the current stream);
-    never synchronizes.
+    never synchronizes. `runs`: the plan's `dma_runs`, made ahead (used when the engine is DMA).
 
     The caller orders `stream` after whatever produced the sources (e.g. `stream.wait_stream(...)`)
     and keeps the plan's tensors alive until the copies finish.
     """
     impl = choose_impl(engine, plan.page_bytes, plan.device)
     if impl == "dma":  # takes the stream itself: no switch of the thread's current stream on the hot path
-        copy_pages_dma(plan, stream=stream)
+        copy_pages_dma(plan, stream=stream, runs=runs)
         return
     runner = _RUNNERS.get(impl) or _triton_runner()
     if stream is not None and plan.device.type != "cuda":

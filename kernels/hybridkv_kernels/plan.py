@@ -50,6 +50,7 @@ class PageCopyPlan:
     transfers: tuple[PageTransfer, ...]  # block_ids normalized to int64 numpy arrays
     anchor: torch.Tensor  # an engine page view; kernels address every page relative to its data_ptr()
     part: bool = False  # made by `take`: some pages of its transfers only (the torch path then goes page-wise)
+    object_storage: np.ndarray | None = None  # int64 (T,): storage address of each object's allocation, if known
 
     @property
     def num_pages(self) -> int:
@@ -111,6 +112,16 @@ def _check_object(obj: torch.Tensor, layers: PagedLayers, n: int, device: torch.
             return
     raise ValueError(f"transfer {index}: object on {obj.device} is not reachable from {device} "
                      f"(use a tensor on {device} or page-locked host memory)")
+
+
+def _storage_addr(obj: torch.Tensor, memo: dict[int, int]) -> int:
+    """The address of the storage `obj` lives in, looked up once per base tensor (`memo`, by id: the objects
+    hold their bases alive while a plan is bound)."""
+    base = obj._base if obj._base is not None else obj
+    addr = memo.get(id(base))
+    if addr is None:
+        addr = memo[id(base)] = base.untyped_storage().data_ptr()
+    return addr
 
 
 def _widest_alignment(*values: int | np.ndarray) -> int:
@@ -177,6 +188,8 @@ class EnginePages:
         page_tr = renumber[self.page_transfer[sel]]
         k, layer, block = self.page_k[sel], self.page_layer[sel], self.page_block[sel]
         obj_addr = np.array([t.obj.data_ptr() for t in transfers], dtype=np.int64)
+        storages: dict[int, int] = {}  # per base tensor: the slots of one arena share one storage
+        obj_storage = np.array([_storage_addr(t.obj, storages) for t in transfers], dtype=np.int64)
         objects_addr = obj_addr[page_tr] + k * self.page_bytes
         engine = self.engine_addr[sel]
         src, dst = (engine, objects_addr) if self.direction == "gather" else (objects_addr, engine)
@@ -190,7 +203,7 @@ class EnginePages:
         elem = _widest_alignment(src, dst, self.page_bytes, self.anchor.data_ptr(),
                                  self.anchor.untyped_storage().data_ptr())
         return PageCopyPlan(self.direction, self.device, self.page_bytes, elem, src, dst, page_tr, layer,
-                            self.engine_storage[sel], transfers, self.anchor)
+                            self.engine_storage[sel], transfers, self.anchor, object_storage=obj_storage)
 
 
 def plan_pages(direction: Direction, transfers: Sequence[tuple[PagedLayers, Sequence[int] | np.ndarray | torch.Tensor]]

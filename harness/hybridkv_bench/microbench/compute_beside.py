@@ -92,6 +92,9 @@ class BenchConfig:
     # (decode attention beside the Triton kernel ran at 1% of its rate) would otherwise take minutes per case
     measure_s: float = 1.5
     transfer_alone_s: float = 0.5
+    # the copy loop beside the compute paced to these fractions of its own rate alone (1.0: unpaced): the curve of
+    # compute_ratio against the link's share that a deployment's cap (`max_link_fraction`) would pick a point on
+    link_fractions: tuple[float, ...] = (1.0,)
 
     def __post_init__(self) -> None:
         for name, values, allowed in (("impls", self.impls, COPY_ENGINES),
@@ -108,6 +111,8 @@ class BenchConfig:
                self.attn_head_dim, self.windows) < 1 or self.window_s <= 0 or self.transfer_alone_s <= 0 \
                 or self.measure_s <= 0:
             raise ValueError(f"sizes, windows and times must be positive: {self}")
+        if not self.link_fractions or any(not 0 < f <= 1 for f in self.link_fractions):
+            raise ValueError(f"link_fractions must be in (0, 1], got {self.link_fractions!r}")
         if any(self.plan_bytes < LAYERS * p for p in self.pages):
             raise ValueError(f"plan_bytes {self.plan_bytes} holds fewer than one page per layer of {max(self.pages)} B")
 
@@ -134,31 +139,40 @@ class CaseResult:
     transfer_alone_ratio: float
     plan_pages: int
     verified: bool
+    link_fraction: float = 1.0       # the pace asked of the copy loop, as a fraction of its rate alone
     compute_windows: list[float] = field(default_factory=list)
 
 
 def run_case(cfg: BenchConfig, load: ComputeLoad, setup: CopySetup, impl: str, direction: Direction,
-             priority: Priority, ceiling: float, device: torch.device) -> CaseResult:
-    """Compute alone, compute beside the copy loop, the loop alone, then the bytes verified."""
+             priority: Priority, ceiling: float, device: torch.device) -> list[CaseResult]:
+    """The loop alone, then per link fraction: compute alone, compute beside the loop paced to that fraction of its
+    rate alone; then the bytes verified. One result per fraction."""
     page_bytes = setup.plan.page_bytes
+    alone_gbps = transfer_alone(setup, impl, device, cfg.transfer_alone_s)
     stream = None
     if device.type == "cuda":
         stream = torch.cuda.Stream(device, priority=-1 if priority == "high" else 0)
+    runs = []
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         steps = steps_per_window(load, cfg.window_s, device, stream)
         graph = capture(load, steps, stream) if cfg.launch == "graph" and stream is not None else None
-        alone = compute_windows(load, steps, cfg.windows, device, stream, graph, cfg.measure_s)
-        with CopyLoop(setup, impl, device) as loop:
-            during = compute_windows(load, steps, cfg.windows, device, stream, graph, cfg.measure_s)
-    alone_gbps = transfer_alone(setup, impl, device, cfg.transfer_alone_s)
+        for frac in cfg.link_fractions:
+            alone = compute_windows(load, steps, cfg.windows, device, stream, graph, cfg.measure_s)
+            with CopyLoop(setup, impl, device, rate_gbps=0.0 if frac >= 1 else frac * alone_gbps) as loop:
+                during = compute_windows(load, steps, cfg.windows, device, stream, graph, cfg.measure_s)
+            runs.append((frac, alone, during, loop.gbps))
     ok = verify(setup, impl, direction)
-    a, d = statistics.median(alone), statistics.median(during)
-    return CaseResult(compute=load.kind, impl=impl, page_bytes=page_bytes, direction=direction, priority=priority,
-                      launch=cfg.launch, ran_impl=choose_impl(impl, page_bytes, device), compute_unit=load.unit,
-                      compute_alone=a, compute_during=d, compute_ratio=d / a, transfer_gbps=loop.gbps,
-                      transfer_alone_gbps=alone_gbps, ceiling_gbps=ceiling, transfer_ratio=loop.gbps / ceiling,
-                      transfer_alone_ratio=alone_gbps / ceiling, plan_pages=setup.plan.num_pages, verified=ok,
-                      compute_windows=during)
+    out = []
+    for frac, alone, during, gbps in runs:
+        a, d = statistics.median(alone), statistics.median(during)
+        out.append(CaseResult(compute=load.kind, impl=impl, page_bytes=page_bytes, direction=direction,
+                              priority=priority, launch=cfg.launch, ran_impl=choose_impl(impl, page_bytes, device),
+                              compute_unit=load.unit, compute_alone=a, compute_during=d, compute_ratio=d / a,
+                              transfer_gbps=gbps, transfer_alone_gbps=alone_gbps, ceiling_gbps=ceiling,
+                              transfer_ratio=gbps / ceiling, transfer_alone_ratio=alone_gbps / ceiling,
+                              plan_pages=setup.plan.num_pages, verified=ok, link_fraction=frac,
+                              compute_windows=during))
+    return out
 
 
 def run_matrix(cfg: BenchConfig, out: Path | None = None, log: Callable[[str], None] = print) -> dict:
@@ -176,12 +190,14 @@ def run_matrix(cfg: BenchConfig, out: Path | None = None, log: Callable[[str], N
                 setup = make_copy(direction, page, cfg.plan_bytes, device, seed=page)
                 for impl in cfg.impls:
                     for priority in cfg.priorities:
-                        c = run_case(cfg, load, setup, impl, direction, priority, ceiling, device)
-                        cases.append(c)
-                        log(f"{kind:9} {page:>9} B {direction:5} {impl:6} {priority:7} {cfg.launch:5} compute "
-                            f"{c.compute_during:8.1f}/{c.compute_alone:8.1f} {c.compute_unit} = {c.compute_ratio:.3f}"
-                            f" | copies {c.transfer_gbps:5.1f} GB/s = {c.transfer_ratio:.2f} of {ceiling:.1f} "
-                            f"(alone {c.transfer_alone_ratio:.2f}) | ran={c.ran_impl} verified={c.verified}")
+                        for c in run_case(cfg, load, setup, impl, direction, priority, ceiling, device):
+                            cases.append(c)
+                            log(f"{kind:9} {page:>9} B {direction:5} {impl:6} {priority:7} {cfg.launch:5} "
+                                f"pace {c.link_fraction:.2f} compute "
+                                f"{c.compute_during:8.1f}/{c.compute_alone:8.1f} {c.compute_unit} = "
+                                f"{c.compute_ratio:.3f} | copies {c.transfer_gbps:5.1f} GB/s = "
+                                f"{c.transfer_ratio:.2f} of {ceiling:.1f} (alone {c.transfer_alone_ratio:.2f}) | "
+                                f"ran={c.ran_impl} verified={c.verified}")
                 del setup
         del load
     context["finished_at"] = utc_now()
@@ -207,11 +223,13 @@ def write_csv(path: Path, cases: list[CaseResult]) -> None:
 
 def table(run: dict) -> str:
     """A Markdown table: compute_ratio beside the transfer's ratio to its same-run ceiling."""
-    rows = ["| compute | pages (B) | direction | impl | priority | launch | compute_ratio | copies GB/s (of ceiling) | "
-            "copies alone (of ceiling) | verified |", "|---|---:|---|---|---|---|---:|---:|---:|---|"]
+    rows = ["| compute | pages (B) | direction | impl | priority | launch | pace | compute_ratio | "
+            "copies GB/s (of ceiling) | copies alone (of ceiling) | verified |",
+            "|---|---:|---|---|---|---|---:|---:|---:|---:|---|"]
     for c in run["cases"]:
         rows.append(f"| {c['compute']} | {c['page_bytes']:,} | {c['direction']} | {c['impl']} | {c['priority']} | "
-                    f"{c['launch']} | {c['compute_ratio']:.3f} | {c['transfer_gbps']:.1f} "
+                    f"{c['launch']} | {c.get('link_fraction', 1.0):.2f} | {c['compute_ratio']:.3f} | "
+                    f"{c['transfer_gbps']:.1f} "
                     f"({c['transfer_ratio']:.2f} of {c['ceiling_gbps']:.1f}) | {c['transfer_alone_gbps']:.1f} "
                     f"({c['transfer_alone_ratio']:.2f}) | {c['verified']} |")
     return "\n".join(rows)
@@ -230,18 +248,18 @@ def plot(folder: Path) -> Path:
     cases = run["cases"]
     computes = sorted({c["compute"] for c in cases})
     directions = ["store", "load"]
-    series = sorted({(c["impl"], c["priority"], c["launch"]) for c in cases})
+    series = sorted({(c["impl"], c["priority"], c["launch"], c.get("link_fraction", 1.0)) for c in cases})
     fig, axes = plt.subplots(len(computes), 2, figsize=(11, 3.6 * len(computes)), squeeze=False)
     for i, kind in enumerate(computes):
         for j, direction in enumerate(directions):
             ax = axes[i][j]
-            for impl, priority, launch in series:
+            for impl, priority, launch, pace in series:
                 sel = sorted((c for c in cases if c["compute"] == kind and c["direction"] == direction
-                              and (c["impl"], c["priority"], c["launch"]) == (impl, priority, launch)),
-                             key=lambda c: c["page_bytes"])
+                              and (c["impl"], c["priority"], c["launch"], c.get("link_fraction", 1.0))
+                              == (impl, priority, launch, pace)), key=lambda c: c["page_bytes"])
                 if not sel:
                     continue
-                name = impl if len(series) == 1 else f"{impl} {priority} {launch}"
+                name = impl if len(series) == 1 else f"{impl} {priority} {launch} pace {pace:.2f}"
                 x = [c["page_bytes"] / 1e3 for c in sel]
                 line, = ax.plot(x, [c["compute_ratio"] for c in sel], "o-", label=f"{name}: compute_ratio")
                 ax.plot(x, [c["transfer_ratio"] for c in sel], "s--", color=line.get_color(),
@@ -257,7 +275,30 @@ def plot(folder: Path) -> Path:
     path = folder / "compute_ratio.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    if len({c.get("link_fraction", 1.0) for c in cases}) > 1:
+        _plot_pace(cases, folder / "compute_vs_link.png")
     return path
+
+
+def _plot_pace(cases: list[dict], path: Path) -> None:
+    """compute_ratio against the copies' share of the same-run ceiling, one line per compute, direction and page
+    size: the curve a cap on the link's share (`--link-fractions`) picks its point on."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key in sorted({(c["compute"], c["direction"], c["page_bytes"], c["impl"]) for c in cases}):
+        sel = sorted((c for c in cases if (c["compute"], c["direction"], c["page_bytes"], c["impl"]) == key),
+                     key=lambda c: c["transfer_ratio"])
+        ax.plot([c["transfer_ratio"] for c in sel], [c["compute_ratio"] for c in sel], "o-",
+                label=f"{key[0]} beside {key[1]}s, {key[2] / 1e3:.0f} KB pages, {key[3]}")
+    ax.axhline(0.97, color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("copies / same-run pinned ceiling")
+    ax.set_ylabel("compute_ratio (during / alone)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the engine stream's priority: default (0, as the copies') and/or high")
     ap.add_argument("--launch", choices=["eager", "graph"], default="eager",
                     help="graph: each window one CUDA graph replay (CUDA only)")
+    ap.add_argument("--link-fractions", type=float, nargs="+", default=[1.0],
+                    help="pace the copies to these fractions of their rate alone (1.0: unpaced)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: the code path, not a measurement")
     ap.add_argument("--plot", type=Path, default=None, metavar="DIR", help="instead: plot DIR/run.json")
     args = ap.parse_args(argv)
@@ -291,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = BenchConfig(device=args.device, pages=pages, impls=impls, computes=tuple(args.computes),
                           directions=tuple(args.directions), priorities=tuple(args.priorities), launch=args.launch,
-                          **sizes)
+                          link_fractions=tuple(args.link_fractions), **sizes)
     except ValueError as e:
         ap.error(str(e))
     run = run_matrix(cfg, args.out)

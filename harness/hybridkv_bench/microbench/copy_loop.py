@@ -47,10 +47,15 @@ def make_copy(direction: Direction, page_bytes: int, plan_bytes: int, device: to
 class CopyLoop:
     """Runs a plan back to back on its own stream in a thread, at most three plans in flight, until stopped; the
     rate counts from after one warm-up plan to the last plan's end (the compute beside it starts with the
-    timed plans and ends at most three plans before them)."""
+    timed plans and ends at most three plans before them). With `rate_gbps` the loop is paced: plan k is queued no
+    earlier than k plans' bytes at that rate after the start, so the copy engines run at full speed in bursts
+    with idle gaps between them (a duty cycle, as an offload capped to a fraction of the link would run)."""
 
-    def __init__(self, setup: CopySetup, impl: str, device: torch.device):
+    def __init__(self, setup: CopySetup, impl: str, device: torch.device, rate_gbps: float = 0.0):
+        if rate_gbps < 0:
+            raise ValueError(f"rate_gbps must be >= 0 (0: unpaced), got {rate_gbps}")
         self.setup, self.impl, self.device = setup, impl, device
+        self.rate_gbps = rate_gbps
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.first_done = threading.Event()
         self._stop = threading.Event()
@@ -85,7 +90,12 @@ class CopyLoop:
             self.first_done.set()
             pending: list[torch.cuda.Event] = []
             done = 0
+            t0 = time.perf_counter()
             while not self._stop.is_set():
+                if self.rate_gbps:
+                    due = t0 + done * self.setup.nbytes / (self.rate_gbps * 1e9)
+                    if (gap := due - time.perf_counter()) > 0 and self._stop.wait(gap):
+                        break
                 run_plan(self.setup.plan, self.impl, self.stream)
                 done += 1
                 if self.stream is not None:

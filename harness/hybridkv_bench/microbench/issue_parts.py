@@ -31,7 +31,7 @@ from hybridkv.engine.wire import DirectWire
 from hybridkv.presets import preset_layout
 from hybridkv.server.config import GIB, ServerConfig
 from hybridkv.server.launch import start_server
-from hybridkv_kernels import cuda_batch
+from hybridkv_kernels import copy_dma, cuda_batch
 from hybridkv_kernels.copy_dma import copy_runs
 
 from hybridkv_bench.pools import BlockAllocator, fill_random, vllm_pools
@@ -76,6 +76,19 @@ def parts(endpoint: str, name: str, tp: int, chunks: int, rounds: int, device: s
             issue()
             sync()
         out["issue"] = _p50_us(issue, rounds, sync)
+        out["issue_to_copied"] = _p50_us(lambda: (issue(), sync()), rounds)
+        if device == "cuda" and hasattr(copy_dma, "SPLIT_MIN_RUNS"):  # one stream, one driver call per plan
+            split, copy_dma.SPLIT_MIN_RUNS = copy_dma.SPLIT_MIN_RUNS, 1 << 30
+            try:
+                out["issue_one_stream"] = _p50_us(issue, rounds, sync)
+                out["issue_to_copied_one_stream"] = _p50_us(lambda: (issue(), sync()), rounds)
+            finally:
+                copy_dma.SPLIT_MIN_RUNS = split
+        if hasattr(copies, "bind"):  # plans bound when the prepare is answered: what the store queues then
+            out["bind_ahead"] = _p50_us(lambda: copies.bind("gather", items, pages), rounds)
+            bound = copies.bind("gather", items, pages)
+            out["issue_prebound"] = _p50_us(
+                lambda: copies.issue(TransferHandle("store", "i"), "gather", [], None, bound=bound), rounds, sync)
         wire = kv.wire
         assert isinstance(wire, DirectWire), "issue_parts times the shm wire (the one that queues copies itself)"
         out["slots"] = _p50_us(lambda: wire.slots(kv.route._slot_jobs(reply, prep.jobs or [])), rounds)
@@ -117,6 +130,9 @@ def parts(endpoint: str, name: str, tp: int, chunks: int, rounds: int, device: s
             base = slot._base if slot._base is not None else slot
             out["is_pinned"] = _p50_us(lambda: base.is_pinned(), rounds)
             out["ctx_get_current"] = _p50_us(lambda: batch._ensure_context(dev), rounds)
+            if reply.fence:  # the fence step of a fenced store (no commit is pending: the server ignores the word)
+                word = kv.wire.fence_word(reply.fence)
+                out["fence"] = _p50_us(lambda: copies.fence([], word, reply.reservation), rounds, sync)
         prof = cProfile.Profile()
         for _ in range(rounds):
             prof.enable()

@@ -55,28 +55,37 @@ def _head_from_files(repo: Path) -> str | None:
 
 
 # Written beside a copy of a checkout sent to another machine (a GPU host gets the tree, not its .git, or a
-# stale one): "<sha> clean|dirty", the tree the copy was made from. It wins over git where it is present.
+# stale one): "<sha>" or "<sha> clean|dirty", the commit the copy was made from. It wins over git where present.
 TREE_FILE = ".tree-commit"
+# The root of the tree this code runs from (harness/hybridkv_bench/results/host.py): the tree a run measures.
+CODE_ROOT = Path(__file__).resolve().parents[3]
 
 
-def git_revision(cwd: str | Path = ".") -> tuple[str | None, bool | None]:
-    """(commit sha, whether tracked files differ from it); (None, None) outside a checkout. A `TREE_FILE` in
-    `cwd` names the tree instead."""
+def git_revision(root: str | Path | None = None) -> tuple[str | None, bool | None]:
+    """(commit sha, whether tracked files differ from it) of the tree at `root` (default: the tree this code runs
+    from); (None, None) when that cannot be told. A `TREE_FILE` at `root` names the commit (dirty unknown when it
+    gives the sha alone). A tree that is not the top of its own checkout (a copy laid inside another repository)
+    gets no sha: the enclosing repository's HEAD is another tree's."""
+    top = Path(root).resolve() if root is not None else CODE_ROOT
     try:
-        named = (Path(cwd) / TREE_FILE).read_text().split()
+        named = (top / TREE_FILE).read_text().split()
     except OSError:
         named = []
-    if len(named) == 2 and named[1] in ("clean", "dirty") and len(named[0]) == 40:
-        return named[0], named[1] == "dirty"
-    sha = _run(["git", "rev-parse", "HEAD"], cwd)
-    if sha is None:
-        top = Path(cwd).resolve()
-        for d in (top, *top.parents):
-            if (d / ".git").exists():
-                return _head_from_files(d), None
-        return None, None
-    status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd)
-    return sha, (bool(status) if status is not None else None)
+    if len(named) in (1, 2) and len(named[0]) == 40 and all(c in "0123456789abcdef" for c in named[0]):
+        if len(named) == 1:
+            return named[0], None
+        if named[1] in ("clean", "dirty"):
+            return named[0], named[1] == "dirty"
+    toplevel = _run(["git", "rev-parse", "--show-toplevel"], top)
+    if toplevel is not None:
+        if Path(toplevel).resolve() != top:
+            return None, None
+        sha = _run(["git", "rev-parse", "HEAD"], top)
+        status = _run(["git", "status", "--porcelain", "--untracked-files=no"], top)
+        return sha, (bool(status) if status is not None else None)
+    if (top / ".git").exists():  # a checkout copied to a host without git
+        return _head_from_files(top), None
+    return None, None
 
 
 def cpu_model() -> str | None:
@@ -144,9 +153,10 @@ def package_versions() -> dict[str, str | None]:
     return versions
 
 
-def collect_context(argv: list[str] | None = None, cwd: str | Path = ".") -> dict:
-    """The run.json `context` block (finished_at is filled in when the run ends)."""
-    sha, dirty = git_revision(cwd)
+def collect_context(argv: list[str] | None = None, root: str | Path | None = None) -> dict:
+    """The run.json `context` block (finished_at is filled in when the run ends); `git_sha` names the tree the
+    running code comes from (`git_revision`), not the directory the run was started in."""
+    sha, dirty = git_revision(root)
     gpu = nvidia_smi() or {"gpu": None, "driver": None, "pcie_link": sysfs_pcie_links()}
     try:
         affinity = len(os.sched_getaffinity(0))

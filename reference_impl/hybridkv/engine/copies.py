@@ -14,6 +14,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from hybridkv_kernels import PagedLayers, build_plan, plan_pages, run_plan
+from hybridkv_kernels.copy_dma import dma_runs
 
 from hybridkv import protocol as P
 from hybridkv.engine.handles import TransferHandle
@@ -26,6 +27,9 @@ FENCE_RING = 64  # device words for fences in flight on one stream (the 65th reu
 Issued = list[tuple["torch.cuda.Event | None", Any]]
 # Per stream: the engine half of a plan, and the (chunk, group) objects it lists in order.
 PlannedPages = dict[int, tuple[Any, list[tuple[int, int]]]]
+# Plans bound to their objects (`PageCopies.bind`): per stream index, the plan, the groups of its transfers in
+# order, and on DMA the driver's arguments for its runs (`dma_runs`), so that queueing them is all that is left.
+Bound = list[tuple[int, Any, list[int], Any]]
 # A layer-wise load's order: steps of (layer names, their (group, layer within group) pairs), queued one
 # after another, each step's copies followed by an event its layers' readers wait for (`layer_steps`).
 LayerSteps = list[tuple[tuple[str, ...], frozenset[tuple[int, int]]]]
@@ -76,17 +80,11 @@ class PageCopies:
         """The page-copy step a wire strategy runs: `issue`, then `wait`."""
         return lambda items: self.wait(h, self.issue(h, direction, items, ready, pages))
 
-    def issue(self, h: TransferHandle, direction: Direction, items: list[tuple[P.ObjectLoc, np.ndarray, torch.Tensor]],
-              ready: torch.cuda.Event | None = None, pages: PlannedPages | None = None,
-              steps: LayerSteps | None = None) -> Issued:
-        """Queue the page copies of (object, blocks, host bytes) `items`, grouped per stream, after `ready`;
-        timed into `h`. With `pages` (from `plan_pages`) the plans' engine halves exist: only the objects
-        are bound. With `steps` (CUDA only) the copies go layer by layer in that order, and `h.layer_ready`
-        holds each layer's event: a reader of a layer waits for its own pages alone. On a CPU the copies are
-        done when this returns."""
-        if not h.t_copy_start:
-            h.t_copy_start = time.perf_counter()
-        streams = self.streams[h.kind]
+    def bind(self, direction: Direction, items: list[tuple[P.ObjectLoc, np.ndarray, torch.Tensor]],
+             pages: PlannedPages | None = None) -> Bound:
+        """The plans of (object, blocks, host bytes) `items`, one per stream: with `pages` (from `plan_pages`)
+        only the objects are bound to the engine halves; without, the plans are built whole."""
+        streams = self.streams["store" if direction == "gather" else "load"]
         if pages is not None:
             hosts = {(o.chunk, o.group): host for o, _, host in items}
             plans = [(i, half.bind([hosts.get(k) for k in order]), [k[1] for k in order if k in hosts])
@@ -96,20 +94,36 @@ class PageCopies:
             for o, ids, host in items:
                 by_stream.setdefault(o.group % len(streams), []).append((o.group, (self.groups[o.group], ids, host)))
             plans = [(i, build_plan(direction, [t for _, t in ts]), [g for g, _ in ts]) for i, ts in by_stream.items()]
-        for i, _, _ in plans:
+        dma = self.impl == "dma" and self.device.type == "cuda"
+        return [(i, plan, groups, dma_runs(plan) if dma else None) for i, plan, groups in plans]
+
+    def issue(self, h: TransferHandle, direction: Direction, items: list[tuple[P.ObjectLoc, np.ndarray, torch.Tensor]],
+              ready: torch.cuda.Event | None = None, pages: PlannedPages | None = None,
+              steps: LayerSteps | None = None, bound: Bound | None = None) -> Issued:
+        """Queue the page copies of (object, blocks, host bytes) `items`, grouped per stream, after `ready`;
+        timed into `h`. With `pages` (from `plan_pages`) the plans' engine halves exist: only the objects
+        are bound. With `bound` (from `bind`, made earlier) the plans are whole and `items` is not read. With
+        `steps` (CUDA only) the copies go layer by layer in that order, and `h.layer_ready` holds each layer's
+        event: a reader of a layer waits for its own pages alone. On a CPU the copies are done when this returns."""
+        if not h.t_copy_start:
+            h.t_copy_start = time.perf_counter()
+        streams = self.streams[h.kind]
+        plans = bound if bound is not None else self.bind(direction, items, pages)
+        for i, _, _, _ in plans:
             s = streams[i]
             if s is not None and ready is not None:
                 s.wait_event(ready)
         if steps is not None and self.device.type == "cuda":
-            issued = self._issue_steps(h, [(streams[i], plan, groups) for i, plan, groups in plans], steps)
+            issued = self._issue_steps(h, [(streams[i], plan, groups) for i, plan, groups, _ in plans], steps)
         else:
-            issued = [(self._run(plan, streams[i]), plan) for i, plan, _ in plans]
+            issued = [(self._run(plan, streams[i], runs), plan) for i, plan, _, runs in plans]
         h.t_copy_issued = time.perf_counter()
         return issued
 
-    def _run(self, plan: Any, s: torch.cuda.Stream | None) -> torch.cuda.Event | None:
-        """Queue `plan` on `s`; the event recorded after it (None on a CPU: the copies are done)."""
-        run_plan(plan, self.impl, s)
+    def _run(self, plan: Any, s: torch.cuda.Stream | None, runs: Any = None) -> torch.cuda.Event | None:
+        """Queue `plan` on `s` (`runs`: its `dma_runs`, if made); the event recorded after it (None on a CPU: the
+        copies are done)."""
+        run_plan(plan, self.impl, s, runs)
         if s is None:
             return None
         ev = torch.cuda.Event()
@@ -154,9 +168,10 @@ class PageCopies:
         if s is None:
             word.view(torch.int64)[0] = value
             return issued
-        for ev, _ in issued:
-            if ev is not None:
-                s.wait_event(ev)
+        if len(self.streams["store"]) > 1:  # with one store stream every copy of `issued` is on `s` already
+            for ev, _ in issued:
+                if ev is not None:
+                    s.wait_event(ev)
         if self._fence_src is None:
             self._fence_src = torch.zeros(FENCE_RING, dtype=torch.int64, device=self.device)
         src = self._fence_src[self._fence_next % FENCE_RING:][:1]  # reused in order: one stream writes them

@@ -5,11 +5,25 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import CancelledError, Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from hybridkv import protocol as P
+
+
+def relay(src: Future, dst: Future) -> None:
+    """Give `dst` the outcome of `src` (done): its result, its exception, or its cancellation; nothing when
+    `dst` was settled meanwhile (cancelled by its holder)."""
+    try:
+        if src.cancelled():
+            dst.cancel()
+        elif (e := src.exception()) is not None:
+            dst.set_exception(e)
+        else:
+            dst.set_result(src.result())
+    except InvalidStateError:
+        pass
 
 
 @dataclass(slots=True)
@@ -53,6 +67,9 @@ class PreparedStore:
     block_ids: Any = None
     jobs: list | None = None
     pages: dict[int, tuple[Any, list[tuple[int, int]]]] | None = None
+    # The plans bound to the reserved slots once the answer came (on the client's I/O thread, where the route
+    # binds ahead: `Route.prebind`): the store then only queues the copies. None until then.
+    bound: Any = None
 
     def wait(self, timeout: float | None = None) -> P.Prepared:
         """The server's answer (slots reserved, objects present, objects refused); re-raises a failure."""

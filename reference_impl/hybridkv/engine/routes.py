@@ -1,10 +1,9 @@
 """The two routes a transfer's bytes take, one per kind of wire, chosen once when `KVTransfer` is built.
 
-A `DirectRoute` drives a `DirectWire` (the server's arena slots): it queues the page copies to or from
-the slots, waits for them, then commits a store or releases a load's lease. On CUDA its copies are queued
-by the caller of store() / retrieve() (they are asynchronous there): no hand-off to a worker before the
-first byte moves, the worker only waits for them. Elsewhere copies run synchronously, so they stay on the
-workers. A `PayloadRoute` hands a whole store or load to its `PayloadWire`, on a worker.
+A `DirectRoute` drives a `DirectWire` (the server's arena slots): it queues the page copies to or from the slots,
+waits for them, then commits a store or releases a load's lease. On CUDA the caller of store() / retrieve() queues
+the (asynchronous) copies, so no hand-off precedes the first byte; the worker waits for them. Elsewhere copies run
+synchronously, on the workers. A `PayloadRoute` hands a whole store or load to its `PayloadWire`, on a worker.
 
 Both share what `Route` holds: the workers (stores and loads on their own threads: a store parked behind L2
 never delays a retrieve), the requests finished since `get_finished`, the commits in flight, and what a
@@ -26,8 +25,8 @@ import torch
 
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
-from hybridkv.engine.copies import Issued, LayerSteps, PageCopies, PlannedPages
-from hybridkv.engine.handles import Hit, PreparedStore, TransferHandle
+from hybridkv.engine.copies import Bound, Issued, LayerSteps, PageCopies, PlannedPages
+from hybridkv.engine.handles import Hit, PreparedStore, TransferHandle, relay
 from hybridkv.engine.wire import CopyFn, DirectWire, ObjectJob, PayloadWire
 from hybridkv.wire_formats import traits
 
@@ -66,6 +65,9 @@ class Route(ABC):
         """Start a load of `hit`'s objects into `jobs`' blocks (copies after `ready`; layer by layer in
         `steps`' order where the copies are queued by the caller); `h` tells the rest, and the lease is
         released once it is done or failed."""
+
+    def prebind(self, prep: PreparedStore) -> None:  # noqa: B027 - a hook: only the direct route binds ahead
+        """Bind `prep`'s planned pages to its slots when the answer comes, where that saves work (`prep.bound`)."""
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """Request ids whose stores / retrieves completed since the last call."""
@@ -240,11 +242,31 @@ class DirectRoute(Route):
         # same protocol, nothing to overlap)
         self.fenced = fenced and wire.fences and (not self._in_caller or copies.impl == "dma")
 
+    def prebind(self, prep: PreparedStore) -> None:
+        """Bind a CUDA store's plans (and DMA runs) on the thread that receives the prepare's answer; `prep.reply`
+        resolves once bound, so a store never binds beside a binding. On failure `bound` stays None (store binds)."""
+        if not self._in_caller or prep.pages is None or prep.jobs is None:
+            return
+        pages, jobs = prep.pages, prep.jobs
+        answered: Future = Future()
+
+        def bind(reply: Future) -> None:
+            try:
+                if not reply.cancelled() and reply.exception() is None and (answer := reply.result()[0]).slots:
+                    prep.bound = self.copies.bind("gather", self.wire.slots(self._slot_jobs(answer, jobs)), pages)
+            except Exception:  # noqa: BLE001 - the store binds again and fails there, with its handle
+                pass
+            relay(reply, answered)
+
+        prep.reply.add_done_callback(bind)
+        prep.reply = answered
+
     def store(self, h, prepared, jobs, pages, ready) -> None:
         reply = prepared.reply
         if self._in_caller and reply.done() and reply.exception() is None:
             answer = reply.result()[0]
-            if (issued := self._issue_store(h, answer, jobs, pages, ready)) is not None:
+            bound = prepared.bound if pages is not None and pages is prepared.pages else None
+            if (issued := self._issue_store(h, answer, jobs, pages, ready, bound)) is not None:
                 h.queued = [ev for ev, _ in issued if ev is not None]
                 self._store_q.put(self._after_issue(h, answer, issued))
         else:
@@ -285,18 +307,21 @@ class DirectRoute(Route):
     def _do_store(self, h: TransferHandle, prep: PreparedStore, jobs: list[ObjectJob], pages: PlannedPages | None,
                   ready: torch.cuda.Event | None) -> None:
         reply = prep.wait(self.timeout_s + 5)
-        if (issued := self._issue_store(h, reply, jobs, pages, ready)) is not None:
+        bound = prep.bound if pages is not None and pages is prep.pages else None  # bound already, if in time
+        if (issued := self._issue_store(h, reply, jobs, pages, ready, bound)) is not None:
             _, step, args = self._after_issue(h, reply, issued)
             step(h, *args)
 
     def _issue_store(self, h: TransferHandle, reply: P.Prepared, jobs: list[ObjectJob], pages: PlannedPages | None,
-                     ready: torch.cuda.Event | None) -> Issued | None:
-        """Queue the store's copies (on the caller's thread, or the worker's). None when the handle is settled
-        already: the server held or refused every object, or queueing failed (the reservation is aborted,
-        the error is in the handle)."""
+                     ready: torch.cuda.Event | None, bound: Bound | None = None) -> Issued | None:
+        """Queue the store's copies (on the caller's thread, or the worker's), from the plans `bound` ahead
+        when given. None when the handle is settled already: the server held or refused every object, or
+        queueing failed (the reservation is aborted, the error is in the handle)."""
         if self._nothing_to_store(h, reply):
             return None
         try:
+            if bound is not None:
+                return self.copies.issue(h, "gather", [], ready, bound=bound)
             return self.copies.issue(h, "gather", self.wire.slots(self._slot_jobs(reply, jobs)), ready, pages)
         except BaseException as e:
             self._abort(reply.reservation, wait=False)

@@ -143,8 +143,16 @@ class KVTransfer:
         prefill), so that the store itself is copy + commit. Returns at once; the reply comes on the
         client's I/O thread. Delta-aware: objects the server holds when it answers get no slot. With the
         blocks the store will read (`block_ids`), they are validated now, an object a HOLE would read is left
-        out (without them every object of the chunks is reserved), and the copy plan's engine half is built while
-        the prepare is in flight."""
+        out (without them every object of the chunks is reserved), the copy plan's engine half is built while
+        the prepare is in flight, and (on CUDA) the plans are bound to the slots when the answer comes."""
+        prep = self._prepare(request_id, token_ids, start_chunk, block_ids, extras)
+        if prep.jobs:
+            self.route.prebind(prep)
+        return prep
+
+    def _prepare(self, request_id: str, token_ids: Sequence[int] | np.ndarray, start_chunk: int,
+                 block_ids: Sequence[Sequence[int]] | None, extras: Sequence[bytes] | None) -> PreparedStore:
+        """`prepare_store` without binding ahead: a store that prepares itself binds on its own thread at once."""
         keys = self.keys(token_ids, extras)
         objects = chunk_objects(self.layout, self.config.store_policy, start_chunk, len(keys))
         jobs = None
@@ -180,7 +188,7 @@ class KVTransfer:
         h = TransferHandle("store", request_id)
         if prepared is None:
             # bad block ids reserve nothing; objects a hole would read are left out; the plan is made here
-            prepared = self.prepare_store(request_id, token_ids, start_chunk, block_ids=block_ids, extras=extras)
+            prepared = self._prepare(request_id, token_ids, start_chunk, block_ids, extras)
             prepared.t_submit = h.t_submit  # one span: the store's own prepare is part of it
             prepared.used = True
             objects, jobs, pages = prepared.objects, prepared.jobs or [], prepared.pages

@@ -1,0 +1,99 @@
+"""A prepared store's plans are bound to its slots when the prepare is answered (`DirectRoute.prebind`, on the
+thread that receives the answer), so the store only queues its copies. On CUDA the caller queues them; the CPU
+cases let the caller queue them too (`_in_caller`), which runs the same steps with synchronous copies."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hybridkv.engine.transfer import KVTransfer, TransferConfig
+from hybridkv.presets import preset_layout
+from hybridkv_bench.pools import BlockAllocator, fill_random, vllm_pools
+
+NUM_BLOCKS = 64
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _pages_equal(kv: KVTransfer, pools, alloc: BlockAllocator, tokens, src) -> bool:
+    """Load what `tokens` stored into fresh blocks and compare with the source pages (one chunk)."""
+    dst = [alloc.allocate(kv.chunk_tokens // g.block_tokens) for g in kv.layout.groups]
+    hit = kv.lookup("check", tokens)
+    assert hit.hit_chunks == 1
+    kv.retrieve(hit, dst).wait(30)
+    kv.end_session("check")
+    if kv.device.type == "cuda":
+        torch.cuda.synchronize()
+    ok = all(torch.equal(t[d], t[s]) for g in range(len(pools)) for t in pools[g]
+             for s, d in zip(src[g], dst[g], strict=True))
+    for ids in dst:
+        alloc.free(ids)
+    return ok
+
+
+def _prebound(device: str, srv, mode: str, monkeypatch) -> None:
+    layout = preset_layout("tiny-hybrid", 1)
+    pools = vllm_pools(layout, NUM_BLOCKS, device)
+    fill_random(pools, 7)
+    alloc = BlockAllocator(NUM_BLOCKS)
+    with KVTransfer(srv.endpoint, layout, pools, TransferConfig(commit=mode, salt=f"prebound-{device}-{mode}")) as kv:
+        if device == "cpu":
+            monkeypatch.setattr(kv.route, "_in_caller", True)
+        binds = []
+        real_bind = kv.copies.bind
+        monkeypatch.setattr(kv.copies, "bind", lambda d, *a, **k: binds.append(d) or real_bind(d, *a, **k))
+        ct = kv.chunk_tokens
+        src = [alloc.allocate(ct // g.block_tokens) for g in layout.groups]
+        other = [alloc.allocate(ct // g.block_tokens) for g in layout.groups]
+        for i in range(12):
+            tokens = np.random.default_rng(40 + i).integers(0, 150_000, ct)
+            prep = kv.prepare_store(f"p{i}", tokens, block_ids=src)
+            prep.wait(30)
+            n = binds.count("gather")
+            assert prep.bound is not None and n == i + 1 + i // 2  # bound on the answer's thread, once
+            # every other store reads other blocks than it prepared with: the plans bound ahead do not apply
+            blocks = src if i % 2 == 0 else other
+            kv.store(f"p{i}", tokens, blocks, prepared=prep).wait_committed(30)
+            assert binds.count("gather") == n + (blocks is other)
+            kv.end_session(f"p{i}")
+            assert _pages_equal(kv, pools, alloc, tokens, blocks), i
+        # a store that prepares itself binds once, on its own thread: nothing is bound ahead for it
+        tokens = np.random.default_rng(99).integers(0, 150_000, ct)
+        before = binds.count("gather")
+        kv.store("u", tokens, src).wait_committed(30)
+        assert binds.count("gather") == before + 1
+        kv.end_session("u")
+        assert _pages_equal(kv, pools, alloc, tokens, src)
+
+@pytest.mark.parametrize("mode", ["fenced", "after_copies"])
+def test_a_prepared_store_queues_the_plans_bound_when_its_prepare_was_answered(server_factory, mode, monkeypatch):
+    """The answer binds the plans once; a store from the same blocks binds nothing more and stores those pages;
+    a store from other blocks binds its own and stores those."""
+    _prebound("cpu", server_factory(), mode, monkeypatch)
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["fenced", "after_copies"])
+def test_a_prebound_store_on_cuda_holds_its_pages(server_factory, mode, monkeypatch):
+    _prebound("cuda", server_factory(l1_gib=1.0), mode, monkeypatch)
+
+
+def test_a_prepare_that_fails_leaves_nothing_bound(server_factory, monkeypatch):
+    """A prepare the server refuses (unknown engine) binds nothing, and the store reports the error."""
+    srv = server_factory()
+    layout = preset_layout("tiny-hybrid", 1)
+    pools = vllm_pools(layout, NUM_BLOCKS, "cpu")
+    alloc = BlockAllocator(NUM_BLOCKS)
+    with KVTransfer(srv.endpoint, layout, pools, TransferConfig(salt="prebound-fail")) as kv:
+        monkeypatch.setattr(kv.route, "_in_caller", True)
+        src = [alloc.allocate(kv.chunk_tokens // g.block_tokens) for g in layout.groups]
+        tokens = np.arange(kv.chunk_tokens)
+        monkeypatch.setattr(kv, "engine_id", kv.engine_id + 999)
+        prep = kv.prepare_store("f", tokens, block_ids=src)
+        with pytest.raises(Exception, match="unknown_engine"):
+            prep.wait(30)
+        assert prep.bound is None
+        with pytest.raises(Exception, match="unknown_engine"):
+            kv.store("f", tokens, src, prepared=prep).wait_committed(30)
+        monkeypatch.undo()
