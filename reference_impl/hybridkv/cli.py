@@ -22,6 +22,19 @@ class UserError(Exception):
     """A mistake in what the user asked for: printed as one line, exit status 2, no traceback."""
 
 
+def version() -> str:
+    """The installed distribution's version; the package's own where it runs from a checkout without one."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    from hybridkv import __version__
+
+    try:
+        return dist_version("hybridkv")
+    except PackageNotFoundError:
+        return __version__
+
+
 def subcommands() -> dict[str, tuple[str, str]]:
     """Built-in subcommands plus those registered by installed packages (each entry point names a
     light module attribute: a dict name -> (module, help), imported without torch)."""
@@ -39,18 +52,21 @@ def subcommands() -> dict[str, tuple[str, str]]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     table = subcommands()
-    parser = argparse.ArgumentParser(prog="hybridkv", description="KV-cache offload for hybrid LLMs: a CPU-only "
-                                     "cache server, and the harness that measures it.")
+    # allow_abbrev=False everywhere: a prefix of a flag is an error, never another flag (`--l1-size 4` would
+    # otherwise be taken as the seed's --l1-size-gb)
+    parser = argparse.ArgumentParser(prog="hybridkv", allow_abbrev=False, description="KV-cache offload for hybrid "
+                                     "LLMs: a CPU-only cache server, and the harness that measures it.")
+    parser.add_argument("--version", action="version", version=f"hybridkv {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_) in table.items():
-        sub.add_parser(name, help=help_, add_help=False)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in table:
+        sub.add_parser(name, help=help_, add_help=False, allow_abbrev=False)
+    if not argv or argv[0] in ("-h", "--help", "--version") or argv[0] not in table:
         parser.parse_args(argv)  # prints help or a usage error
         parser.print_help()
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     name = argv[0]
     module = importlib.import_module(table[name][0])
-    sp = argparse.ArgumentParser(prog=f"hybridkv {name}", description=table[name][1])
+    sp = argparse.ArgumentParser(prog=f"hybridkv {name}", description=table[name][1], allow_abbrev=False)
     module.add_arguments(sp)
     args = sp.parse_args(argv[1:])
     try:

@@ -202,7 +202,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """`hybridkv serve ARGV`'s arguments, as the command parses them."""
-    p = argparse.ArgumentParser(prog="hybridkv serve")
+    p = argparse.ArgumentParser(prog="hybridkv serve", allow_abbrev=False)
     add_arguments(p)
     return p.parse_args(list(argv))
 
