@@ -10,7 +10,8 @@ import importlib
 import sys
 from importlib.metadata import entry_points
 
-# name -> (module, one-line help). Each module defines add_arguments(parser) and run(args) -> int.
+# name -> (module, one-line help). Each module defines add_arguments(parser) and run(args) -> int, and may define
+# parse_command_line(parser, argv) -> args.
 BUILTIN: dict[str, tuple[str, str]] = {
     "serve": ("hybridkv.server.cli", "run the CPU-only cache server"),
     "status": ("hybridkv.status", "sum up a running cache server: tiers, hit rate, traffic, engines, limits, errors"),
@@ -68,8 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(table[name][0])
     sp = argparse.ArgumentParser(prog=f"hybridkv {name}", description=table[name][1], allow_abbrev=False)
     module.add_arguments(sp)
-    args = sp.parse_args(argv[1:])
+    # a command that reads settings beyond its flags (a file, HYBRIDKV_ variables) parses them itself
+    parse = getattr(module, "parse_command_line", None)
     try:
+        args = parse(sp, argv[1:]) if parse is not None else sp.parse_args(argv[1:])
         return int(module.run(args) or 0)
     except UserError as e:
         print(f"hybridkv {name}: error: {e}", file=sys.stderr)

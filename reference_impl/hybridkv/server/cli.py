@@ -6,10 +6,11 @@ import argparse
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from hybridkv.server.config import GIB, ConfigError, ServerConfig
+from hybridkv.settings_sources import add_config_arguments
 
 if TYPE_CHECKING:
     from hybridkv.server.l2.specs import L2Spec
@@ -97,6 +98,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                    help="log level (default: %(default)s)")
     add_observability_arguments(p)
+    add_config_arguments(p)
+
+
+def parse_command_line(p: argparse.ArgumentParser, argv: Sequence[str],
+                       environ: Mapping[str, str] | None = None) -> argparse.Namespace:
+    """The command's arguments: its flags over HYBRIDKV_<FLAG> variables over --config FILE (the seed's flags are
+    the command line's alone)."""
+    from hybridkv.settings_sources import parse
+
+    return parse(p, list(argv), environ, exclude=(*SEED_REPLACED, *SEED_ALIASES))
 
 
 def add_observability_arguments(p: argparse.ArgumentParser) -> None:
@@ -123,6 +134,9 @@ SEED_REPLACED = {
     "--local-disk": "use --l2-dir (or --l2-adapter '{\"type\":\"fs\",...}')",
     "--remote-url": "use --l2-adapter '{\"type\":\"redis\",\"url\":\"redis://HOST:PORT/DB\"}'",
 }
+
+
+SEED_ALIASES = ("--l1-size-gb", "--chunk-size", "--eviction-policy", "--port")
 
 
 def add_l2_and_seed_arguments(p: argparse.ArgumentParser) -> None:
@@ -153,7 +167,9 @@ def apply_seed(args: argparse.Namespace) -> None:
         if getattr(args, f"seed_{_dest(flag)}") is not None:
             raise UserError(f"{flag} is a seed flag hybridkv does not take: {instead}")
     if args.port is not None:
-        if args.endpoint != default_endpoint():
+        # flags over variables over the file: only an --endpoint flag is a second answer to --port
+        settings = getattr(args, "settings", None)
+        if settings["endpoint"].source == "flag" if settings else args.endpoint != default_endpoint():
             raise UserError(f"--port {args.port} and --endpoint {args.endpoint}: give one")
         if not 0 < args.port < 65536:
             raise UserError(f"--port must be in 1..65535, got {args.port}")
@@ -200,11 +216,12 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         **{FIELD_OF.get(flag, _dest(flag)): getattr(args, _dest(flag)) for flag in FIELD_FLAGS})
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    """`hybridkv serve ARGV`'s arguments, as the command parses them."""
+def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> argparse.Namespace:
+    """`hybridkv serve ARGV`'s arguments, as the command parses them with the variables `environ` (default: none,
+    not this process's: a harness's server runs the configuration it was given)."""
     p = argparse.ArgumentParser(prog="hybridkv serve", allow_abbrev=False)
     add_arguments(p)
-    return p.parse_args(list(argv))
+    return parse_command_line(p, argv, {} if environ is None else environ)
 
 
 def parse(argv: Sequence[str]) -> ServerConfig:
@@ -243,6 +260,17 @@ def server_argv(config: ServerConfig) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.print_config:
+        from hybridkv.settings_sources import describe
+
+        from hybridkv.cli import UserError
+
+        try:
+            server_config(args)  # what would not start is refused here too
+        except ConfigError as e:
+            raise UserError(str(e)) from None
+        print(describe(args, "hybridkv serve"))
+        return 0
     if not args.cuda_ipc:
         # The server holds no VRAM: hide every GPU before anything could initialise CUDA.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
