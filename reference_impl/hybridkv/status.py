@@ -19,9 +19,13 @@ BAR = 24
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from hybridkv.endpoints import default_endpoint
+    import os
 
-    p.add_argument("--endpoint", default=default_endpoint(), help="the server's endpoint (default: %(default)s)")
+    from hybridkv.endpoints import ENDPOINT_ENV, endpoint_from
+
+    p.add_argument("--endpoint", default=endpoint_from(os.environ),
+                   help=f"the server's endpoint (default: ${ENDPOINT_ENV} if set, else where `hybridkv serve` listens "
+                        "by default: %(default)s)")
     p.add_argument("--watch", type=float, default=None, metavar="S",
                    help="show it again every S seconds until Ctrl-C")
     p.add_argument("--timeout", type=float, default=2.0, metavar="S",

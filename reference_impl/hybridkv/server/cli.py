@@ -35,7 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from hybridkv.endpoints import default_endpoint
 
     p.add_argument("--endpoint", default=default_endpoint(),
-                   help="where to listen: ipc://PATH (default, in a 0700 directory) or tcp://127.0.0.1:PORT "
+                   help="where to listen: ipc://PATH (default, in a 0700 directory) or tcp://127.0.0.1:PORT; "
+                        "`hybridkv status` and the vLLM connector look there too unless told otherwise "
                         "(default: %(default)s)")
     p.add_argument("--l1-gib", type=float, default=4.0,
                    help="size of the shared-memory L1 arena in GiB (default: %(default)s)")
@@ -261,9 +262,8 @@ def server_argv(config: ServerConfig) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     if args.print_config:
-        from hybridkv.settings_sources import describe
-
         from hybridkv.cli import UserError
+        from hybridkv.settings_sources import describe
 
         try:
             server_config(args)  # what would not start is refused here too
