@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from importlib.metadata import entry_points
 
@@ -50,6 +51,17 @@ def subcommands() -> dict[str, tuple[str, str]]:
     return table
 
 
+def not_installed(command: str, e: ModuleNotFoundError) -> int:
+    """A command whose packages are not installed: one line saying which extra brings them, exit status 2.
+    `pip install hybridkv` is the server alone; the harness's commands need `[bench]`."""
+    top = (e.name or "").split(".")[0]
+    if not top or top in ("hybridkv", "hybridkv_bench", "hybridkv_kernels"):
+        raise e  # our own package broken: a bug, with its traceback
+    print(f"hybridkv {command}: error: needs the Python package {top!r}, not installed here (`pip install hybridkv` "
+          "is the cache server alone): pip install 'hybridkv[bench]'", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     table = subcommands()
@@ -66,7 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     name = argv[0]
-    module = importlib.import_module(table[name][0])
+    try:
+        module = importlib.import_module(table[name][0])
+    except ModuleNotFoundError as e:
+        return not_installed(name, e)
     sp = argparse.ArgumentParser(prog=f"hybridkv {name}", description=table[name][1], allow_abbrev=False)
     module.add_arguments(sp)
     # a command that reads settings beyond its flags (a file, HYBRIDKV_ variables) parses them itself
@@ -77,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"hybridkv {name}: error: {e}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:
+        return not_installed(name, e)
+    except BrokenPipeError:
+        # the reader of our output left (`hybridkv status | head`): done; the flush at exit writes to /dev/null
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print(f"hybridkv {name}: interrupted", file=sys.stderr)
         return 130
