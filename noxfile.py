@@ -19,8 +19,11 @@ nox.options.reuse_existing_virtualenvs = True
 
 SMOKE = "scenarios/smoke.toml"
 SMOKE_BASELINE = "results/baselines/smoke-cpu.toml"
-CPU_TORCH = ["torch==2.13.0"]  # the CPU wheel on this project's CPU machines; see README
-EXTRAS = ".[test,triton,dev,hf]"  # hf: the transformers engine's tests and scenario
+# the CPU wheel where pip's index serves it (this project's CPU machines; from the public index add
+# PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu, see README): the log names the build installed
+CPU_TORCH = ["torch==2.13.0"]
+# engine, bench: torch, pandas, matplotlib (`pip install hybridkv` alone is the server); hf: the transformers engine
+EXTRAS = ".[engine,bench,test,triton,dev,hf]"
 SHARED = Path(".nox/shared")  # one environment for every CPU session: torch alone is ~2 GB
 
 
@@ -31,6 +34,7 @@ def _install(session: nox.Session) -> None:
         session.log(f"installing {', '.join(CPU_TORCH)} (CPU build) and the project ({EXTRAS}) into this session")
         session.install(*CPU_TORCH)
         session.install("-e", EXTRAS)
+        session.run("python", "-c", "import torch; print('torch', torch.__version__)")
         return
     bin_dir = SHARED / "bin"
     stamp = SHARED / "installed.txt"
@@ -47,6 +51,9 @@ def _install(session: nox.Session) -> None:
         session.run_install(*pip, "--upgrade", "pip", external=True)
         session.run_install(*pip, *CPU_TORCH, external=True)
         session.run_install(*pip, "-e", EXTRAS, external=True)
+        session.run_install(str(bin_dir / "python"), "-c", "import torch; print('torch', torch.__version__, '(CPU "
+                            "build)' if '+cpu' in torch.__version__ else '(not the CPU build: see README)')",
+                            external=True)
         stamp.write_text(want)
     else:
         session.log(f"using the shared environment {SHARED} ({want.rsplit(' ', 1)[0]})")

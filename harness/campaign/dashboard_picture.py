@@ -258,7 +258,7 @@ def fmt_value(v: float, unit: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "img" / "dashboard.png")
     ap.add_argument("--seconds", type=float, default=150.0, help="traffic duration (default: 150)")
     ap.add_argument("--data", type=Path, help="also write every panel's query results here (JSON)")

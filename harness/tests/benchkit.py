@@ -21,9 +21,9 @@ RATE_GBPS = {"shm": 15.0, "raw": 8.0, "pickle": 0.7, "torch_save": 0.9, "cuda_ip
 
 
 def fake_rows(sf: ScenarioFile, case_name: str, axes: dict, workload, seed: int = 0,
-              rate_scale: float = 1.0) -> list[RequestRow]:
+              rate_scale: float = 1.0, noise: float = 0.05) -> list[RequestRow]:
     """Cold then warm requests per repeat (warm-up repeats negative), like a long_doc_qa runner; transfers at
-    RATE_GBPS x rate_scale, each time with up to 5% jitter."""
+    RATE_GBPS x rate_scale, each time with up to `noise` (5%) jitter."""
     s = sf.scenario
     layout = s.model.layout()
     chunk = s.model.resolved_chunk_tokens(layout)
@@ -38,7 +38,7 @@ def fake_rows(sf: ScenarioFile, case_name: str, axes: dict, workload, seed: int 
     rng = random.Random(f"{seed}-{case_name}-{workload.label}")
     rows = []
     for rep in range(-s.warmup, s.repeats):
-        jitter = lambda: 1 + 0.05 * rng.random()  # noqa: E731
+        jitter = lambda: 1 + noise * rng.random()  # noqa: E731
         lookup = 2e-4 * jitter()
         prefill_cold = prefill_seconds(s.prefill, cfg, s.model.tp, total)
         rows.append(RequestRow(case=case_name, workload=workload.label, repeat=rep, request=0, phase="cold",
@@ -63,9 +63,10 @@ def server_metrics(wire: str) -> dict:
 
 def write_fake_run(folder: Path, sf: ScenarioFile, *, finish: bool = True, fail: set[str] = frozenset(),
                    tamper: dict | None = None, max_cases: int | None = None, seed: int = 0,
-                   rate_scale: dict[str, float] | None = None) -> Path:
+                   rate_scale: dict[str, float] | None = None, noise: float = 0.05, drift: float = 1.0) -> Path:
     """A run folder for `sf`; cases named in `fail` fail; `tamper` overrides metrics in run.json; `rate_scale`
-    scales the transfer rate of the cases it names; `seed` draws other jitter."""
+    scales the transfer rate of the cases it names; `seed` draws other jitter, of up to `noise` each time; `drift`
+    scales every case's rate (a machine a little faster or slower as a whole)."""
     context = {"git_sha": "0" * 40, "git_dirty": False, "host": "test",
                "started_at": "2026-01-01T00:00:00+00:00", "finished_at": None, "argv": ["test"]}
     writer = RunWriter(folder, sf.record(), context, CALIBRATION)
@@ -79,7 +80,8 @@ def write_fake_run(folder: Path, sf: ScenarioFile, *, finish: bool = True, fail:
                 writer.add_case(CaseResult(name=case.name, workload=workload.label, axes=case.axes,
                                            status="failed", error="server went away"))
                 continue
-            rows = fake_rows(sf, case.name, case.axes, workload, seed, (rate_scale or {}).get(case.name, 1.0))
+            rows = fake_rows(sf, case.name, case.axes, workload, seed, drift * (rate_scale or {}).get(case.name, 1.0),
+                             noise)
             writer.add_requests(rows)
             metrics = case_metrics(rows, CALIBRATION, server_metrics(case.axes["wire_format"]))
             metrics.update((tamper or {}).get(case.name, {}))

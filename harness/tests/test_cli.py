@@ -128,8 +128,8 @@ def test_report_compare_shows_both_runs_of_the_same_path_with_deltas(tmp_path: P
     regressed = [line for line in md.splitlines() if line.endswith("| regressed |")]
     assert regressed and all(f"| {slow} |" in line for line in regressed)
     assert all(any(f in line for f in ("GB/s", "/ peak", "TTFT")) for line in regressed)
-    assert "figures regressed beyond the runs' repeat spread:" in out and f"{slow}: load_gbps" in out
-    assert "## Regressions beyond the repeat spread" in md
+    assert "figures regressed beyond noise:" in out and f"{slow}: load_gbps" in out
+    assert "## Regressions beyond noise" in md
     html = (out_dir / "compare.html").read_text()
     assert '<img src="data:image/png;base64,' in html and "compare.png" not in html.split("<body>")[1]
     assert "<table>" in html and slow in html

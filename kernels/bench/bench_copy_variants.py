@@ -149,7 +149,7 @@ def verify(run_g, run_s, layers, used: np.ndarray) -> bool:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--long-gb", type=float, default=1.6)
     ap.add_argument("--bidir", action="store_true")

@@ -194,7 +194,7 @@ def transfers_for_device(per_group, flat: torch.Tensor) -> list[tuple]:
 
 def main() -> None:
     """Run every (shape, direction, memory, impl, stream mode) case and print JSON lines and a table."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="tiny sizes, for a CPU smoke run")
     ap.add_argument("--reps", type=int, default=5)

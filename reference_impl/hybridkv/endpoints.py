@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Mapping
 from pathlib import Path
 
 
@@ -12,10 +13,16 @@ class ConfigError(ValueError):
     """A server setting that cannot work; the message names the setting and the value."""
 
 
+# Where `hybridkv serve`, `hybridkv status` and the vLLM connector meet when told nothing else, set for all three
+# (--endpoint, kv_connector_extra_config's endpoint, a config file's endpoint = ... override it, each for its own)
+ENDPOINT_ENV = "HYBRIDKV_ENDPOINT"
+
+
 def default_ipc_dir() -> Path:
-    """A private (0700) directory for the server's ipc socket."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
-    return Path(base) / f"hybridkv-{os.getuid()}"
+    """A private (0700) directory for the server's ipc socket: /tmp/hybridkv-UID, the same in every process of the
+    user. Not $XDG_RUNTIME_DIR: a login shell has it and a service, a container or `sudo -u` does not, so a server
+    and a vLLM started in two of them looked in two places and never met."""
+    return Path("/tmp") / f"hybridkv-{os.getuid()}"
 
 
 def ensure_private_dir(path: Path) -> Path:
@@ -30,7 +37,20 @@ def ensure_private_dir(path: Path) -> Path:
 
 
 def default_endpoint() -> str:
+    """The endpoint when neither a setting nor $HYBRIDKV_ENDPOINT names one (the edges read the variable)."""
     return f"ipc://{default_ipc_dir() / 'server.sock'}"
+
+
+def endpoint_from(environ: Mapping[str, str]) -> str:
+    """The endpoint a command uses when no setting of its own names one: $HYBRIDKV_ENDPOINT, else the default."""
+    return environ.get(ENDPOINT_ENV) or default_endpoint()
+
+
+def why_unreachable(endpoint: str) -> str:
+    """What can be seen from here of an endpoint where no server answered, for the line that says so."""
+    if endpoint.startswith("ipc://") and not Path(endpoint[len("ipc://"):]).exists():
+        return f"the socket file {endpoint[len('ipc://'):]} does not exist"
+    return "nothing answered there"
 
 
 def check_endpoint(endpoint: str) -> str:

@@ -1,6 +1,6 @@
 """`hybridkv report RUN [--baseline FILE] [--out DIR]`: write report.md, report.html and figures for a run folder.
 `hybridkv report --compare RUN RUN... [--out DIR]`: every case of every run side by side, with the changes against
-the first run and the regressions beyond the runs' repeat spread (compare.md, compare.html, compare.png)."""
+the first run and the regressions beyond noise (report.regression) (compare.md, compare.html, compare.png)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: the invariants alone)")
     parser.add_argument("--compare", nargs="+", metavar="RUN", default=None,
                         help="instead of one report: every case of these runs side by side, per case and path, with "
-                             "each figure's change against the first run and the regressions beyond the runs' own "
-                             "repeat spread (compare.md, compare.html, compare.png)")
+                             "each figure's change against the first run and the regressions beyond noise (at least 5 "
+                             "repeats a run, a rank test, a 10%% change) (compare.md, compare.html, compare.png)")
     parser.add_argument("--workload", default=None,
                         help="with --compare: the workload drawn in compare.png (default: the first; the tables hold "
                              "every workload)")
@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
 
             paths, regressed = compare(args.compare, args.out or ".", args.workload)
             incomplete = [f for f in args.compare if not load_run(f).complete]
-            print(f"{len(regressed)} figures regressed beyond the runs' repeat spread" + (":" if regressed else ""))
+            print(f"{len(regressed)} figures regressed beyond noise" + (":" if regressed else ""))
             for line in regressed:
                 print(f"  {line}")
             for p in paths:

@@ -54,7 +54,7 @@ def fill_l2(directory: str, ns: bytes, objects: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--objects", type=int, default=1 << 20)
     ap.add_argument("--l2-objects", type=int, default=0)
     ap.add_argument("--sock-dir", default=tempfile.gettempdir())

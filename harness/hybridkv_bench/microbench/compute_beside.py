@@ -302,7 +302,7 @@ def _plot_pace(cases: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hybridkv_bench.microbench.compute_beside",
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m hybridkv_bench.microbench.compute_beside",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     ap.add_argument("--out", type=Path, default=None, help="run folder for run.json and cases.csv")

@@ -328,7 +328,7 @@ def commit_latencies(endpoint: str, rounds: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hybridkv_bench.microbench.fixed_cost",
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m hybridkv_bench.microbench.fixed_cost",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--chunks", type=int, nargs="+", default=[2, 71])

@@ -90,7 +90,8 @@ def measure(objects: int, churn: int, l2_objects: int, tick: int, shm_dir: str) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="hybridkv_bench.microbench.gc_pause", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="hybridkv_bench.microbench.gc_pause",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--objects", type=int, default=1_000_000)
     ap.add_argument("--churn", type=int, default=300_000)
     ap.add_argument("--l2-objects", type=int, default=700_000)

@@ -147,7 +147,7 @@ def parts(endpoint: str, name: str, tp: int, chunks: int, rounds: int, device: s
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hybridkv_bench.microbench.issue_parts",
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m hybridkv_bench.microbench.issue_parts",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--chunks", type=int, nargs="+", default=[2, 71])

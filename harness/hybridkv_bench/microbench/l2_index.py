@@ -131,7 +131,7 @@ def _full_gc_ms() -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--objects", type=int, default=700_000)
     ap.add_argument("--churn", type=int, default=300_000)
     ap.add_argument("--rounds", type=int, default=2, help="each structure this many times, alternated")

@@ -155,7 +155,8 @@ def measure(groups: int, attention: int, n_keys: int) -> dict[str, float | int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--groups", type=int, default=64)
     ap.add_argument("--attention", type=int, default=32, help="attention groups among them (the rest recurrent)")
     ap.add_argument("--keys", type=int, default=16384)

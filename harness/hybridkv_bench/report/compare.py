@@ -1,18 +1,18 @@
 """`hybridkv report --compare RUN RUN...`: every case of every run side by side, per case and path, with each
-figure's change against the first run, and which changes are regressions beyond the runs' own repeat spread.
+figure's change against the first run, and which changes are regressions beyond noise.
 
 The comparison a team makes most is a run against its predecessor: the same scenario, the same paths. So no
-case stands for another: each (workload, case) gets one bar per run. A figure *regressed* when it moved the bad
-way beyond the runs' own repeat spread: every measured repeat of the later run (the figure computed on that
-repeat alone, `gate.repeat_values`) is worse than every repeat of the first, and the change exceeds
-`tolerance` (default 5%: shared machines move that much between runs whatever the code does). A change the
-repeats already show is noise, not a finding. With fewer than two repeats there is no spread and no verdict.
+case stands for another: each (workload, case) gets one bar per run. Whether a change is a regression is
+`report.regression`'s rule, on the figure computed on each measured repeat alone (`gate.repeat_values`): enough
+repeats, a rank test and a minimum effect, so that two runs of one commit flag nothing.
 Writes compare.png, compare.md and a self-contained compare.html.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -21,6 +21,7 @@ from hybridkv_bench.gate.checks import repeat_values, spread_of
 from hybridkv_bench.report import plots
 from hybridkv_bench.report.html import write_html
 from hybridkv_bench.report.markdown import case_table
+from hybridkv_bench.report.regression import Verdict, judge, rule_text
 from hybridkv_bench.report.tables import fmt, markdown_table
 from hybridkv_bench.results.folder import Run, RunFolderError, load_run
 
@@ -32,8 +33,6 @@ FIGURES: tuple[tuple[str, str, Direction], ...] = (
     ("store_ceiling_ratio", "store / peak", "higher"), ("load_ceiling_ratio", "load / peak", "higher"),
     ("server_vram_mib", "server VRAM MiB", "lower"))
 PLOTTED = ("ttft_warm_s", "store_gbps", "load_gbps")
-Verdict = Literal["regressed", "improved", "within spread", "no spread", "n/a", "baseline"]
-TOLERANCE = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +45,7 @@ class Figure:
     metric: str
     values: tuple[float | None, ...]
     repeats: tuple[tuple[float, ...], ...]   # the figure on each measured repeat alone, per run
+    typical: tuple[float, ...] = ()  # the metric's median repeat spread over each run's cases (report.regression)
 
     @property
     def spreads(self) -> tuple[float | None, ...]:
@@ -59,24 +59,20 @@ class Figure:
             return None
         return (b - a) / abs(a)
 
-    def verdict(self, i: int, tolerance: float = TOLERANCE) -> Verdict:
-        """Whether run i's change against the first run lies beyond both runs' repeats (and `tolerance`)."""
+    def verdict(self, i: int) -> Verdict:
+        """Whether run i's repeats moved beyond noise against the first run's (report.regression)."""
         if i == 0:
             return "baseline"
-        d = self.delta(i)
-        if d is None:
+        if self.delta(i) is None:
             return "n/a"
-        first, later = self.repeats[0], self.repeats[i]
-        if len(first) < 2 or len(later) < 2:
-            return "no spread"
-        lower = DIRECTIONS[self.metric] == "lower"
-        if abs(d) <= tolerance:
-            return "within spread"
-        if (min(later) > max(first)) if lower else (max(later) < min(first)):
-            return "regressed"
-        if (max(later) < min(first)) if lower else (min(later) > max(first)):
-            return "improved"
-        return "within spread"
+        return self._judged(i)[0]
+
+    def median_change(self, i: int) -> float | None:
+        return self._judged(i)[1]
+
+    def _judged(self, i: int) -> tuple[Verdict, float | None]:
+        typical = max(self.typical[0], self.typical[i]) if self.typical else 0.0
+        return judge(list(self.repeats[0]), list(self.repeats[i]), DIRECTIONS[self.metric] == "lower", typical)
 
 
 DIRECTIONS: dict[str, Direction] = {m: d for m, _, d in FIGURES}
@@ -120,20 +116,34 @@ def compare_figures(runs: list[Run]) -> list[Figure]:
                 values.append(_number(row.get(metric)) if row is not None else None)
                 repeats.append(tuple(repeat_values(run, results[key], metric)) if key in results else ())
             out.append(Figure(key[0], key[1], path, metric, tuple(values), tuple(repeats)))
-    return out
+    return with_typical_spreads(out, len(runs))
+
+
+def with_typical_spreads(figures: list[Figure], n_runs: int) -> list[Figure]:
+    """Each figure with its metric's median repeat spread over each run's cases."""
+    typical: dict[str, tuple[float, ...]] = {}
+    for metric in dict.fromkeys(f.metric for f in figures):
+        per_run = []
+        for i in range(n_runs):
+            spreads = [s for f in figures if f.metric == metric and (s := f.spreads[i]) is not None]
+            per_run.append(statistics.median(spreads) if spreads else 0.0)
+        typical[metric] = tuple(per_run)
+    return [dataclasses.replace(f, typical=typical[f.metric]) for f in figures]
 
 
 def regressions(figures: list[Figure], labels: list[str]) -> list[str]:
-    """One line per figure that regressed beyond the spread, in any run after the first."""
+    """One line per figure that regressed beyond noise, in any run after the first."""
     lines = []
     for f in figures:
         for i in range(1, len(labels)):
             if f.verdict(i) == "regressed":
                 d = f.delta(i)
                 assert d is not None
+                m = f.median_change(i)
+                assert m is not None
                 lines.append(f"{f.workload} / {f.case}: {f.metric} {fmt(f.values[0])} -> {fmt(f.values[i])} "
-                             f"({d:+.1%}; every repeat worse, repeat spreads {_spread(f.spreads[0])} and "
-                             f"{_spread(f.spreads[i])}) in {labels[i]}")
+                             f"({d:+.1%}; median of {len(f.repeats[i])} repeats {m:+.1%}, repeat spreads "
+                             f"{_spread(f.spreads[0])} and {_spread(f.spreads[i])}) in {labels[i]}")
     return lines
 
 
@@ -157,12 +167,11 @@ def render_markdown(runs: list[Run], labels: list[str], figures: list[Figure], p
         [lab, str(r.folder), r.scenario_name, str(r.record.context.get("git_sha", "?"))[:12],
          str(r.record.calibration.get("device", "?")), r.record.context.get("started_at", "?")]
         for lab, r in zip(labels, runs, strict=True)]), ""]
-    lines += [f"Changes are against **{labels[0]}**. A figure *regressed* when it moved the bad way beyond the runs' "
-              f"own repeat spread: every measured repeat of the later run is worse than every repeat of the first, "
-              f"and by more than {TOLERANCE:.0%}. *Repeat spread*: (max - min) / median over each run's repeats; "
-              "*no spread*: a run had fewer than two repeats, so no verdict.", ""]
+    tested = sum(1 for f in figures for i in range(1, len(labels)) if f.verdict(i) not in ("n/a", "too few repeats"))
+    lines += [f"Changes are against **{labels[0]}**. {rule_text()} *Repeat spread*: (max - min) / median over each "
+              f"run's repeats. {tested} figures had enough repeats for a verdict.", ""]
     found = regressions(figures, labels)
-    lines += ["## Regressions beyond the repeat spread", ""]
+    lines += ["## Regressions beyond noise", ""]
     lines += [f"- {line}" for line in found] if found else ["None."]
     lines += [""]
     if picture is not None:
@@ -184,7 +193,7 @@ def render_markdown(runs: list[Run], labels: list[str], figures: list[Figure], p
 
 def plot_runs(figures: list[Figure], labels: list[str], path: Path, workload: str) -> Path | None:
     """Per case of `workload`, one bar per run for each PLOTTED figure; the change against the first run on
-    the later runs' bars, hatched where it is a regression beyond the spread."""
+    the later runs' bars, hatched where it is a regression beyond noise."""
     by_metric = {m: [f for f in figures if f.workload == workload and f.metric == m] for m in PLOTTED}
     cases = [f for f in by_metric[PLOTTED[0]]]
     if not cases:
@@ -209,7 +218,7 @@ def plot_runs(figures: list[Figure], labels: list[str], path: Path, workload: st
         plots.log_if_wide(ax, [v for f in rows for v in f.values])
         better = "lower" if DIRECTIONS[metric] == "lower" else "higher"
         ax.set_title(f"{headers[metric]} ({better} is better; later runs' bars: change against {labels[0]}, "
-                     "hatched: regressed beyond the repeat spread)", fontsize=9)
+                     "hatched: regressed beyond noise)", fontsize=9)
         ax.set_xticks(range(len(rows)), [f"{f.case}\n{plots.WIRE_LABELS.get(f.path, f.path)}" for f in rows],
                       fontsize=7)
         ax.grid(axis="y", alpha=0.3, which="both")

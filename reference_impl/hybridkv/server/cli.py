@@ -6,10 +6,11 @@ import argparse
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from hybridkv.server.config import GIB, ConfigError, ServerConfig
+from hybridkv.settings_sources import add_config_arguments
 
 if TYPE_CHECKING:
     from hybridkv.server.l2.specs import L2Spec
@@ -34,7 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from hybridkv.endpoints import default_endpoint
 
     p.add_argument("--endpoint", default=default_endpoint(),
-                   help="where to listen: ipc://PATH (default, in a 0700 directory) or tcp://127.0.0.1:PORT "
+                   help="where to listen: ipc://PATH (default, in a 0700 directory) or tcp://127.0.0.1:PORT; "
+                        "`hybridkv status` and the vLLM connector look there too unless told otherwise "
                         "(default: %(default)s)")
     p.add_argument("--l1-gib", type=float, default=4.0,
                    help="size of the shared-memory L1 arena in GiB (default: %(default)s)")
@@ -97,6 +99,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                    help="log level (default: %(default)s)")
     add_observability_arguments(p)
+    add_config_arguments(p)
+
+
+def parse_command_line(p: argparse.ArgumentParser, argv: Sequence[str],
+                       environ: Mapping[str, str] | None = None) -> argparse.Namespace:
+    """The command's arguments: its flags over HYBRIDKV_<FLAG> variables over --config FILE (the seed's flags are
+    the command line's alone)."""
+    from hybridkv.settings_sources import parse
+
+    return parse(p, list(argv), environ, exclude=(*SEED_REPLACED, *SEED_ALIASES))
 
 
 def add_observability_arguments(p: argparse.ArgumentParser) -> None:
@@ -123,6 +135,9 @@ SEED_REPLACED = {
     "--local-disk": "use --l2-dir (or --l2-adapter '{\"type\":\"fs\",...}')",
     "--remote-url": "use --l2-adapter '{\"type\":\"redis\",\"url\":\"redis://HOST:PORT/DB\"}'",
 }
+
+
+SEED_ALIASES = ("--l1-size-gb", "--chunk-size", "--eviction-policy", "--port")
 
 
 def add_l2_and_seed_arguments(p: argparse.ArgumentParser) -> None:
@@ -153,7 +168,9 @@ def apply_seed(args: argparse.Namespace) -> None:
         if getattr(args, f"seed_{_dest(flag)}") is not None:
             raise UserError(f"{flag} is a seed flag hybridkv does not take: {instead}")
     if args.port is not None:
-        if args.endpoint != default_endpoint():
+        # flags over variables over the file: only an --endpoint flag is a second answer to --port
+        settings = getattr(args, "settings", None)
+        if settings["endpoint"].source == "flag" if settings else args.endpoint != default_endpoint():
             raise UserError(f"--port {args.port} and --endpoint {args.endpoint}: give one")
         if not 0 < args.port < 65536:
             raise UserError(f"--port must be in 1..65535, got {args.port}")
@@ -200,11 +217,12 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         **{FIELD_OF.get(flag, _dest(flag)): getattr(args, _dest(flag)) for flag in FIELD_FLAGS})
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    """`hybridkv serve ARGV`'s arguments, as the command parses them."""
-    p = argparse.ArgumentParser(prog="hybridkv serve")
+def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> argparse.Namespace:
+    """`hybridkv serve ARGV`'s arguments, as the command parses them with the variables `environ` (default: none,
+    not this process's: a harness's server runs the configuration it was given)."""
+    p = argparse.ArgumentParser(prog="hybridkv serve", allow_abbrev=False)
     add_arguments(p)
-    return p.parse_args(list(argv))
+    return parse_command_line(p, argv, {} if environ is None else environ)
 
 
 def parse(argv: Sequence[str]) -> ServerConfig:
@@ -243,6 +261,16 @@ def server_argv(config: ServerConfig) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.print_config:
+        from hybridkv.cli import UserError
+        from hybridkv.settings_sources import describe
+
+        try:
+            server_config(args)  # what would not start is refused here too
+        except ConfigError as e:
+            raise UserError(str(e)) from None
+        print(describe(args, "hybridkv serve"))
+        return 0
     if not args.cuda_ipc:
         # The server holds no VRAM: hide every GPU before anything could initialise CUDA.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""

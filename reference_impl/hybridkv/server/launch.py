@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hybridkv.server.cli import server_argv
+from hybridkv.settings_sources import ENV_PREFIX, OTHER_ENV
 
 if TYPE_CHECKING:
     from hybridkv.server.config import ServerConfig
@@ -74,9 +75,12 @@ def start_server(config: ServerConfig, *, log_level: str = "warning", log_format
                *(["--headline-interval", str(headline_interval)] if headline_interval is not None else [])]
     cmd = [sys.executable, "-m", "hybridkv.cli", "serve", *server_argv(replace(config, parent_pid=os.getpid())),
            *process]
-    # A CPU-only server sees no GPU from its first instruction (serve also hides them itself); only the
-    # cuda_ipc baseline needs one.
-    env = dict(os.environ) if config.cuda_ipc else {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    # The server runs `config` alone: no HYBRIDKV_<FLAG> variable of this process reaches its flags' defaults. A
+    # CPU-only server sees no GPU from its first instruction (serve also hides them itself); only the cuda_ipc
+    # baseline needs one.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX) or k in OTHER_ENV}
+    if not config.cuda_ipc:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))) if nofile else None
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, preexec_fn=limit)
     deadline = time.monotonic() + ready_timeout

@@ -1,9 +1,9 @@
 """The server's log lines: text for people, or JSON lines (`--log-format json`) for log pipelines.
 
-A JSON line always has the fields `ts` (Unix seconds), `level`, `logger` and `msg`; `event` and `fields`
-when the line is one of the server's structured ones (the headline every --headline-interval seconds:
-`event` = "headline", `fields` = telemetry.HEADLINE_FIGURES), and `exc` when it carries a traceback. The
-names are stable: dashboards and alerts key on them.
+A text line starts with its time in UTC (ISO 8601 with `Z`). A JSON line always has the fields `ts` (Unix
+seconds), `level`, `logger` and `msg`; `event` and `fields` when the line is one of the server's structured ones
+(the headline every --headline-interval seconds: `event` = "headline", `fields` = telemetry.HEADLINE_FIGURES),
+and `exc` when it carries a traceback. The names are stable: dashboards and alerts key on them.
 """
 
 from __future__ import annotations
@@ -11,9 +11,21 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 
 LOG_FORMATS = ("text", "json")
-TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# ISO 8601 in UTC, with its zone: servers of several hosts (one Redis L2) and their engines' logs line up
+TEXT_FORMAT = "%(asctime)s.%(msecs)03dZ %(levelname)s %(name)s: %(message)s"
+TEXT_DATES = "%Y-%m-%dT%H:%M:%S"
+
+
+class UtcText(logging.Formatter):
+    """TEXT_FORMAT lines, their time in UTC (2026-12-07T18:09:19.123Z) whatever the machine's zone."""
+
+    converter = staticmethod(time.gmtime)
+
+    def __init__(self) -> None:
+        super().__init__(TEXT_FORMAT, TEXT_DATES)
 
 
 class JsonLines(logging.Formatter):
@@ -36,5 +48,5 @@ def setup_logging(level: str, fmt: str) -> None:
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {LOG_FORMATS}, got {fmt!r}")
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonLines() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonLines() if fmt == "json" else UtcText())
     logging.basicConfig(level=level.upper(), handlers=[handler])

@@ -182,7 +182,7 @@ def run(endpoint: str, pid: int, seconds: float, hostile: bool = True) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=20)
     ap.add_argument("--stall-s", type=float, default=10.0)
     ap.add_argument("--max-rss-mib", type=float, default=256.0)

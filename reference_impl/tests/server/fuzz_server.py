@@ -305,7 +305,7 @@ def _roundtrip(endpoint: str, salt: str = "after-fuzz", formats: tuple[str, ...]
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--messages", type=int, default=100_000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--endpoint", help="fuzz this server (with --pid) instead of starting one")

@@ -321,7 +321,7 @@ def test_server_never_initialises_cuda(server_factory, monkeypatch, launcher_env
 
 
 def _serve_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hybridkv serve")
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="hybridkv serve")
     serve_cli.add_arguments(p)
     return p
 

@@ -54,3 +54,21 @@ def test_headline_interval_is_checked(sock_dir):
                         "--l1-gib", "0.01", "--headline-interval", "-1"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "--headline-interval must be 0 (never) or more seconds, got -1" in r.stderr
+
+
+def test_text_lines_carry_their_time_in_utc(sock_dir):
+    """A text line's time says its zone (UTC, `Z`), whatever the machine's zone is: here UTC-10."""
+    import datetime
+    import os
+    import re
+
+    before = datetime.datetime.now(datetime.UTC)
+    env = {**os.environ, "TZ": "HST10"}
+    code = ("import logging, time; from hybridkv.server.logs import setup_logging; setup_logging('info', 'text'); "
+            "logging.getLogger('hybridkv.server').info('ready')")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True)
+    after = datetime.datetime.now(datetime.UTC)
+    m = re.fullmatch(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3})Z INFO hybridkv.server: ready\n", r.stderr)
+    assert m, r.stderr
+    t = datetime.datetime.fromisoformat(m[1]).replace(tzinfo=datetime.UTC)
+    assert before - datetime.timedelta(seconds=1) <= t <= after

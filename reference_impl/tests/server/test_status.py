@@ -147,3 +147,33 @@ def test_status_watch_exits_on_ctrl_c_wherever_it_lands(server_factory):
 def test_status_flags_are_checked(flags, message):
     r = status(*flags)
     assert r.returncode == 2 and message in r.stderr
+
+
+def test_status_watch_on_a_terminal_redraws_in_place(server_factory):
+    """On a terminal, --watch draws each refresh over the last (cursor home, each line rewritten, the rest cleared)
+    and clears the screen once: a clear per refresh pushes a screen into the scrollback of many terminals."""
+    import os
+    import pty
+
+    server = server_factory(admin=False)
+    master, slave = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-m", "hybridkv.cli", "status", "--endpoint", server.endpoint, "--watch",
+                          "0.1"], stdin=subprocess.DEVNULL, stdout=slave, stderr=subprocess.PIPE)
+    os.close(slave)
+    out = b""
+    try:
+        while out.count(b"\x1b[H") < 4:  # four frames drawn
+            chunk = os.read(master, 65536)
+            assert chunk, out
+            out += chunk
+    finally:
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=30)
+        os.close(master)
+    assert p.returncode == 0, err
+    assert out.count(b"\x1b[2J") == 1 and out.startswith(b"\x1b[?25l\x1b[H\x1b[2J")
+    frames = out.split(b"\x1b[H")[1:4]
+    for frame in frames:
+        assert b"hybridkv server at" in frame and frame.endswith(b"\x1b[K\x1b[J")
+        lines = frame.replace(b"\x1b[2J", b"").split(b"\r\n")  # the terminal writes \n as \r\n
+        assert all(line.endswith(b"\x1b[K") for line in lines[:-1])

@@ -45,7 +45,7 @@ def start(config: ServerConfig, *, one_turn: bool = False, turn_s: float | None 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--one-turn", action="store_true")
     ap.add_argument("--turn-s", type=float)
     ap.add_argument("--slice", type=int)

@@ -26,7 +26,7 @@ from hybridkv.engine.vllm.plan import (
     load_job,
     step_stores,
 )
-from hybridkv.engine.vllm.settings import ConnectorSettings
+from hybridkv.engine.vllm.settings import ConnectorSettings, no_server_at_start
 from hybridkv.keys import chunk_keys
 from hybridkv.layout import LayoutError, ModelLayout
 from hybridkv.policy import Policy, check_policy
@@ -116,6 +116,8 @@ class SchedulerSide:
             return self._unreachable(e)
         except Exception as e:  # timeout, bad endpoint: the server is down
             client.close()
+            if at_start:
+                log.error(no_server_at_start(self.settings, e))
             return self._unreachable(e)
         for reg in regs:
             client.keepalive(reg.engine, reg.heartbeat_s)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args, get_type_hints
 
@@ -69,14 +71,25 @@ class ConnectorSettings:
             raise ValueError(f"kv_connector_extra_config chunk_tokens must be >= 0, got {self.chunk_tokens}")
 
     @classmethod
-    def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
-        """Settings from vLLM's extra-config dict; an unknown key, a wrong type or a value outside a setting's
-        choices is an error naming the key and the value."""
+    def from_extra(cls, extra: dict[str, Any] | None, environ: Mapping[str, str] | None = None) -> ConnectorSettings:
+        """Settings from vLLM's extra-config dict over HYBRIDKV_<KEY> variables of `environ` (default: this
+        process's; HYBRIDKV_ENDPOINT is the one `hybridkv serve` and `status` read too); an unknown key, a wrong
+        type or a value outside a setting's choices is an error naming the key (or the variable) and the value."""
         extra = dict(extra or {})
         known = sorted(f.name for f in fields(cls))
         unknown = sorted(set(extra) - set(known))
         if unknown:
             raise ValueError(f"unknown kv_connector_extra_config keys {unknown}; known: {known}")
+        environ = os.environ if environ is None else environ
+        hints = get_type_hints(cls)
+        for name in known:
+            var = "HYBRIDKV_" + name.upper()
+            if name not in extra and environ.get(var):
+                try:
+                    extra[name] = msgspec.convert(environ[var], hints[name], strict=False)
+                except msgspec.ValidationError:
+                    want = f"one of {get_args(hints[name])}" if get_args(hints[name]) else hints[name].__name__
+                    raise ValueError(f"{var} must be {want}, got {environ[var]!r}") from None
         try:
             return msgspec.convert(extra, cls)
         except msgspec.ValidationError as e:
@@ -95,3 +108,16 @@ def kv_transfer_config(endpoint: str, **extra: Any) -> dict[str, Any]:
     return dict(kv_connector="HybridKVConnector", kv_connector_module_path="hybridkv.engine.vllm.connector",
                 kv_role="kv_both", kv_load_failure_policy="recompute",
                 kv_connector_extra_config={"endpoint": endpoint, **extra})
+
+
+def no_server_at_start(settings: ConnectorSettings, error: BaseException) -> str:
+    """The line a connector logs when no server answers as it starts: where it looked, why there, and what it
+    means (a server that never answers there leaves offload doing nothing, request after request)."""
+    from hybridkv.endpoints import ENDPOINT_ENV, why_unreachable
+
+    default = settings.endpoint == default_endpoint()
+    origin = ("the default, where `hybridkv serve` listens without --endpoint" if default
+              else f"from kv_connector_extra_config's endpoint or ${ENDPOINT_ENV}")
+    return (f"hybridkv: NO CACHE SERVER at {settings.endpoint} ({origin}): {why_unreachable(settings.endpoint)} "
+            f"({type(error).__name__}: {error}). Offload does nothing until a server answers there (tried again every "
+            f"{settings.retry_s:g} s): start `hybridkv serve`, or give both the same endpoint (${ENDPOINT_ENV})")

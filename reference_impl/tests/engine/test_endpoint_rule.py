@@ -1,0 +1,80 @@
+"""One endpoint rule for `hybridkv serve`, `hybridkv status` and the vLLM connector: $HYBRIDKV_ENDPOINT when set,
+else ipc:///tmp/hybridkv-UID/server.sock whatever the process's session ($XDG_RUNTIME_DIR moved the server's socket
+in a login shell while a vLLM started elsewhere looked in /tmp); the README's commands use it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from hybridkv.endpoints import default_endpoint
+from hybridkv.engine.vllm.settings import ConnectorSettings, no_server_at_start
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("HYBRIDKV_", "XDG_"))}
+    return subprocess.run([sys.executable, "-m", "hybridkv.cli", *args], capture_output=True, text=True,
+                          env={**clean, **env}, timeout=60)
+
+
+def test_the_default_does_not_depend_on_the_session(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert default_endpoint() == f"ipc:///tmp/hybridkv-{os.getuid()}/server.sock"
+    assert ConnectorSettings.from_extra({}, {}).endpoint == default_endpoint()
+    for env in ({"XDG_RUNTIME_DIR": str(tmp_path)}, {}):
+        serve = run("serve", "--print-config", env=env)
+        assert f'endpoint = "{default_endpoint()}"  # default' in serve.stdout, serve
+        status = run("status", "--timeout", "0.2", env=env)
+        assert f"no cache server at {default_endpoint()}" in status.stderr or default_endpoint() in status.stderr
+
+
+def test_hybridkv_endpoint_reaches_all_three(server_factory):
+    server = server_factory(admin=False)
+    env = {"HYBRIDKV_ENDPOINT": server.endpoint}
+    status = run("status", env=env)
+    assert status.returncode == 0 and f"hybridkv server at {server.endpoint}" in status.stdout, status
+    serve = run("serve", "--print-config", env=env)
+    assert f'endpoint = "{server.endpoint}"  # HYBRIDKV_ENDPOINT' in serve.stdout
+    assert ConnectorSettings.from_extra({}, env).endpoint == server.endpoint
+    # kv_connector_extra_config over the variable
+    assert ConnectorSettings.from_extra({"endpoint": "tcp://127.0.0.1:7"}, env).endpoint == "tcp://127.0.0.1:7"
+
+
+def test_connector_settings_from_variables():
+    s = ConnectorSettings.from_extra({"timeout_s": 5}, {"HYBRIDKV_TIMEOUT_S": "9", "HYBRIDKV_LOAD_MODE": "layerwise",
+                                                         "HYBRIDKV_SALT": "tenant-a"})
+    assert (s.timeout_s, s.load_mode, s.salt) == (5, "layerwise", "tenant-a")
+    for env, message in (({"HYBRIDKV_LOAD_MODE": "eager"}, "HYBRIDKV_LOAD_MODE must be one of ('async', 'layerwise')"),
+                         ({"HYBRIDKV_RETRY_S": "soon"}, "HYBRIDKV_RETRY_S must be float, got 'soon'")):
+        try:
+            ConnectorSettings.from_extra({}, env)
+        except ValueError as e:
+            assert message in str(e)
+        else:
+            raise AssertionError(f"{env} taken")
+
+
+def test_the_readme_vllm_line_uses_the_rule():
+    """The README's `vllm serve` line names no endpoint of its own: the connector then looks where `hybridkv
+    serve` listens by default, in whichever session each runs."""
+    readme = (ROOT / "README.md").read_text()
+    line = re.search(r"--kv-transfer-config '(\{.*?\})'", readme, re.S)
+    assert line, "no --kv-transfer-config in the README"
+    config = json.loads(line[1])
+    assert "endpoint" not in config.get("kv_connector_extra_config", {})
+    assert ConnectorSettings.from_extra(config.get("kv_connector_extra_config"), {}).endpoint == default_endpoint()
+
+
+def test_a_connector_without_a_server_says_where_it_looked(sock_dir):
+    s = ConnectorSettings.from_extra({}, {})
+    line = no_server_at_start(s, TimeoutError("no reply in 1 s"))
+    assert f"NO CACHE SERVER at {default_endpoint()} (the default, where `hybridkv serve` listens" in line
+    s = ConnectorSettings.from_extra({}, {"HYBRIDKV_ENDPOINT": f"ipc://{sock_dir}/x.sock"})
+    line = no_server_at_start(s, TimeoutError("no reply in 1 s"))
+    assert f"the socket file {sock_dir}/x.sock does not exist" in line and "HYBRIDKV_ENDPOINT" in line
