@@ -79,7 +79,7 @@ def case(endpoint: str, object_bytes: int, objects: int, rounds: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--object-kib", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--objects", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=30)
