@@ -7,6 +7,11 @@ store's own maxmemory policy evicts keys; an object with a key gone is a miss. W
 unreachable every call is a miss (puts raise `L2Error`) without touching the network, for a back-off
 that doubles up to 8 s, with one log line per 10 s.
 
+A meta is a claim by whoever can write the store, checked before it costs anything: a read names the keys of
+the length the server expects (its layout's), whatever chunk size or length the meta claims (`_read`); a removal
+or a clear deletes an object's data keys a window at a time, until a window finds none of them (`_chunk_rounds`),
+so a meta claiming 2**64 bytes costs one window, not a key name per claimed chunk.
+
 The server loop asks `length` for every object of a lookup, so lengths are cached in a local index
 (trusted for `index_ttl_s`, misses for `miss_ttl_s`) and `probe` fills it for many objects in one round
 trip; queries from the loop use their own connections with a short timeout.
@@ -17,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -38,6 +44,8 @@ log = logging.getLogger(__name__)
 _MAX_INDEX = 1 << 20          # known lengths kept; the oldest are forgotten (and asked again)
 _PROBE_BATCH = 1024           # meta keys per pipeline
 _MAX_GROUP_SPAN = 16          # groups of one chunk probed together by length()
+_WINDOW = 64                  # data keys of one object deleted (or touched) by one command
+_ROUND_NAMES = 4096           # data keys named in one round trip of _chunk_rounds
 _COUNTERS = ("puts", "gets", "hits", "misses", "corrupt_removed", "forged", "evicted_seen", "bytes_written",
              "bytes_read", "store_errors", "probes")
 
@@ -137,19 +145,17 @@ class RedisL2(L2Adapter):
             self._count(misses=1)
             return False
         try:
-            ok = self._read(key, group, out, self.spec.chunk_bytes, ns)
+            ok = self._read(key, group, out, ns)
         except DOWN as e:
             self._health.failed("get", e)
             self._count(misses=1, store_errors=1)
             return False
         except Forged as e:
             log.warning("L2 redis: removed forged object %s-%d: %s", key.hex(), group, e)
-            self._drop(key, group, out.nbytes)
             self._count(misses=1, forged=1)
             return False
         except BadObject as e:
             log.warning("L2 redis: removed bad object %s-%d: %s", key.hex(), group, e)
-            self._drop(key, group, out.nbytes)
             self._count(misses=1, corrupt_removed=1)
             return False
         self._health.ok()
@@ -209,29 +215,28 @@ class RedisL2(L2Adapter):
         for k, g, forged in bad:
             log.warning("L2 redis: removed object %s-%d with a %s", k.hex(), g, "meta without a MAC" if forged
                         else "bad header")
-            self._delete_quietly([self._codec.meta_key(k, g)])
+            base = self._codec.data_base(k, g)  # the chunks of a length it cannot tell: a window of them (one command)
+            self._delete_quietly([self._codec.meta_key(k, g), *(f"{base}{i}" for i in range(_WINDOW))])
             self._count(**{"forged" if forged else "corrupt_removed": 1})
 
     def remove(self, key: bytes, group: int) -> bool:
-        """Delete the object's meta and data keys; True if the meta key existed."""
+        """Delete the object's meta, then its data keys (`_chunk_rounds`); True if the meta key existed."""
         check_key(key, group)
         self._check_open()
         self._check_up("remove")
         length = self._fresh_length((key, group))
+        chunks: int | None = 0 if length is None else -(-length // self.spec.chunk_bytes)
         try:
             raw: Any = self._data.get(self._codec.meta_key(key, group))
             if raw is not None:
                 try:
                     hdr, cb = self._codec.parse(raw, key, group)
-                    length, chunk = hdr.payload_len, cb
+                    chunks = max(chunks or 0, -(-hdr.payload_len // cb))
                 except BadObject:
-                    chunk = self.spec.chunk_bytes
-            else:
-                chunk = self.spec.chunk_bytes
-            names = [self._codec.meta_key(key, group)]
-            if length is not None:
-                names += self._codec.data_keys(key, group, length, chunk)
-            removed = self._data.delete(*names)
+                    chunks = None  # how many it had cannot be told
+            removed = self._data.delete(self._codec.meta_key(key, group))
+            for _ in self._chunk_rounds("unlink", [(self._codec.data_base(key, group), chunks)]):
+                pass
         except DOWN as e:
             self._down("remove", e)
         self._forget((key, group))
@@ -247,10 +252,9 @@ class RedisL2(L2Adapter):
             for name in self._data.scan_iter(match=self._codec.scan_match(), count=1000):
                 batch.append(name)
                 if len(batch) >= _PROBE_BATCH:
-                    counts = self._clear_batch(batch, namespaces)
+                    yield from self._clear_batch(batch, namespaces)
                     batch = []
-                    yield counts
-            yield self._clear_batch(batch, namespaces)
+            yield from self._clear_batch(batch, namespaces)
         except DOWN as e:
             self._down("clear", e)
         finally:  # also when a Clear stops mid-way
@@ -264,7 +268,10 @@ class RedisL2(L2Adapter):
         if length is None or not self._health.up():
             return
         try:
-            self._data.touch(*self._keys_of(key, group, length))
+            self._data.touch(self._codec.meta_key(key, group))
+            chunks = -(-length // self.spec.chunk_bytes)  # a probe may have learnt `length` from any meta
+            for _ in self._chunk_rounds("touch", [(self._codec.data_base(key, group), chunks)]):
+                pass
         except DOWN as e:
             self._health.failed("touch", e)
 
@@ -286,61 +293,112 @@ class RedisL2(L2Adapter):
 
     # ---- internals ----
 
-    def _read(self, key: bytes, group: int, out: memoryview, cb: int, ns: bytes | None) -> bool:
+    def _read(self, key: bytes, group: int, out: memoryview, ns: bytes | None) -> bool:
         """Fill `out` from the store; False for a missing object (or one of another namespace than `ns`: another
-        tenant's, kept), BadObject for a damaged one."""
-        size = out.nbytes
+        tenant's, kept), BadObject for a damaged one, once its keys are deleted.
+
+        The meta comes with the chunks our chunk size names, in one round trip; an object written with another
+        chunk size costs one more. What the meta says names no key before it is checked: its chunk size against
+        the range any writer may use (`MetaCodec.parse`), its length against `out`'s (the length the server's
+        layout expects), so the keys read and deleted number at most out.nbytes / 64 KiB + 1 whatever it claims.
+        The MAC covers the payload: it is checked once those chunks are read, before a byte is served."""
+        size, cb = out.nbytes, self.spec.chunk_bytes
+        smallest = cb  # the smallest chunk size this object's keys may be named for (its removal names them all)
+        try:
+            meta, chunks = self._fetch(key, group, size, cb)
+            if meta is None:
+                # Chunks without a meta may be a put in flight: left alone (the store's LRU or TTL takes orphans).
+                self._forget((key, group))
+                return False
+            hdr, their_cb = self._codec.parse(meta, key, group)
+            if ns is not None and hdr.ns != ns:
+                self._remember((key, group), hdr.payload_len, hdr.ns)
+                return False
+            hdr.check_for(key, group, size)
+            if their_cb != cb:  # written by a server with another chunk size: its keys, once
+                smallest = min(cb, their_cb)
+                again, chunks = self._fetch(key, group, size, their_cb)
+                if again != meta:  # replaced or removed meanwhile: a miss, not damage (and no third try)
+                    self._forget((key, group))
+                    return False
+                cb = their_cb
+            pos = 0
+            for i, c in enumerate(chunks):
+                want = min(cb, size - pos)
+                if c is None:
+                    self._count(evicted_seen=1)
+                    raise BadObject(f"chunk {i} of {len(chunks)} is gone (evicted by the store?)")
+                if len(c) != want:
+                    raise BadObject(f"chunk {i} is {len(c)} bytes, expected {want}")
+                out[pos:pos + want] = c
+                pos += want
+            if crc32(out, 0) != hdr.payload_crc:
+                raise BadObject("payload checksum mismatch")
+            self._codec.check_mac(meta, out)
+        except BadObject:
+            self._forget((key, group))
+            self._delete_quietly([self._codec.meta_key(key, group),
+                                  *self._codec.data_keys(key, group, size, smallest)])
+            raise
+        self._remember((key, group), size, hdr.ns)
+        return True
+
+    def _fetch(self, key: bytes, group: int, size: int, cb: int) -> tuple[Any, list[Any]]:
+        """The meta value and the `size` bytes' chunks of `cb` bytes, in one pipeline (None where missing)."""
         pipe = self._data.pipeline(transaction=False)
         pipe.get(self._codec.meta_key(key, group))
         for name in self._codec.data_keys(key, group, size, cb):
             pipe.get(name)
         meta, *chunks = pipe.execute(raise_on_error=False)
-        if isinstance(meta, Exception) or any(isinstance(c, Exception) for c in chunks):
-            err = next(x for x in (meta, *chunks) if isinstance(x, Exception))
+        err = next((x for x in (meta, *chunks) if isinstance(x, Exception)), None)
+        if err is not None:
             raise BadObject(f"the store answered {type(err).__name__}: {err}")
-        if meta is None:
-            # Chunks without a meta may be a put in flight: left alone (the store's LRU or TTL takes orphans).
-            self._forget((key, group))
-            return False
-        hdr, their_cb = self._codec.parse(meta, key, group)
-        if ns is not None and hdr.ns != ns:
-            self._remember((key, group), hdr.payload_len, hdr.ns)
-            return False
-        hdr.check_for(key, group, size)
-        if their_cb != cb:  # written by a server with another chunk size: read its keys
-            return self._read(key, group, out, their_cb, ns)
-        pos = 0
-        for i, c in enumerate(chunks):
-            want = min(cb, size - pos)
-            if c is None:
-                self._count(evicted_seen=1)
-                raise BadObject(f"chunk {i} of {len(chunks)} is gone (evicted by the store?)")
-            if len(c) != want:
-                raise BadObject(f"chunk {i} is {len(c)} bytes, expected {want}")
-            out[pos:pos + want] = c
-            pos += want
-        if crc32(out, 0) != hdr.payload_crc:
-            raise BadObject("payload checksum mismatch")
-        self._codec.check_mac(meta, out)
-        self._remember((key, group), size, hdr.ns)
-        return True
+        return meta, chunks
 
-    def _clear_batch(self, metas: list[bytes], namespaces: frozenset[bytes] | None) -> dict[bytes, int]:
+    def _clear_batch(self, metas: list[bytes], namespaces: frozenset[bytes] | None) -> Iterator[dict[bytes, int]]:
+        """Delete the objects of `namespaces` among these meta names: the metas (what readers look for) in one
+        command, then their chunks in rounds, a piece each."""
         metas = [m for m in metas if self._codec.is_meta_name(m)]
         if not metas:
-            return {}
-        names, counts = self._codec.cleared(metas, self._data.mget(metas), namespaces)
+            yield {}
+            return
+        names, chunks, counts = self._codec.cleared(metas, self._data.mget(metas), namespaces)
         if names:
             self._data.unlink(*names)
-        return counts
+        yield counts
+        for _ in self._chunk_rounds("unlink", chunks):
+            yield {}
 
-    def _drop(self, key: bytes, group: int, size: int) -> None:
-        self._forget((key, group))
-        self._delete_quietly(self._keys_of(key, group, size))
+    def _chunk_rounds(self, command: str, objects: list[tuple[str, int | None]]) -> Iterator[int]:
+        """`command` (unlink or touch) over the data keys [0, n) of each (names' base, n) in `objects`, n being
+        what its meta claims (None: unknown), _WINDOW keys of one object per command, _ROUND_NAMES keys per round
+        trip; yields how many keys each round found. An object's walk ends at n or at a window that found none of
+        its keys: a put writes them all, so past that are only orphans of an object the store evicted in part
+        (its LRU or TTL takes them), and a meta claiming 2**64 bytes costs one window. The work is bounded by the
+        keys that exist, never by a claim."""
+        todo = deque((base, 0, n) for base, n in objects if n is None or n > 0)
+        while todo:
+            sent: list[tuple[str, int, int, int | None]] = []
+            named = 0
+            while todo and named < _ROUND_NAMES:
+                base, start, n = todo.popleft()
+                end = start + _WINDOW if n is None else min(n, start + _WINDOW)
+                sent.append((base, start, end, n))
+                named += end - start
+            found = self._each(command, [[f"{base}{i}" for i in range(start, end)] for base, start, end, _ in sent])
+            for (base, _, end, n), k in zip(sent, found, strict=True):
+                if k and (n is None or end < n):
+                    todo.append((base, end, n))
+            yield sum(found)
 
-    def _keys_of(self, key: bytes, group: int, size: int) -> list[str]:
-        """The meta key and the data keys of an object of `size` bytes written with our chunk size."""
-        return [self._codec.meta_key(key, group), *self._codec.data_keys(key, group, size, self.spec.chunk_bytes)]
+    def _each(self, command: str, groups: list[list[str]]) -> list[int]:
+        """`command` over each group of names (one multi-key command per group, one round trip): the keys found."""
+        if isinstance(self._data, ClusterLink):
+            return self._data.each(command, groups)
+        pipe = self._data.pipeline(transaction=False)
+        for names in groups:
+            getattr(pipe, command)(*names)
+        return list(pipe.execute())
 
     def _delete_quietly(self, names: list) -> None:
         try:
