@@ -8,9 +8,8 @@ unreachable every call is a miss (puts raise `L2Error`) without touching the net
 that doubles up to 8 s, with one log line per 10 s.
 
 A meta is a claim by whoever can write the store, checked before it costs anything: a read names the keys of
-the length the server expects (its layout's), whatever chunk size or length the meta claims (`_read`); a removal
-or a clear deletes an object's data keys a window at a time, until a window finds none of them (`_chunk_rounds`),
-so a meta claiming 2**64 bytes costs one window, not a key name per claimed chunk.
+the length the server expects (its layout's), whatever the meta claims (`_read`); removals and clears go by the
+keys that exist (`redis_keys`), so a meta claiming 2**64 bytes costs one window, not a key name per chunk.
 
 The server loop asks `length` for every object of a lookup, so lengths are cached in a local index
 (trusted for `index_ttl_s`, misses for `miss_ttl_s`) and `probe` fills it for many objects in one round
@@ -22,7 +21,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -32,6 +30,7 @@ from hybridkv.keys import ObjectKey
 from hybridkv.server.l2.base import L2Adapter, L2Error, byte_view, check_key, check_ns
 from hybridkv.server.l2.header import BadObject, ObjectHeader, crc32
 from hybridkv.server.l2.redis_cluster import ClusterLink, store_links
+from hybridkv.server.l2.redis_keys import WINDOW, chunk_rounds, clear_batch
 from hybridkv.server.l2.redis_link import DOWN, StoreHealth
 from hybridkv.server.l2.redis_meta import Forged, MetaCodec
 from hybridkv.server.lru import Indexed, LruIndex
@@ -44,8 +43,6 @@ log = logging.getLogger(__name__)
 _MAX_INDEX = 1 << 20          # known lengths kept; the oldest are forgotten (and asked again)
 _PROBE_BATCH = 1024           # meta keys per pipeline
 _MAX_GROUP_SPAN = 16          # groups of one chunk probed together by length()
-_WINDOW = 64                  # data keys of one object deleted (or touched) by one command
-_ROUND_NAMES = 4096           # data keys named in one round trip of _chunk_rounds
 _COUNTERS = ("puts", "gets", "hits", "misses", "corrupt_removed", "forged", "evicted_seen", "bytes_written",
              "bytes_read", "store_errors", "probes")
 
@@ -215,12 +212,12 @@ class RedisL2(L2Adapter):
         for k, g, forged in bad:
             log.warning("L2 redis: removed object %s-%d with a %s", k.hex(), g, "meta without a MAC" if forged
                         else "bad header")
-            base = self._codec.data_base(k, g)  # the chunks of a length it cannot tell: a window of them (one command)
-            self._delete_quietly([self._codec.meta_key(k, g), *(f"{base}{i}" for i in range(_WINDOW))])
+            base = self._codec.data_base(k, g)  # of a length it cannot tell: a window of its chunks, in one command
+            self._delete_quietly([self._codec.meta_key(k, g), *(f"{base}{i}" for i in range(WINDOW))])
             self._count(**{"forged" if forged else "corrupt_removed": 1})
 
     def remove(self, key: bytes, group: int) -> bool:
-        """Delete the object's meta, then its data keys (`_chunk_rounds`); True if the meta key existed."""
+        """Delete the object's meta, then its data keys (`redis_keys.chunk_rounds`); True if the meta key existed."""
         check_key(key, group)
         self._check_open()
         self._check_up("remove")
@@ -235,8 +232,7 @@ class RedisL2(L2Adapter):
                 except BadObject:
                     chunks = None  # how many it had cannot be told
             removed = self._data.delete(self._codec.meta_key(key, group))
-            for _ in self._chunk_rounds("unlink", [(self._codec.data_base(key, group), chunks)]):
-                pass
+            sum(chunk_rounds(self._data, "unlink", [(self._codec.data_base(key, group), chunks)]))  # every round
         except DOWN as e:
             self._down("remove", e)
         self._forget((key, group))
@@ -252,9 +248,9 @@ class RedisL2(L2Adapter):
             for name in self._data.scan_iter(match=self._codec.scan_match(), count=1000):
                 batch.append(name)
                 if len(batch) >= _PROBE_BATCH:
-                    yield from self._clear_batch(batch, namespaces)
+                    yield from clear_batch(self._data, self._codec, batch, namespaces)
                     batch = []
-            yield from self._clear_batch(batch, namespaces)
+            yield from clear_batch(self._data, self._codec, batch, namespaces)
         except DOWN as e:
             self._down("clear", e)
         finally:  # also when a Clear stops mid-way
@@ -270,8 +266,7 @@ class RedisL2(L2Adapter):
         try:
             self._data.touch(self._codec.meta_key(key, group))
             chunks = -(-length // self.spec.chunk_bytes)  # a probe may have learnt `length` from any meta
-            for _ in self._chunk_rounds("touch", [(self._codec.data_base(key, group), chunks)]):
-                pass
+            sum(chunk_rounds(self._data, "touch", [(self._codec.data_base(key, group), chunks)]))  # every round
         except DOWN as e:
             self._health.failed("touch", e)
 
@@ -297,11 +292,10 @@ class RedisL2(L2Adapter):
         """Fill `out` from the store; False for a missing object (or one of another namespace than `ns`: another
         tenant's, kept), BadObject for a damaged one, once its keys are deleted.
 
-        The meta comes with the chunks our chunk size names, in one round trip; an object written with another
-        chunk size costs one more. What the meta says names no key before it is checked: its chunk size against
-        the range any writer may use (`MetaCodec.parse`), its length against `out`'s (the length the server's
-        layout expects), so the keys read and deleted number at most out.nbytes / 64 KiB + 1 whatever it claims.
-        The MAC covers the payload: it is checked once those chunks are read, before a byte is served."""
+        The meta comes with the chunks our chunk size names; one of another chunk size costs one more round trip.
+        The meta names no key before its chunk size is checked against the range any writer may use and its length
+        against `out`'s (the server's layout's): at most out.nbytes / 64 KiB + 1 keys are read or deleted, whatever
+        it claims. The MAC covers the payload: checked once those chunks are read, before a byte is served."""
         size, cb = out.nbytes, self.spec.chunk_bytes
         smallest = cb  # the smallest chunk size this object's keys may be named for (its removal names them all)
         try:
@@ -354,51 +348,6 @@ class RedisL2(L2Adapter):
         if err is not None:
             raise BadObject(f"the store answered {type(err).__name__}: {err}")
         return meta, chunks
-
-    def _clear_batch(self, metas: list[bytes], namespaces: frozenset[bytes] | None) -> Iterator[dict[bytes, int]]:
-        """Delete the objects of `namespaces` among these meta names: the metas (what readers look for) in one
-        command, then their chunks in rounds, a piece each."""
-        metas = [m for m in metas if self._codec.is_meta_name(m)]
-        if not metas:
-            yield {}
-            return
-        names, chunks, counts = self._codec.cleared(metas, self._data.mget(metas), namespaces)
-        if names:
-            self._data.unlink(*names)
-        yield counts
-        for _ in self._chunk_rounds("unlink", chunks):
-            yield {}
-
-    def _chunk_rounds(self, command: str, objects: list[tuple[str, int | None]]) -> Iterator[int]:
-        """`command` (unlink or touch) over the data keys [0, n) of each (names' base, n) in `objects`, n being
-        what its meta claims (None: unknown), _WINDOW keys of one object per command, _ROUND_NAMES keys per round
-        trip; yields how many keys each round found. An object's walk ends at n or at a window that found none of
-        its keys: a put writes them all, so past that are only orphans of an object the store evicted in part
-        (its LRU or TTL takes them), and a meta claiming 2**64 bytes costs one window. The work is bounded by the
-        keys that exist, never by a claim."""
-        todo = deque((base, 0, n) for base, n in objects if n is None or n > 0)
-        while todo:
-            sent: list[tuple[str, int, int, int | None]] = []
-            named = 0
-            while todo and named < _ROUND_NAMES:
-                base, start, n = todo.popleft()
-                end = start + _WINDOW if n is None else min(n, start + _WINDOW)
-                sent.append((base, start, end, n))
-                named += end - start
-            found = self._each(command, [[f"{base}{i}" for i in range(start, end)] for base, start, end, _ in sent])
-            for (base, _, end, n), k in zip(sent, found, strict=True):
-                if k and (n is None or end < n):
-                    todo.append((base, end, n))
-            yield sum(found)
-
-    def _each(self, command: str, groups: list[list[str]]) -> list[int]:
-        """`command` over each group of names (one multi-key command per group, one round trip): the keys found."""
-        if isinstance(self._data, ClusterLink):
-            return self._data.each(command, groups)
-        pipe = self._data.pipeline(transaction=False)
-        for names in groups:
-            getattr(pipe, command)(*names)
-        return list(pipe.execute())
 
     def _delete_quietly(self, names: list) -> None:
         try:
