@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,6 +27,18 @@ def spawn_server(sock_dir: str, *args: str, name: str = "s", l1_gib: float = 0.0
     """A server for tests that manage its life themselves (the `server_factory` fixture stops its own)."""
     return start_server(parse([f"--endpoint=ipc://{sock_dir}/{name}.sock", f"--l1-gib={l1_gib}",
                                f"--client-timeout={client_timeout}", *args, "--admin"]))
+
+
+def settled(client: CacheClient, timeout_s: float = 60.0) -> dict:
+    """The server's counters once no worker job is in flight (spills and L2 reads are asynchronous: a test that
+    looks at L2 or its counters after a store waits here for them), nothing is parked and no object is unready."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        c = client.call(P.Stats())[0].counters
+        if c["workers_inflight"] == 0 and c["parked"] == 0 and c["l1_unready_objects"] == 0:
+            return c
+        assert time.monotonic() < deadline, f"still working after {timeout_s} s: {c}"
+        time.sleep(0.01)
 
 
 @contextmanager

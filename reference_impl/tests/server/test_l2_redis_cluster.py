@@ -208,6 +208,27 @@ def test_clear_of_one_namespace_removes_only_its_keys_on_every_node(empty):
         assert sum(r.client().dbsize() for r in empty.nodes) == 0
 
 
+@needs_cluster
+def test_clear_of_metas_claiming_huge_payloads_deletes_what_exists_on_the_owning_node(empty):
+    """A meta claiming 3e6 chunks costs a clear one window of names on its node (not 3e6 single-key commands), and
+    an object of more chunks than one window is deleted whole, window after window (issue 35)."""
+    codec = MetaCodec("hybridkv:", b"")
+    with make(empty) as l2:
+        l2.put(key_of(1), 0, NS_A, payload(1, 150 * CHUNK + 1))  # 151 data keys: three windows of 64
+        l2.put(key_of(2), 0, NS_B, payload(2, SIZE))
+        bomb = key_of(3)
+        node = empty.owner(key_slot(codec.meta_key(bomb, 0))).client()
+        node.set(codec.meta_key(bomb, 0), ObjectHeader(NS_A, bomb, 0, 3 * 10**6 * CHUNK, 0).pack()
+                 + CHUNK.to_bytes(4, "little"))
+        node.set(f"{codec.data_base(bomb, 0)}0", b"x")
+        t = time.monotonic()
+        assert l2.clear(NS_A) == 2
+        assert time.monotonic() - t < 10
+        left = [n for r in empty.nodes for n in our_keys(r)]
+        assert len(left) == 1 + 6 and all(b"{" + key_of(2).hex().encode() in n for n in left), left
+        assert read_back(l2, key_of(2), 0) == payload(2, SIZE)
+
+
 # ---- slow: a resharding, a node killed, AUTH ----
 
 @needs_cluster

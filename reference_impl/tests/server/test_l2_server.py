@@ -25,7 +25,7 @@ from hybridkv.engine.client import CacheClient
 from hybridkv.presets import preset_layout
 from hybridkv.server.l2.fs_files import DATA_OFFSET
 from hybridkv.server.l2.header import ObjectHeader
-from serverkit import ATTN, STATES, Engine
+from serverkit import ATTN, STATES, Engine, settled
 
 TESTS = Path(__file__).parent
 MIB = 1 << 20
@@ -120,6 +120,16 @@ def fill(eng: Engine, n_chunks: int, seed: int) -> list[bytes]:
     return keys
 
 
+def push_to_l2(eng: Engine, seed: int) -> None:
+    """Every object stored so far leaves L1 for L2. Spills are asynchronous and end in any order, and one that
+    ends late puts its object at the young end of L1's clean queue, where one fill may leave it: so a fill, its
+    spills waited for (every older object is in L2 now, and clean), and a second fill, which evicts every clean
+    object older than its own before any of its own (it stores more than L1 holds)."""
+    fill(eng, 16, seed=seed)
+    settled(eng.client)
+    fill(eng, 16, seed=seed + 1000)
+
+
 @pytest.fixture
 def l2_dir(tmp_path):
     return tmp_path / "l2"
@@ -135,7 +145,7 @@ def test_l1_pressure_spills_to_l2_and_every_chunk_reloads(server_factory, l2_dir
         for i in range(0, 40, 4):
             prep = eng.store(keys[i:i + 4], request=f"s{i}")
             assert len(prep.slots) == 16 and not prep.refused
-        c = counters(client)
+        c = settled(client)  # the spills the stores started have ended
         assert c["l1_evictions"] > 0 and c["l2_spills"] > 0 and c["l1_objects"] < 160
         # The oldest chunks are only in L2 now: storing them again moves no bytes.
         first = {(k, g) for k in keys[:4] for g in range(4)}
@@ -165,7 +175,7 @@ def test_objects_split_across_l1_and_l2_make_a_full_hit(server_factory, l2_dir, 
         states = [(4, g) for g in STATES]
         first, second = (states, attn) if in_l2 == "states" else (attn, states)
         eng.store(keys, first, request="first")
-        fill(eng, 16, seed=3)  # pushes `first` out of L1 into L2
+        push_to_l2(eng, seed=3)
         assert {(keys[c], g) for c, g in first} <= l2_files(l2_dir)[0]
         eng.store(keys, second, request="second")  # lands in L1, the youngest objects
         before = counters(client)["l2_prefetches"]
@@ -180,7 +190,7 @@ def test_corrupt_l2_file_shrinks_the_hit_and_is_removed(server_factory, l2_dir, 
         eng = Engine(client)
         keys = eng.keys(5, seed=4)
         eng.store(keys)  # every group at every chunk: states at each boundary
-        fill(eng, 16, seed=5)
+        push_to_l2(eng, seed=5)
         # A state at the last chunk: the hit falls back to chunk 3's states. Attention of chunk 2: to 2.
         (c, g), want = ((4, STATES[1]), 4) if victim == "state" else ((2, ATTN), 2)
         path = obj_path(l2_dir, keys[c], g)
@@ -206,7 +216,7 @@ def test_vanished_or_truncated_l2_file_is_a_miss(server_factory, l2_dir, damage)
         eng = Engine(client)
         keys = eng.keys(4, seed=6)
         eng.store(keys)
-        fill(eng, 16, seed=7)
+        push_to_l2(eng, seed=7)
         path = obj_path(l2_dir, keys[0], 0)
         if damage == "deleted":
             path.unlink()
@@ -295,10 +305,10 @@ def test_failing_spills_are_counted_and_l1_keeps_serving(server_factory, l2_dir,
         # each object still in L1 at most once more (spill-ahead, on its 0.5 s tick), then stops.
         before = counters(client)["l2_spill_failures"]
         time.sleep(1.2)
-        settled = counters(client)["l2_spill_failures"]
-        assert settled - before <= c["l1_objects"]
+        after_idle = counters(client)["l2_spill_failures"]
+        assert after_idle - before <= c["l1_objects"]
         time.sleep(1.2)
-        assert counters(client)["l2_spill_failures"] == settled
+        assert counters(client)["l2_spill_failures"] == after_idle
         lookup_checked(eng, keys[-4:], 4)
 
 

@@ -7,6 +7,10 @@ store's own maxmemory policy evicts keys; an object with a key gone is a miss. W
 unreachable every call is a miss (puts raise `L2Error`) without touching the network, for a back-off
 that doubles up to 8 s, with one log line per 10 s.
 
+A meta is a claim by whoever can write the store, checked before it costs anything: a read names the keys of
+the length the server expects (its layout's), whatever the meta claims (`_read`); removals and clears go by the
+keys that exist (`redis_keys`), so a meta claiming 2**64 bytes costs one window, not a key name per chunk.
+
 The server loop asks `length` for every object of a lookup, so lengths are cached in a local index
 (trusted for `index_ttl_s`, misses for `miss_ttl_s`) and `probe` fills it for many objects in one round
 trip; queries from the loop use their own connections with a short timeout.
@@ -26,6 +30,7 @@ from hybridkv.keys import ObjectKey
 from hybridkv.server.l2.base import L2Adapter, L2Error, byte_view, check_key, check_ns
 from hybridkv.server.l2.header import BadObject, ObjectHeader, crc32
 from hybridkv.server.l2.redis_cluster import ClusterLink, store_links
+from hybridkv.server.l2.redis_keys import WINDOW, chunk_rounds, clear_batch
 from hybridkv.server.l2.redis_link import DOWN, StoreHealth
 from hybridkv.server.l2.redis_meta import Forged, MetaCodec
 from hybridkv.server.lru import Indexed, LruIndex
@@ -137,19 +142,17 @@ class RedisL2(L2Adapter):
             self._count(misses=1)
             return False
         try:
-            ok = self._read(key, group, out, self.spec.chunk_bytes, ns)
+            ok = self._read(key, group, out, ns)
         except DOWN as e:
             self._health.failed("get", e)
             self._count(misses=1, store_errors=1)
             return False
         except Forged as e:
             log.warning("L2 redis: removed forged object %s-%d: %s", key.hex(), group, e)
-            self._drop(key, group, out.nbytes)
             self._count(misses=1, forged=1)
             return False
         except BadObject as e:
             log.warning("L2 redis: removed bad object %s-%d: %s", key.hex(), group, e)
-            self._drop(key, group, out.nbytes)
             self._count(misses=1, corrupt_removed=1)
             return False
         self._health.ok()
@@ -209,29 +212,27 @@ class RedisL2(L2Adapter):
         for k, g, forged in bad:
             log.warning("L2 redis: removed object %s-%d with a %s", k.hex(), g, "meta without a MAC" if forged
                         else "bad header")
-            self._delete_quietly([self._codec.meta_key(k, g)])
+            base = self._codec.data_base(k, g)  # of a length it cannot tell: a window of its chunks, in one command
+            self._delete_quietly([self._codec.meta_key(k, g), *(f"{base}{i}" for i in range(WINDOW))])
             self._count(**{"forged" if forged else "corrupt_removed": 1})
 
     def remove(self, key: bytes, group: int) -> bool:
-        """Delete the object's meta and data keys; True if the meta key existed."""
+        """Delete the object's meta, then its data keys (`redis_keys.chunk_rounds`); True if the meta key existed."""
         check_key(key, group)
         self._check_open()
         self._check_up("remove")
         length = self._fresh_length((key, group))
+        chunks: int | None = 0 if length is None else -(-length // self.spec.chunk_bytes)
         try:
             raw: Any = self._data.get(self._codec.meta_key(key, group))
             if raw is not None:
                 try:
                     hdr, cb = self._codec.parse(raw, key, group)
-                    length, chunk = hdr.payload_len, cb
+                    chunks = max(chunks or 0, -(-hdr.payload_len // cb))
                 except BadObject:
-                    chunk = self.spec.chunk_bytes
-            else:
-                chunk = self.spec.chunk_bytes
-            names = [self._codec.meta_key(key, group)]
-            if length is not None:
-                names += self._codec.data_keys(key, group, length, chunk)
-            removed = self._data.delete(*names)
+                    chunks = None  # how many it had cannot be told
+            removed = self._data.delete(self._codec.meta_key(key, group))
+            sum(chunk_rounds(self._data, "unlink", [(self._codec.data_base(key, group), chunks)]))  # every round
         except DOWN as e:
             self._down("remove", e)
         self._forget((key, group))
@@ -247,10 +248,9 @@ class RedisL2(L2Adapter):
             for name in self._data.scan_iter(match=self._codec.scan_match(), count=1000):
                 batch.append(name)
                 if len(batch) >= _PROBE_BATCH:
-                    counts = self._clear_batch(batch, namespaces)
+                    yield from clear_batch(self._data, self._codec, batch, namespaces)
                     batch = []
-                    yield counts
-            yield self._clear_batch(batch, namespaces)
+            yield from clear_batch(self._data, self._codec, batch, namespaces)
         except DOWN as e:
             self._down("clear", e)
         finally:  # also when a Clear stops mid-way
@@ -264,7 +264,9 @@ class RedisL2(L2Adapter):
         if length is None or not self._health.up():
             return
         try:
-            self._data.touch(*self._keys_of(key, group, length))
+            self._data.touch(self._codec.meta_key(key, group))
+            chunks = -(-length // self.spec.chunk_bytes)  # a probe may have learnt `length` from any meta
+            sum(chunk_rounds(self._data, "touch", [(self._codec.data_base(key, group), chunks)]))  # every round
         except DOWN as e:
             self._health.failed("touch", e)
 
@@ -286,61 +288,66 @@ class RedisL2(L2Adapter):
 
     # ---- internals ----
 
-    def _read(self, key: bytes, group: int, out: memoryview, cb: int, ns: bytes | None) -> bool:
+    def _read(self, key: bytes, group: int, out: memoryview, ns: bytes | None) -> bool:
         """Fill `out` from the store; False for a missing object (or one of another namespace than `ns`: another
-        tenant's, kept), BadObject for a damaged one."""
-        size = out.nbytes
+        tenant's, kept), BadObject for a damaged one, once its keys are deleted.
+
+        The meta comes with the chunks our chunk size names; one of another chunk size costs one more round trip.
+        The meta names no key before its chunk size is checked against the range any writer may use and its length
+        against `out`'s (the server's layout's): at most out.nbytes / 64 KiB + 1 keys are read or deleted, whatever
+        it claims. The MAC covers the payload: checked once those chunks are read, before a byte is served."""
+        size, cb = out.nbytes, self.spec.chunk_bytes
+        smallest = cb  # the smallest chunk size this object's keys may be named for (its removal names them all)
+        try:
+            meta, chunks = self._fetch(key, group, size, cb)
+            if meta is None:
+                # Chunks without a meta may be a put in flight: left alone (the store's LRU or TTL takes orphans).
+                self._forget((key, group))
+                return False
+            hdr, their_cb = self._codec.parse(meta, key, group)
+            if ns is not None and hdr.ns != ns:
+                self._remember((key, group), hdr.payload_len, hdr.ns)
+                return False
+            hdr.check_for(key, group, size)
+            if their_cb != cb:  # written by a server with another chunk size: its keys, once
+                smallest = min(cb, their_cb)
+                again, chunks = self._fetch(key, group, size, their_cb)
+                if again != meta:  # replaced or removed meanwhile: a miss, not damage (and no third try)
+                    self._forget((key, group))
+                    return False
+                cb = their_cb
+            pos = 0
+            for i, c in enumerate(chunks):
+                want = min(cb, size - pos)
+                if c is None:
+                    self._count(evicted_seen=1)
+                    raise BadObject(f"chunk {i} of {len(chunks)} is gone (evicted by the store?)")
+                if len(c) != want:
+                    raise BadObject(f"chunk {i} is {len(c)} bytes, expected {want}")
+                out[pos:pos + want] = c
+                pos += want
+            if crc32(out, 0) != hdr.payload_crc:
+                raise BadObject("payload checksum mismatch")
+            self._codec.check_mac(meta, out)
+        except BadObject:
+            self._forget((key, group))
+            self._delete_quietly([self._codec.meta_key(key, group),
+                                  *self._codec.data_keys(key, group, size, smallest)])
+            raise
+        self._remember((key, group), size, hdr.ns)
+        return True
+
+    def _fetch(self, key: bytes, group: int, size: int, cb: int) -> tuple[Any, list[Any]]:
+        """The meta value and the `size` bytes' chunks of `cb` bytes, in one pipeline (None where missing)."""
         pipe = self._data.pipeline(transaction=False)
         pipe.get(self._codec.meta_key(key, group))
         for name in self._codec.data_keys(key, group, size, cb):
             pipe.get(name)
         meta, *chunks = pipe.execute(raise_on_error=False)
-        if isinstance(meta, Exception) or any(isinstance(c, Exception) for c in chunks):
-            err = next(x for x in (meta, *chunks) if isinstance(x, Exception))
+        err = next((x for x in (meta, *chunks) if isinstance(x, Exception)), None)
+        if err is not None:
             raise BadObject(f"the store answered {type(err).__name__}: {err}")
-        if meta is None:
-            # Chunks without a meta may be a put in flight: left alone (the store's LRU or TTL takes orphans).
-            self._forget((key, group))
-            return False
-        hdr, their_cb = self._codec.parse(meta, key, group)
-        if ns is not None and hdr.ns != ns:
-            self._remember((key, group), hdr.payload_len, hdr.ns)
-            return False
-        hdr.check_for(key, group, size)
-        if their_cb != cb:  # written by a server with another chunk size: read its keys
-            return self._read(key, group, out, their_cb, ns)
-        pos = 0
-        for i, c in enumerate(chunks):
-            want = min(cb, size - pos)
-            if c is None:
-                self._count(evicted_seen=1)
-                raise BadObject(f"chunk {i} of {len(chunks)} is gone (evicted by the store?)")
-            if len(c) != want:
-                raise BadObject(f"chunk {i} is {len(c)} bytes, expected {want}")
-            out[pos:pos + want] = c
-            pos += want
-        if crc32(out, 0) != hdr.payload_crc:
-            raise BadObject("payload checksum mismatch")
-        self._codec.check_mac(meta, out)
-        self._remember((key, group), size, hdr.ns)
-        return True
-
-    def _clear_batch(self, metas: list[bytes], namespaces: frozenset[bytes] | None) -> dict[bytes, int]:
-        metas = [m for m in metas if self._codec.is_meta_name(m)]
-        if not metas:
-            return {}
-        names, counts = self._codec.cleared(metas, self._data.mget(metas), namespaces)
-        if names:
-            self._data.unlink(*names)
-        return counts
-
-    def _drop(self, key: bytes, group: int, size: int) -> None:
-        self._forget((key, group))
-        self._delete_quietly(self._keys_of(key, group, size))
-
-    def _keys_of(self, key: bytes, group: int, size: int) -> list[str]:
-        """The meta key and the data keys of an object of `size` bytes written with our chunk size."""
-        return [self._codec.meta_key(key, group), *self._codec.data_keys(key, group, size, self.spec.chunk_bytes)]
+        return meta, chunks
 
     def _delete_quietly(self, names: list) -> None:
         try:

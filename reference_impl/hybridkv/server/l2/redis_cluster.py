@@ -144,8 +144,9 @@ class ClusterMap:
 
 
 class ClusterLink:
-    """The subset of redis.Redis the adapter uses (get, mget, pipeline, delete, unlink, touch, scan_iter, ping),
-    each command sent to the node that serves its key's slot, redirects followed (see the module doc)."""
+    """The subset of redis.Redis the adapter uses (get, mget, pipeline, delete, unlink, touch, scan_iter, ping) and
+    `each` (a multi-key command per object, in one round), each command sent to the node that serves its key's
+    slot, redirects followed (see the module doc)."""
 
     def __init__(self, cmap: ClusterMap, node_url: Callable[[Addr], str], timeout_s: float, connect_s: float,
                  conns: int, **auth: Any) -> None:
@@ -263,12 +264,20 @@ class ClusterLink:
         return self._count("touch", names)
 
     def _count(self, method: str, names: tuple) -> int:
-        """One single-key command per name (a multi-key one is refused across slots, and mid-migration)."""
-        res = self.run([(method, (n,), {}) for n in names])
+        return self.each(method, [names])[0]
+
+    def each(self, method: str, groups: list) -> list[int]:
+        """`method` (delete, unlink, touch) over each group of names: how many keys of each group it found. One
+        single-key command per name (a multi-key one is refused across slots, and mid-migration)."""
+        res = self.run([(method, (n,), {}) for names in groups for n in names])
         err = next((r for r in res if isinstance(r, Exception)), None)
         if err is not None:
             raise err
-        return sum(res)
+        out, i = [], 0
+        for names in groups:
+            out.append(sum(res[i:i + len(names)]))
+            i += len(names)
+        return out
 
     def pipeline(self, transaction: bool = False) -> ObjectPipeline:
         return ObjectPipeline(self)

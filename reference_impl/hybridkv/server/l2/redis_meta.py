@@ -8,6 +8,10 @@ Keys (all under the configured prefix, one deployment or tenant per prefix):
 
 `{<key hex>-<group>}` is the keys' hash tag: on a Redis Cluster every key of one object is in one slot, so on one
 node, and one pipeline reads or writes the whole object (a prefix holds no braces: specs checks it).
+
+A meta value is a claim by whoever could write the store: `parse` refuses a chunk size outside the range any
+writer may be configured with, so a reader's keys number at most the expected length / 64 KiB, and `cleared`
+hands out chunk counts, never a list of names built from a claimed length.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from typing import Any
 from hybridkv.server.l2.header import HEADER_BYTES, KEY_BYTES, BadObject, ObjectHeader
 
 CHUNK = struct.Struct("<I")
+MIN_CHUNK_BYTES = 64 * 1024   # the chunk sizes a writer may be configured with (RedisL2Spec.chunk_bytes)
+MAX_CHUNK_BYTES = 512 << 20
 META_BYTES = HEADER_BYTES + CHUNK.size
 MAC_BYTES = 32  # HMAC-SHA256, after the chunk size, in the meta of a server with a MAC key
 _META_NAME = re.compile(rb"m:\{[0-9a-f]{%d}-[0-9]{1,9}\}" % (2 * KEY_BYTES))
@@ -40,8 +46,14 @@ class MetaCodec:
     def meta_key(self, key: bytes, group: int) -> str:
         return f"{self.prefix}m:{{{key.hex()}-{group}}}"
 
+    def data_base(self, key: bytes, group: int) -> str:
+        """The data keys' names without their index."""
+        return f"{self.prefix}d:{{{key.hex()}-{group}}}:"
+
     def data_keys(self, key: bytes, group: int, size: int, cb: int) -> list[str]:
-        base = f"{self.prefix}d:{{{key.hex()}-{group}}}:"
+        """Every data key of an object of `size` bytes in chunks of `cb`: for a size the caller expects, never one
+        a meta claims (it may claim 2**64 bytes)."""
+        base = self.data_base(key, group)
         return [f"{base}{i}" for i in range(-(-size // cb))]
 
     def scan_match(self) -> bytes:
@@ -78,15 +90,17 @@ class MetaCodec:
         if hdr.key != key or hdr.group != group:
             raise BadObject(f"meta is for {hdr.key.hex()}-{hdr.group}")
         (cb,) = CHUNK.unpack_from(raw, HEADER_BYTES)
-        if cb == 0:
-            raise BadObject("chunk size 0")
+        if not MIN_CHUNK_BYTES <= cb <= MAX_CHUNK_BYTES:
+            raise BadObject(f"chunk size {cb} outside [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]: no writer's")
         return hdr, cb
 
-    def cleared(self, metas: list[bytes], values: list[Any],
-                namespaces: frozenset[bytes] | None) -> tuple[list[bytes | str], dict[bytes, int]]:
-        """For a clear of `namespaces` (every one when None): the keys to delete among these meta keys of ours
-        and their values, and how many objects they are per namespace."""
-        names: list[bytes | str] = []
+    def cleared(self, metas: list[bytes], values: list[Any], namespaces: frozenset[bytes] | None
+                ) -> tuple[list[bytes], list[tuple[str, int | None]], dict[bytes, int]]:
+        """For a clear of `namespaces` (every one when None), among these meta keys of ours and their values: the
+        meta keys to delete, the data keys' names without their index with the chunk count each meta claims (None
+        where its chunk size is no writer's), and how many objects they are per namespace."""
+        names: list[bytes] = []
+        chunks: list[tuple[str, int | None]] = []
         counts: dict[bytes, int] = {}
         for name, raw in zip(metas, values, strict=True):
             if raw is None:
@@ -102,6 +116,8 @@ class MetaCodec:
                 continue  # a header copied under another name: not the object this name stands for
             if namespaces is not None and hdr.ns not in namespaces:
                 continue
-            names += [name, *self.data_keys(hdr.key, hdr.group, hdr.payload_len, max(cb, 1))]
+            names.append(name)
+            n = -(-hdr.payload_len // cb) if MIN_CHUNK_BYTES <= cb <= MAX_CHUNK_BYTES else None
+            chunks.append((self.data_base(hdr.key, hdr.group), n))
             counts[hdr.ns] = counts.get(hdr.ns, 0) + 1
-        return names, counts
+        return names, chunks, counts

@@ -15,6 +15,8 @@ import stat
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from hybridkv.server.l2.redis_meta import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
+
 if TYPE_CHECKING:
     from hybridkv.server.l2.base import L2Adapter
 
@@ -174,7 +176,7 @@ class RedisL2Spec:
         if not self.prefix or any(c.isspace() or c in "{}" for c in self.prefix):
             raise L2ConfigError(f"redis L2 prefix must be non-empty without spaces, {{ or }} (a cluster's hash tag "
                                 f"is the object's), got {self.prefix!r}")
-        if not 64 * 1024 <= self.chunk_bytes <= 512 * MIB:
+        if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:  # what a reader accepts in a meta
             raise L2ConfigError(f"redis L2 chunk_bytes must be in [64 KiB, 512 MiB], got {self.chunk_bytes}")
         for name in ("timeout_s", "meta_timeout_s", "connect_timeout_s", "retry_after_s"):
             if not getattr(self, name) > 0:
