@@ -52,6 +52,7 @@ SHIPPED = {
     "hf_oracle": (1.0, "long_doc_qa/pickle-*"),  # test_hf_engine runs its shm case
     "h200_hf_oracle": (0.05, "*"),  # a 27B-parameter model: skipped without CUDA
     "h200_hf_layerwise": (0.05, "*"),
+    "h100_hf_layerwise": (0.05, "*"),  # the same on an 80 GB card (48 of 64 layers)
     "vllm_connector": (1.0, "shm-*"),  # needs vLLM: runs in `nox -s vllm`, skipped elsewhere
 }
 

@@ -137,7 +137,8 @@ def test_a_retrieve_released_before_its_reply_is_read_still_carries_its_own_byte
                  if not np.array_equal(np.frombuffer(f, np.uint8), Engine.payload(keys[o.chunk], o.group, o.length))]
         assert not wrong, f"{len(wrong)} of {N} frames carry bytes that are not the attacker's: chunks {wrong}"
         assert during["l1_lent_objects"] == N  # held by the frames, not by any lease
-        assert during["l1_lent_dropped_slots"] > 0, during  # the other tenant's store did evict them
+        if how != "reclaim":  # a reclaimed lease's pins stay through the quarantine, so nothing evicts them yet
+            assert during["l1_lent_dropped_slots"] > 0, during  # the other tenant's store did evict them
         # once libzmq has let go of the frames, their slots are free
         wait_for(admin, given_back, "the loans back")
     a.close()
