@@ -20,12 +20,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hybridkv.engine.vllm.events import HybridKVEvents, KVEventTracker, events_enabled
+from hybridkv.engine.vllm.health import WorkerHealth
 from hybridkv.engine.vllm.layout_from_vllm import (
     check_matches_preset,
     layout_from_kv_cache_config,
@@ -144,6 +146,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         reports = self.worker_side.take_store_reports()
         return HybridKVEvents(reports) if reports else None
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """This rank's connection state when it changed (`health.WorkerHealth`): the scheduler side offers no hit
+        a rank cannot load."""
+        return self.worker_side.health_report() if self.worker_side is not None else None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()  # failures are per request (failed_recving): vLLM refuses block errors with several groups
 
@@ -177,11 +184,13 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """The workers' outputs of a step, summed by vLLM: their store reports become KV events, their failed loads
-        end the layer-wise loads that would have followed."""
+        end the layer-wise loads that would have followed, their connection states gate the hits offered."""
         reports = connector_output.kv_cache_events
         side = self.scheduler_side
         if side is not None and connector_output.failed_recving:
             side.load_failed(set(connector_output.failed_recving))
+        if side is not None and isinstance(health := connector_output.kv_connector_worker_meta, WorkerHealth):
+            side.worker_health(health.states)
         if side is not None and side.events is not None and isinstance(reports, HybridKVEvents):
             side.events.reported(reports.get_all_events())
 

@@ -36,7 +36,7 @@ class ConnectorSettings:
     # again each step. After this long the lookup waits for the reads itself. 0: always wait in the lookup.
     l2_wait_s: float = 30.0
     timeout_s: float = 30.0         # stores, loads and registration
-    retry_s: float = 10.0           # how long to wait before trying an unreachable server again
+    retry_s: float = 10.0           # how long a server that refused the registration is left alone (health.py)
     expect_preset: str = ""         # a hybridkv preset name: refuse to start when vLLM's layout differs
     # async: a hit is loaded whole while the request waits in vLLM's queue. layerwise: only the lookup, the pins
     # and the GDN states load there; the attention pages are copied from the pinned arena in the request's first
