@@ -28,7 +28,7 @@ class ConnectorSettings:
     commit: CommitMode = "fenced"  # a store's commit leaves with its copies (protocol.md); after_copies: classic
     store_policy: Policy = "boundary"  # attention of every chunk, the recurrent state wherever vLLM offers one
     retrieve_policy: Policy = "boundary"  # attention of every hit chunk, the recurrent state at the hit's end
-    chunk_tokens: int = 0           # 0: vLLM's block size (the unified hybrid block)
+    chunk_tokens: int = 0           # 0: vLLM's block size (the unified hybrid block); see connector.check_chunk_states
     lookup_timeout_s: float = 1.0   # a lookup (scheduler or worker) slower than this counts as a miss
     step_timeout_s: float = 1.0     # the longest a step waits for a store's copies; later ones are cancelled
     # A request whose cached prefix is partly on disk (L2): the connector starts the reads (Prefetch) and
