@@ -148,11 +148,27 @@ def _answering(endpoint: str) -> float:
     return time.monotonic()
 
 
+def _hits_again(rig) -> None:
+    """Wait until a stored prompt hits (an earlier test may leave the connector waiting out a refusal's retry_s)."""
+    _answering(rig["back"])
+    deadline = time.monotonic() + RETRY_S + 20
+    q = prompt(300, 50)
+    while True:
+        generate(rig["llm"], [q])
+        forget_local(rig["llm"])
+        (again,) = generate(rig["llm"], [q])
+        if again.cached:
+            return
+        assert time.monotonic() < deadline, "hits never came back"
+        time.sleep(0.5)
+
+
 @pytest.mark.slow
 def test_no_hit_lost_after_a_short_stall(rig):
     """The server stops for 1.5 s right after the scheduler accepted a hit: that load fails (a recompute); every
     hit offered once the server answers again loads (the worker registers again at once, not after retry_s)."""
     llm, proxy = rig["llm"], rig["proxy"]
+    _hits_again(rig)
     p, cold = _cold_then_stored(llm, 30)
     q, q_cold = _cold_then_stored(llm, 31)
     pid = rig["server"].pid
@@ -179,6 +195,7 @@ def test_hits_come_back_on_the_next_request_after_a_restart(rig):
     """Restarted empty at the same endpoint: the first request misses and is stored (both sides register again at
     once: the scheduler on `unknown_engine`, the worker when the scheduler's registration moves), the next hits."""
     llm = rig["llm"]
+    _hits_again(rig)
     _cold_then_stored(llm, 40)
     failures = worker_counters(llm)["load_failures"]
     rig["server"].close()
