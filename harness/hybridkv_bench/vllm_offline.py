@@ -218,6 +218,7 @@ class OfflineEngine:
             out.invalid_block_ids = w.get_block_ids_with_load_errors()
             out.kv_connector_stats = w.get_kv_connector_stats()
             out.kv_cache_events = w.get_kv_connector_kv_cache_events()
+            out.kv_connector_worker_meta = w.build_connector_worker_meta()
             w.clear_connector_metadata()
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=sampled, kv_connector_output=out)

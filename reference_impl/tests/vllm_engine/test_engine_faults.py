@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
-from enginekit import BLOCK, close_llm, forget_local, generate, make_llm, prompt
+from enginekit import BLOCK, close_llm, forget_local, generate, make_llm, prompt, worker_counters
 from faultproxy import FaultProxy
+from hybridkv import protocol as P
+from hybridkv.engine.client import CacheClient
 from hybridkv.server.cli import parse
 from hybridkv.server.launch import start_server
 
@@ -136,3 +139,71 @@ def test_server_restarted_with_another_chunk_size(rig):
         time.sleep(0.5)
     rig["server"].close()
     rig["start"]()
+
+
+def _answering(endpoint: str) -> float:
+    """Wait until the server answers; when it did (monotonic)."""
+    with CacheClient(endpoint, timeout_s=30) as c:
+        c.call(P.Health())
+    return time.monotonic()
+
+
+def _hits_again(rig) -> None:
+    """Wait until a stored prompt hits (an earlier test may leave the connector waiting out a refusal's retry_s)."""
+    _answering(rig["back"])
+    deadline = time.monotonic() + RETRY_S + 20
+    q = prompt(300, 50)
+    while True:
+        generate(rig["llm"], [q])
+        forget_local(rig["llm"])
+        (again,) = generate(rig["llm"], [q])
+        if again.cached:
+            return
+        assert time.monotonic() < deadline, "hits never came back"
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_no_hit_lost_after_a_short_stall(rig):
+    """The server stops for 1.5 s right after the scheduler accepted a hit: that load fails (a recompute); every
+    hit offered once the server answers again loads (the worker registers again at once, not after retry_s)."""
+    llm, proxy = rig["llm"], rig["proxy"]
+    _hits_again(rig)
+    p, cold = _cold_then_stored(llm, 30)
+    q, q_cold = _cold_then_stored(llm, 31)
+    pid = rig["server"].pid
+    cont = threading.Timer(1.5, os.kill, (pid, signal.SIGCONT))
+    proxy.arm(lambda: (os.kill(pid, signal.SIGSTOP), cont.start()))
+    try:
+        (warm,) = generate(llm, [p])
+    finally:
+        cont.join()
+        os.kill(pid, signal.SIGCONT)
+    assert proxy.fired.is_set() and warm.tokens == cold.tokens
+    back = _answering(rig["back"])
+    failures = worker_counters(llm)["load_failures"]
+    for _ in range(3):
+        forget_local(llm)
+        (again,) = generate(llm, [q])
+        assert again.tokens == q_cold.tokens
+        assert again.cached == (len(q) - 1) // BLOCK * BLOCK, f"a hit lost {time.monotonic() - back:.1f} s after"
+    assert worker_counters(llm)["load_failures"] == failures
+
+
+@pytest.mark.slow
+def test_hits_come_back_on_the_next_request_after_a_restart(rig):
+    """Restarted empty at the same endpoint: the first request misses and is stored (both sides register again at
+    once: the scheduler on `unknown_engine`, the worker when the scheduler's registration moves), the next hits."""
+    llm = rig["llm"]
+    _hits_again(rig)
+    _cold_then_stored(llm, 40)
+    failures = worker_counters(llm)["load_failures"]
+    rig["server"].close()
+    rig["start"]()
+    q = prompt(700, 41)
+    (q_cold,) = generate(llm, [q])
+    forget_local(llm)
+    (again,) = generate(llm, [q])
+    assert again.tokens == q_cold.tokens
+    assert again.cached == (len(q) - 1) // BLOCK * BLOCK
+    assert worker_counters(llm)["load_failures"] == failures

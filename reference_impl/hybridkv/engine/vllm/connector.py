@@ -20,12 +20,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hybridkv.engine.vllm.events import HybridKVEvents, KVEventTracker, events_enabled
+from hybridkv.engine.vllm.health import WorkerHealth
 from hybridkv.engine.vllm.layout_from_vllm import (
     check_matches_preset,
     layout_from_kv_cache_config,
@@ -42,7 +44,7 @@ from hybridkv.engine.vllm.stats import (
     IntervalCounter,
 )
 from hybridkv.engine.vllm.worker_side import WorkerSide
-from hybridkv.layout import LayoutError
+from hybridkv.layout import LayoutError, ModelLayout
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -83,6 +85,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.chunk_tokens % block:
             raise LayoutError(f"chunk_tokens {self.chunk_tokens} is not a multiple of vLLM's block size {block}")
         self.layout.check_chunk_tokens(self.chunk_tokens)
+        check_chunk_states(self.layout, self.chunk_tokens, block,
+                           vllm_config.cache_config.prefix_cache_retention_interval)
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         self._requests: dict[str, Request] = {}
@@ -144,6 +148,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         reports = self.worker_side.take_store_reports()
         return HybridKVEvents(reports) if reports else None
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """This rank's connection state when it changed (`health.WorkerHealth`): the scheduler side offers no hit
+        a rank cannot load."""
+        return self.worker_side.health_report() if self.worker_side is not None else None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()  # failures are per request (failed_recving): vLLM refuses block errors with several groups
 
@@ -177,11 +186,13 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """The workers' outputs of a step, summed by vLLM: their store reports become KV events, their failed loads
-        end the layer-wise loads that would have followed."""
+        end the layer-wise loads that would have followed, their connection states gate the hits offered."""
         reports = connector_output.kv_cache_events
         side = self.scheduler_side
         if side is not None and connector_output.failed_recving:
             side.load_failed(set(connector_output.failed_recving))
+        if side is not None and isinstance(health := connector_output.kv_connector_worker_meta, WorkerHealth):
+            side.worker_health(health.states)
         if side is not None and side.events is not None and isinstance(reports, HybridKVEvents):
             side.events.reported(reports.get_all_events())
 
@@ -256,6 +267,21 @@ def event_group_kinds(kv_cache_config: KVCacheConfig) -> list[str | None]:
     from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
 
     return [get_kv_cache_spec_kind(g.kv_cache_spec).value for g in kv_cache_config.kv_cache_groups]
+
+
+def check_chunk_states(layout: ModelLayout, chunk_tokens: int, block: int, retention: int | None) -> None:
+    """A hybrid's chunk longer than vLLM's block is resumable only where vLLM kept a GDN state at its end: vLLM keeps
+    one at a prompt's last block boundary, at shared-prefix junctions and every `retention` tokens (None: at every
+    block), so unless the retention interval divides the chunk, few chunk ends have one and few prompts could hit.
+    Refused at start, saying why."""
+    if not layout.recurrent_groups or chunk_tokens == block or retention is None or (
+            retention and chunk_tokens % retention == 0):
+        return
+    raise ValueError(
+        f"kv_connector_extra_config chunk_tokens {chunk_tokens} spans {chunk_tokens // block} of vLLM's {block}-token "
+        f"blocks, but vLLM keeps a GDN state only at a prompt's last block boundary and every "
+        f"--prefix-cache-retention-interval tokens ({retention}), so few chunk ends would have a state to store: use "
+        f"chunk_tokens 0 (vLLM's block) or a --prefix-cache-retention-interval that divides {chunk_tokens}")
 
 
 def check_supported(vllm_config: VllmConfig) -> None:

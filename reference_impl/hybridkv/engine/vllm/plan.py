@@ -47,6 +47,9 @@ class HybridKVMetadata(KVConnectorMetadata):
     # load_mode layerwise: requests whose held attention pages are copied in this step, before its forward reads
     # them, layer by layer (`layerwise.promoted`: vLLM took them out of WAITING_FOR_REMOTE_KVS this step)
     step_loads: list[str] = field(default_factory=list)
+    # how often the scheduler side registered again (the server restarted or came back): a worker seeing a new
+    # value checks its own registration before this step's loads and stores (`WorkerSide._follow_scheduler`)
+    server_epoch: int = 0
 
 
 def chunk_extras(request: Request, n_chunks: int, chunk_tokens: int) -> list[bytes] | None:

@@ -2,7 +2,10 @@
 allocated and stores of the chunks whose boundary state vLLM offers. It never moves a byte.
 
 A server that is down, slow or refusing costs hits: every call here has a short timeout, and any failure
-is a miss, logged, with the next attempt after `retry_s`.
+is a miss, logged. A connection that failed is made again on a thread of its own the moment the server answers
+a probe (`health.Reconnector`); a server that answers `unknown_engine` (restarted) gets a new registration at
+once, and the lookup is asked again. Hits are offered only while every worker rank can load them
+(`health.WorkerHealth`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import TYPE_CHECKING
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerError
 from hybridkv.engine.vllm.books import HitTier, PendingHit, RequestTrack, SchedulerStats
+from hybridkv.engine.vllm.health import REFUSED, ConnState, Reconnector, Refused
 from hybridkv.engine.vllm.layerwise import promoted
 from hybridkv.engine.vllm.plan import (
     HybridKVMetadata,
@@ -61,81 +65,110 @@ class SchedulerSide:
         self._client: CacheClient | None = None
         self._ranks: list[tuple[int, bytes]] = []  # (engine, namespace) of each rank, rank 0 first
         self._l2 = False  # the server has an L2: only then can a prefix have to come back from disk
-        self._next_try = 0.0
+        self.server_epoch = 0  # registrations since the first: the workers check theirs when it moves
+        self._workers: dict[int, ConnState] = {}  # each worker rank's connection, as it last reported it
         self._pending: dict[str, PendingHit] = {}
         self._requests: dict[str, RequestTrack] = {}
         self._loads: list[LoadJob] = []
         self._held: set[str] = set()  # load_mode layerwise: attention parts waiting for vLLM to promote the request
         self._ending: list[Future] = []  # EndSession replies not in yet (vLLM never waits for them)
-        self._registering: tuple[CacheClient, list[Future]] | None = None  # a reconnect in flight
-        self._start_registering()
+        self._reconnector = Reconnector(settings.endpoint, self._reregister, settings.retry_s,
+                                        "hkv-vllm-sched-connect")
+        self._reconnecting: Future | None = None  # its attempt in flight, or done and not taken yet
         self._connect(at_start=True)
 
     # ---- the server connection ------------------------------------------------------------------
 
-    def _start_registering(self) -> None:
-        """Send a Register per rank on a new connection without waiting: a hung server never holds up the
-        scheduler."""
+    def _register(self) -> tuple[CacheClient, list[P.Registered]]:
+        """A Register per rank on a new connection, all in flight at once, awaited (`lookup_timeout_s`)."""
         client = CacheClient(self.settings.endpoint, timeout_s=self.settings.lookup_timeout_s)
         try:
             futs = [client.submit(P.Register(layout=self.layout, chunk_tokens=self.chunk_tokens, tp_rank=rank,
                                              salt=self.settings.salt, name=f"vllm-scheduler-rank{rank}"))
                     for rank in range(self.tp_size)]
-        except Exception as e:
-            client.close()
-            self._unreachable(e)
-            return
-        self._registering = client, futs
-
-    def _connect(self, at_start: bool = False) -> bool:
-        """True when registered. Otherwise False (a miss for now): a Register is sent if none is in flight and
-        the server was not tried within `retry_s`. At start-up the answer is awaited, and a layout the server
-        refuses is a LayoutError; later it is a logged miss (e.g. a server restarted with another chunk size)."""
-        if self._client is not None:
-            return True
-        if self._registering is None:
-            if time.monotonic() < self._next_try:
-                return False
-            self._start_registering()
-            if self._registering is None:
-                return False
-        client, futs = self._registering
-        if not (at_start or all(f.done() for f in futs)):
-            return False
-        self._registering = None
-        try:
             regs = [f.result(timeout=self.settings.lookup_timeout_s + 5)[0] for f in futs]
             expect = [self.layout.object_bytes(g, self.chunk_tokens) for g in range(len(self.layout.groups))]
             for reg in regs:
                 if reg.object_bytes != expect:
                     raise LayoutError(f"cache server sizes objects {reg.object_bytes}, vLLM's layout {expect}")
-        except (ServerError, LayoutError) as e:
+        except BaseException:
             client.close()
-            if at_start and (isinstance(e, LayoutError) or e.code == P.ErrorCode.LAYOUT):
-                raise LayoutError(f"cache server {self.settings.endpoint} refused vLLM's layout: {e}") from None
-            return self._unreachable(e)
-        except Exception as e:  # timeout, bad endpoint: the server is down
-            client.close()
-            if at_start:
-                log.error(no_server_at_start(self.settings, e))
-            return self._unreachable(e)
+            raise
+        return client, regs
+
+    def _reregister(self) -> tuple[CacheClient, list[P.Registered]]:
+        """The reconnect thread's registration, once the server answered a probe (a refusal waits `retry_s`)."""
+        try:
+            return self._register()
+        except (ServerError, LayoutError) as e:  # e.g. restarted with another chunk size: a logged miss
+            raise Refused(str(e)) from e
+
+    def _connect(self, at_start: bool = False, now: bool = False) -> bool:
+        """True when registered. Otherwise False (a miss for now), with a reconnect under way that registers the
+        moment the server answers; once that is in, it is taken here. At start-up (and with `now`: the server
+        has just answered) the registration is made on this thread; at start-up a layout the server refuses is
+        a LayoutError."""
+        if self._client is not None:
+            return True
+        if at_start or now:
+            try:
+                client, regs = self._register()
+            except (ServerError, LayoutError) as e:
+                if at_start and (isinstance(e, LayoutError) or e.code == P.ErrorCode.LAYOUT):
+                    raise LayoutError(f"cache server {self.settings.endpoint} refused vLLM's layout: {e}") from None
+                return self._unreachable(e)
+            except Exception as e:  # timeout, bad endpoint: the server is down
+                if at_start:
+                    log.error(no_server_at_start(self.settings, e))
+                return self._unreachable(e)
+        else:
+            fut = self._reconnect_soon()
+            if not fut.done() and self._reconnector.answered.is_set():
+                wait_futures([fut], timeout=self.settings.lookup_timeout_s)  # registering: one round trip away
+            if not fut.done():
+                return False
+            self._reconnecting = None
+            if fut.exception() is not None:
+                return False
+            client, regs = fut.result()
         for reg in regs:
             client.keepalive(reg.engine, reg.heartbeat_s)
+        again = bool(self._ranks)
         self._client, self._l2 = client, regs[0].l2
         self._ranks = [(reg.engine, reg.namespace) for reg in regs]
+        if again:
+            self.server_epoch += 1
+            log.info("hybridkv: registered with cache server %s again", self.settings.endpoint)
         return True
 
     def _unreachable(self, e: BaseException) -> bool:
-        log.warning("hybridkv: cache server %s unreachable (%s); no external hits for %.0f s",
-                    self.settings.endpoint, e, self.settings.retry_s)
-        self._next_try = time.monotonic() + self.settings.retry_s
+        log.warning("hybridkv: cache server %s unreachable (%s); no external hits until it answers",
+                    self.settings.endpoint, e)
+        self._reconnect_soon()
         return False
 
-    def _drop_connection(self, e: BaseException) -> None:
+    def _reconnect_soon(self) -> Future:
+        """The reconnect attempt (registering the moment the server answers), started if none is under way."""
+        if self._reconnecting is None:
+            self._reconnecting = self._reconnector.start()
+        return self._reconnecting
+
+    def _drop_connection(self, e: BaseException, reconnect: bool = True) -> None:
         if self._client is not None:
             self._client.close()
         self._client = None
-        self._unreachable(e)
+        if reconnect:
+            self._unreachable(e)
+
+    def worker_health(self, states: dict[int, ConnState]) -> None:
+        """Worker ranks' connection states that changed (`health.WorkerHealth`, from the step's outputs)."""
+        self._workers.update(states)
+
+    def workers_can_load(self) -> bool:
+        """No rank reports a registration the server refused: a hit offered now would fail its load there. (A
+        rank that is only reconnecting registers again as soon as the server answers the scheduler's lookup, and
+        its load waits for that.)"""
+        return REFUSED not in self._workers.values()
 
     # ---- vLLM's scheduler calls -----------------------------------------------------------------
 
@@ -153,9 +186,8 @@ class SchedulerSide:
             self._release(self._pending.pop(rid))
         n_tokens = request.num_tokens
         limit = (n_tokens - 1) // self.chunk_tokens * self.chunk_tokens
-        if limit <= num_computed_tokens or not self._connect():
+        if limit <= num_computed_tokens or not self.workers_can_load() or not self._connect():
             return 0, False
-        assert self._client is not None
         tokens = list(request.all_token_ids[:limit])
         self.stats.lookups += 1
         t0 = time.perf_counter()
@@ -163,24 +195,32 @@ class SchedulerSide:
         skip = num_computed_tokens // self.chunk_tokens
         extras = chunk_extras(request, limit // self.chunk_tokens, self.chunk_tokens)
         p: P.Prefetching | None = None
-        try:
-            keys = [(engine, chunk_keys(ns, tokens, self.chunk_tokens, extras)) for engine, ns in self._ranks]
-            if (p := self._prefetch(track, keys, policy, skip)) is not None:
-                if p.hit_chunks * self.chunk_tokens <= num_computed_tokens:
-                    return 0, False  # nothing beyond vLLM's own hit, in L1 or L2: no lookup needed
-                if p.loading or p.started or p.waiting:  # reads from L2 still to finish: ask again next step
-                    track.l2_since = track.l2_since or time.monotonic()
-                    self.stats.lookups_deferred += 1
-                    return None, False
-            results: list[P.LookupResult] = self._ask_ranks(
-                [P.Lookup(engine=engine, request=rid, keys=k, policy=policy, skip_chunks=skip) for engine, k in keys],
-                self.settings.lookup_timeout_s)
-        except Exception as e:  # slow or gone: a miss
-            self.stats.lookup_failures += 1
-            self._drop_connection(e)
-            return 0, False
-        finally:
-            self.stats.lookup_s += time.perf_counter() - t0
+        for again in (False, True):
+            assert self._client is not None
+            try:
+                keys = [(engine, chunk_keys(ns, tokens, self.chunk_tokens, extras)) for engine, ns in self._ranks]
+                if (p := self._prefetch(track, keys, policy, skip)) is not None:
+                    if p.hit_chunks * self.chunk_tokens <= num_computed_tokens:
+                        return 0, False  # nothing beyond vLLM's own hit, in L1 or L2: no lookup needed
+                    if p.loading or p.started or p.waiting:  # reads from L2 still to finish: ask again next step
+                        track.l2_since = track.l2_since or time.monotonic()
+                        self.stats.lookups_deferred += 1
+                        return None, False
+                results: list[P.LookupResult] = self._ask_ranks(
+                    [P.Lookup(engine=engine, request=rid, keys=k, policy=policy, skip_chunks=skip)
+                     for engine, k in keys], self.settings.lookup_timeout_s)
+                break
+            except Exception as e:  # slow or gone: a miss
+                self.stats.lookup_failures += 1
+                # a server that answers unknown_engine restarted (or reclaimed this scheduler): it is up, so
+                # register again now and ask again, once
+                restarted = isinstance(e, ServerError) and e.code == P.ErrorCode.UNKNOWN_ENGINE
+                self._drop_connection(e, reconnect=not restarted)
+                if not (restarted and not again and self._connect(now=True)):
+                    return 0, False
+            finally:
+                self.stats.lookup_s += time.perf_counter() - t0
+                t0 = time.perf_counter()
         # a shard one rank lacks would fail that rank's load: the hit is what every rank holds
         hit = min(r.hit_chunks for r in results) * self.chunk_tokens
         if self.events is not None:
@@ -272,7 +312,7 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> HybridKVMetadata:
         """This step's loads, and stores of the chunks up to each boundary state vLLM offers (a model without
         recurrent groups: of every chunk this step completes)."""
-        meta = HybridKVMetadata(loads=self._loads)
+        meta = HybridKVMetadata(loads=self._loads, server_epoch=self.server_epoch)
         self._loads = []
         if self._held and (step_loads := promoted(self._held, requests)):
             meta.step_loads = step_loads  # their blocks are in vLLM's prefix cache from this step on
@@ -382,6 +422,7 @@ class SchedulerSide:
         return True
 
     def close(self) -> None:
+        self._reconnector.close()
         if self._client is not None:
             try:
                 for engine, _ in self._ranks:

@@ -30,7 +30,7 @@ class ConnectorSettings:
     commit: CommitMode = "fenced"  # a store's commit leaves with its copies (protocol.md); after_copies: classic
     store_policy: Policy = "boundary"  # attention of every chunk, the recurrent state wherever vLLM offers one
     retrieve_policy: Policy = "boundary"  # attention of every hit chunk, the recurrent state at the hit's end
-    chunk_tokens: int = 0           # 0: vLLM's block size (the unified hybrid block)
+    chunk_tokens: int = 0           # 0: vLLM's block size (the unified hybrid block); see connector.check_chunk_states
     lookup_timeout_s: float = 1.0   # a lookup (scheduler or worker) slower than this counts as a miss
     step_timeout_s: float = 1.0     # the longest a step waits for a store's copies; later ones are cancelled
     # A request whose cached prefix is partly on disk (L2): the connector starts the reads (Prefetch) and
@@ -38,7 +38,7 @@ class ConnectorSettings:
     # again each step. After this long the lookup waits for the reads itself. 0: always wait in the lookup.
     l2_wait_s: float = 30.0
     timeout_s: float = 30.0         # stores, loads and registration
-    retry_s: float = 10.0           # how long to wait before trying an unreachable server again
+    retry_s: float = 10.0           # how long a server that refused the registration is left alone (health.py)
     expect_preset: str = ""         # a hybridkv preset name: refuse to start when vLLM's layout differs
     # async: a hit is loaded whole while the request waits in vLLM's queue. layerwise: only the lookup, the pins
     # and the GDN states load there; the attention pages are copied from the pinned arena in the request's first

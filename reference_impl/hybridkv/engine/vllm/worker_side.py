@@ -17,7 +17,12 @@ Nothing here makes vLLM's step wait on the cache server longer than `lookup_time
   GPU: the step does not wait, and nothing vLLM queues later reads or writes the blocks first. Otherwise
   (a CPU engine, a late answer, a payload wire) the copy is awaited in `save` for at most `step_timeout_s`;
   one not done by then is cancelled and never commits.
-- Reconnecting to the server (Register) happens on a thread of its own, never in the step.
+- A connection that failed is not left alone for a fixed time: a thread of its own probes the server and
+  registers again the moment it answers (`health.Reconnector`); a load planned meanwhile waits for that
+  (`lookup_timeout_s` at most) instead of failing. Each rank reports its connection's state to the scheduler
+  side (`health.WorkerHealth`), which offers no hit while a rank's registration is refused. When the scheduler
+  side registered again (`HybridKVMetadata.server_epoch`: the server restarted, or it came back), the step
+  checks this rank's registration first (one Heartbeat) and waits for its new one if the server forgot it.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import functools
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -35,6 +40,7 @@ from hybridkv.engine.client import ServerError
 from hybridkv.engine.paged import engine_pages
 from hybridkv.engine.transfer import KVTransfer, PreparedStore, TransferConfig, TransferHandle
 from hybridkv.engine.vllm.events import StoreReports
+from hybridkv.engine.vllm.health import DOWN, REFUSED, UP, ConnState, Reconnector, Refused, WorkerHealth
 from hybridkv.engine.vllm.layerwise import LayerwiseLoads, tp_vote
 from hybridkv.engine.vllm.plan import HybridKVMetadata, LoadJob, LoadRefused
 from hybridkv.engine.vllm.settings import ConnectorSettings
@@ -55,8 +61,11 @@ class _Load:
 
     job: LoadJob
     deadline: float  # its copies must have started by then, or the load is given up
-    handle: TransferHandle | None = None  # None: it failed before any copy (`error`)
+    handle: TransferHandle | None = None  # None: it failed before any copy (`error`), or it is `waiting`
     error: BaseException | None = None
+    waiting: bool = False  # for this rank's registration (the server answered again): started once it is in
+    ready: torch.cuda.Event | None = None  # after the engine's work queued before the load was asked for
+    again: bool = False  # it waited for a registration once already (the server had forgotten this rank)
 
 
 @dataclass(slots=True)
@@ -78,10 +87,10 @@ class WorkerSide:
         self.stats = WorkerStats()
         self.transfer: KVTransfer | None = None
         self._pages: list[list[torch.Tensor]] | None = None
-        self._next_try = 0.0
-        self._lock = threading.Lock()  # self.transfer and self._connecting, set by the loader thread too
-        self._connecting: Future | None = None
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="hkv-vllm-connect")  # reconnects, off the step
+        self._lock = threading.Lock()  # self.transfer, set by the reconnect thread too
+        self._reconnector = Reconnector(settings.endpoint, self._register, settings.retry_s, "hkv-vllm-connect")
+        self._epoch = 0  # the scheduler side's registration this rank last checked its own against
+        self._reported: ConnState = UP  # the state the scheduler side last heard (it assumes UP at start)
         self._loads: dict[str, _Load] = {}
         self._in_flight: dict[str, list[TransferHandle]] = {}
         self._ending: dict[str, _Ending] = {}
@@ -100,45 +109,90 @@ class WorkerSide:
     # ---- the server connection (the loader thread's, after start-up) ------------------------------
 
     def _connect(self, at_start: bool = False) -> KVTransfer | None:
-        """The connection, made now if the server was not tried within `retry_s`; None when it is down."""
+        """The connection; None when there is none yet (a reconnect is started, off the step). At start-up the
+        registration is made here, and a layout the server refuses is an error."""
         if (t := self.transfer) is not None:
             return t
-        if self._pages is None or time.monotonic() < self._next_try:
-            return None
+        if at_start and self._pages is not None:
+            try:
+                t = self._new_transfer(self.settings.timeout_s)
+            except (ServerError, LayoutError) as e:
+                if isinstance(e, LayoutError) or e.code == ErrorCode.LAYOUT:
+                    raise LayoutError(f"cache server {self.settings.endpoint} refused vLLM's layout: {e}") from None
+                self._unreachable(e)
+            except Exception as e:  # timeout, connection refused: the server is down
+                self._unreachable(e)
+            else:
+                with self._lock:
+                    self.transfer = t
+                return t
+        self._connect_soon()
+        return None
+
+    def _new_transfer(self, timeout_s: float) -> KVTransfer:
         s = self.settings
+        assert self._pages is not None
         cfg = TransferConfig(wire_format=s.wire_format, copy_engine=s.copy_engine, streams=s.streams,
                              retrieve_policy=s.retrieve_policy, store_policy="boundary",
                              chunk_tokens=self.chunk_tokens, tp_rank=self.tp_rank, salt=s.salt,
-                             timeout_s=s.timeout_s if at_start else s.lookup_timeout_s,
-                             name=f"vllm-rank{self.tp_rank}", commit=s.commit)
-        try:
-            t = KVTransfer(s.endpoint, self.layout, self._pages, cfg)
-        except (ServerError, LayoutError) as e:
-            if at_start and (isinstance(e, LayoutError) or e.code == ErrorCode.LAYOUT):
-                raise LayoutError(f"cache server {s.endpoint} refused vLLM's layout: {e}") from None
-            self._unreachable(e)  # e.g. restarted with another --chunk-tokens: misses, logged
-            return None
-        except Exception as e:  # timeout, connection refused: the server is down
-            self._unreachable(e)
-            return None
+                             timeout_s=timeout_s, name=f"vllm-rank{self.tp_rank}", commit=s.commit)
+        t = KVTransfer(s.endpoint, self.layout, self._pages, cfg)
         t.client.timeout_s = s.timeout_s
+        return t
+
+    def _register(self) -> KVTransfer:
+        """The reconnect thread's registration, once the server answered a probe."""
+        try:
+            t = self._new_transfer(self.settings.lookup_timeout_s)
+        except (ServerError, LayoutError) as e:  # e.g. restarted with another --chunk-tokens: misses, logged
+            raise Refused(str(e)) from e
         with self._lock:
             self.transfer = t
+        log.info("hybridkv: rank %d registered with cache server %s again", self.tp_rank, self.settings.endpoint)
         return t
 
     def _connect_soon(self) -> None:
-        """Reconnect on the loader thread (Register may wait for a hung server), never in vLLM's step."""
-        with self._lock:
-            if self.transfer is not None or self._pages is None or time.monotonic() < self._next_try:
-                return
-            if self._connecting is not None and not self._connecting.done():
-                return
-            self._connecting = self._loader.submit(self._connect)
+        """Reconnect on a thread of its own once the server answers (Register may wait for a hung server), never
+        in vLLM's step."""
+        if self.transfer is None and self._pages is not None:
+            self._reconnector.start()
 
     def _unreachable(self, e: BaseException) -> None:
-        log.warning("hybridkv: cache server %s unreachable from rank %d (%s); retrying in %.0f s",
-                    self.settings.endpoint, self.tp_rank, e, self.settings.retry_s)
-        self._next_try = time.monotonic() + self.settings.retry_s
+        log.warning("hybridkv: cache server %s unreachable from rank %d (%s); registering again as soon as it "
+                    "answers", self.settings.endpoint, self.tp_rank, e)
+
+    def health(self) -> ConnState:
+        """This rank's connection: registered, waiting for the server to answer, or refused by it."""
+        return UP if self.transfer is not None else REFUSED if self._reconnector.refused else DOWN
+
+    def health_report(self) -> WorkerHealth | None:
+        """This rank's state for the scheduler side, when it changed since the last report."""
+        state = self.health()
+        if state == self._reported:
+            return None
+        self._reported = state
+        return WorkerHealth({self.tp_rank: state})
+
+    def _follow_scheduler(self, epoch: int) -> None:
+        """The scheduler side registered again since the last step (the server restarted or came back): it has
+        just heard the server, so check this rank's registration now (one Heartbeat), and where the server no
+        longer knows it, wait for the new one (a round trip; `lookup_timeout_s` at most) before this step's
+        loads and stores use it."""
+        if epoch == self._epoch:
+            return
+        self._epoch = epoch
+        if (t := self.transfer) is not None:
+            try:
+                t.client.call(P.Heartbeat(engine=t.engine_id), timeout=self.settings.lookup_timeout_s)
+                return
+            except Exception as e:
+                self._drop(t, e)
+        if self._pages is None:
+            return
+        try:
+            self._reconnector.start().result(timeout=self.settings.lookup_timeout_s)
+        except Exception:
+            pass  # still down: this step's loads wait for it, its stores are dropped
 
     def _drop(self, t: KVTransfer, e: BaseException) -> None:
         """Forget a connection that failed; it is closed on a thread of its own (close waits for its work)."""
@@ -152,6 +206,7 @@ class WorkerSide:
         self._unreachable(e)
         if self.layerwise is None or not self.layerwise.close_when_unheld(t):  # held hits copy from its arena
             threading.Thread(target=t.close, name="hkv-vllm-close", daemon=True).start()
+        self._connect_soon()
 
     # ---- loads: asynchronous, before the request is scheduled ------------------------------------
 
@@ -161,6 +216,7 @@ class WorkerSide:
         the engine's current stream, which end on their own (CUDA streams, or the transfer's load thread).
         `transfer_results` reports them; nothing here waits for a copy. load_mode layerwise: first the attention
         copies of the requests vLLM promoted this step (`layerwise`), which this step's forward reads."""
+        self._follow_scheduler(meta.server_epoch)
         self.start_step_loads(meta)
         self._prepare_stores(meta)
         if not meta.loads:
@@ -169,18 +225,39 @@ class WorkerSide:
         for job in meta.loads:
             load = _Load(job, 0.0)
             self._loads[job.request_id] = load
-            t0 = time.perf_counter()
-            try:
-                load.handle = self._start_load(job, ready)
-            except Exception as e:
-                load.error = e
-            self.stats.load_s += time.perf_counter() - t0
-            # a direct wire's copies read the mapped arena, never the server: they end on their own however
-            # busy the engine is, and giving them up would only cost a recompute. A payload wire's copies wait
-            # for the server's frames first: those are given up if they have not started in time.
-            t = self.transfer
-            direct = t is not None and traits(t.config.wire_format).direct
-            load.deadline = float("inf") if direct else time.monotonic() + self.settings.lookup_timeout_s
+            if self.transfer is None and not job.refused and not self._reconnector.refused:
+                self._wait_for_registration(load, ready)
+                continue
+            self._begin(load, ready)
+
+    def _wait_for_registration(self, load: _Load, ready: torch.cuda.Event | None) -> None:
+        """The scheduler heard the server (it offered this hit): this rank registers again within a round trip of
+        the server's answer; the load starts then (`transfer_results`), or fails `lookup_timeout_s` from now."""
+        self._connect_soon()
+        load.waiting, load.ready = True, ready
+        load.deadline = time.monotonic() + self.settings.lookup_timeout_s
+
+    def _begin(self, load: _Load, ready: torch.cuda.Event | None) -> None:
+        """Start a load: its pinning lookup, then its copies (`_start_load`)."""
+        job = load.job
+        t0 = time.perf_counter()
+        try:
+            load.handle = self._start_load(job, ready)
+        except Exception as e:
+            if isinstance(e, ServerError) and e.code == ErrorCode.UNKNOWN_ENGINE and not load.again:
+                # the server restarted (or reclaimed this rank) and answered: the registration is a round trip away
+                load.again = True
+                self._wait_for_registration(load, ready)
+                self.stats.load_s += time.perf_counter() - t0
+                return
+            load.error = e
+        self.stats.load_s += time.perf_counter() - t0
+        # a direct wire's copies read the mapped arena, never the server: they end on their own however
+        # busy the engine is, and giving them up would only cost a recompute. A payload wire's copies wait
+        # for the server's frames first: those are given up if they have not started in time.
+        t = self.transfer
+        direct = t is not None and traits(t.config.wire_format).direct
+        load.deadline = float("inf") if direct else time.monotonic() + self.settings.lookup_timeout_s
 
     def start_step_loads(self, meta: HybridKVMetadata) -> None:
         """load_mode layerwise: this step's attention copies, once, before the first attention layer reads."""
@@ -211,7 +288,7 @@ class WorkerSide:
                            timeout=self.settings.lookup_timeout_s, extras=job.extras)
         except (TimeoutError, ConnectionError, ServerError) as e:
             if not isinstance(e, ServerError) or e.code == ErrorCode.UNKNOWN_ENGINE:
-                self._drop(t, e)  # the server is gone, hung or forgot us: reconnect later, off the step
+                self._drop(t, e)  # the server is gone, hung or forgot us: reconnect once it answers, off the step
             raise
         if hit.hit_tokens < len(job.token_ids):
             t.end_session_soon(job.request_id)
@@ -225,7 +302,18 @@ class WorkerSide:
         finished: set[str] = set()
         failed: set[str] = set()
         now = time.monotonic()
+        for load in self._loads.values():
+            if load.waiting and (self.transfer is not None or now > load.deadline):
+                load.waiting = False
+                if self.transfer is not None:
+                    self._begin(load, load.ready)
+                else:
+                    load.error = ConnectionError(f"no connection to the cache server within "
+                                                 f"{self.settings.lookup_timeout_s:g} s")
+        now = time.monotonic()
         for rid, load in list(self._loads.items()):
+            if load.waiting:
+                continue
             h = load.handle
             if h is None or h.done.done():
                 if h is not None and h.done.exception() is None:
@@ -391,7 +479,7 @@ class WorkerSide:
                 pass
 
     def close(self) -> None:
-        self._loader.shutdown(wait=False, cancel_futures=True)
+        self._reconnector.close()
         if self.transfer is not None:
             self.wait_idle(self.settings.timeout_s)
             self.transfer.close()
