@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerError
 from hybridkv.engine.vllm.books import HitTier, PendingHit, RequestTrack, SchedulerStats
+from hybridkv.engine.vllm.checkpoints import ask_for_state
 from hybridkv.engine.vllm.layerwise import promoted
 from hybridkv.engine.vllm.plan import (
     HybridKVMetadata,
@@ -267,9 +268,19 @@ class SchedulerSide:
         if self.settings.load_mode == "layerwise":
             self._held.add(request.request_id)
 
+    def ask_for_states(self, request: Request, done: int) -> None:
+        """Before a request's next step (it will have computed `done` tokens): ask vLLM to keep the GDN state at
+        the next boundary of the `state_every_chunks` grid (`checkpoints.py`). Models without recurrent groups
+        keep nothing of the kind."""
+        if self.layout.recurrent_groups:
+            ask_for_state(request, done, self.settings.state_every_chunks * self.chunk_tokens)
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> HybridKVMetadata:
         """This step's loads, and stores of the chunks up to each boundary state vLLM offers (a model without
         recurrent groups: of every chunk this step completes)."""
+        for rid, scheduled in scheduler_output.num_scheduled_tokens.items():
+            if (req := requests.get(rid)) is not None:
+                self.ask_for_states(req, req.num_computed_tokens + scheduled)  # vLLM adds `scheduled` after this
         meta = HybridKVMetadata(loads=self._loads)
         self._loads = []
         if self._held and (step_loads := promoted(self._held, requests)):
