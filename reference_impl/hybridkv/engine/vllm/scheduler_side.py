@@ -280,7 +280,10 @@ class SchedulerSide:
         recurrent groups: of every chunk this step completes)."""
         for rid, scheduled in scheduler_output.num_scheduled_tokens.items():
             if (req := requests.get(rid)) is not None:
-                self.ask_for_states(req, req.num_computed_tokens + scheduled)  # vLLM adds `scheduled` after this
+                # computed by the end of this step (vLLM adds `scheduled` after this call), of tokens known now: under
+                # async scheduling decode's last token is a placeholder until the next step, and vLLM keeps the
+                # state of a block whose last token it does not know yet only once it does, at the same junction
+                self.ask_for_states(req, min(req.num_computed_tokens + scheduled, req.num_tokens))
         meta = HybridKVMetadata(loads=self._loads)
         self._loads = []
         if self._held and (step_loads := promoted(self._held, requests)):
