@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 from benchkit import CALIBRATION, write_fake_run
 from hybridkv_bench.metrics import METRICS, REQUEST_COLUMNS, RequestRow, case_metrics
-from hybridkv_bench.workloads.hits import ExpectedHits
 from hybridkv_bench.results.folder import (
     SCHEMA,
     CaseResult,
@@ -17,6 +16,7 @@ from hybridkv_bench.results.folder import (
     RunWriter,
     load_run,
 )
+from hybridkv_bench.workloads.hits import ExpectedHits
 
 
 def row(repeat=0, phase="warm", ttft=1.0, **kw) -> RequestRow:
