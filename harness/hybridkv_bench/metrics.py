@@ -16,7 +16,10 @@ hidden by calling it warm-up).
   the last one finished), without round trips and hand-offs: the gap to store_gbps / load_gbps is
   the transfer's fixed cost, the gap to the ceiling the copy's.
 - prefill_s: p50 of the modeled prefill of cold rows: the compute a hit saves.
-- bytes_stored, bytes_loaded, hit_tokens: sums over measured rows (all repeats).
+- bytes_stored, bytes_loaded, hit_tokens, shared_tokens: sums over measured rows (all repeats); shared_tokens
+  counts the whole chunks each request shares with what was stored before it (what an attention-only model
+  resumes from). hit_share = hit_tokens / shared_tokens (None when nothing was shared): below 1, hits were lost
+  (a prefix stored without its recurrent state at the chunk where the request parts from it).
 - verified_chunks, corrupt_chunks: sums over every row, warm-up included.
 - store_ceiling_ratio = store_gbps / d2h_peak_gbps; load_ceiling_ratio = load_gbps / h2d_peak_gbps;
   ttft_speedup = ttft_cold_s / ttft_warm_s.
@@ -62,7 +65,7 @@ TTFT_METRICS = tuple(f"ttft_{p}_s{s}" for p in ("cold", "warm") for s in ("", "_
 REQUEST_METRICS = (
     *TTFT_METRICS, "lookup_s", "store_s", "load_s", "store_gbps", "load_gbps", "store_copy_gbps",
     "load_copy_gbps", "prefill_s",
-    "bytes_stored", "bytes_loaded", "hit_tokens", "verified_chunks", "corrupt_chunks",
+    "bytes_stored", "bytes_loaded", "hit_tokens", "shared_tokens", "hit_share", "verified_chunks", "corrupt_chunks",
 )
 CONCURRENT_METRICS = ("aggregate_store_gbps", "aggregate_load_gbps", "bidir_gbps", "engine_store_gbps_min",
                       "engine_store_gbps_max", "engine_load_gbps_min", "engine_load_gbps_max")
@@ -80,7 +83,7 @@ METRICS = (*REQUEST_METRICS, *CALIBRATION_METRICS, *SERVER_METRICS, *RATIO_METRI
 
 # How each metric improves; the gate's --write-baseline and the report read this.
 HIGHER_IS_BETTER = frozenset({"store_gbps", "load_gbps", "store_copy_gbps", "load_copy_gbps",
-                              "hit_tokens", "verified_chunks",
+                              "hit_tokens", "hit_share", "verified_chunks",
                               "store_ceiling_ratio", "load_ceiling_ratio", "ttft_speedup",
                               "ttft_speedup_measured",
                               *CONCURRENT_METRICS, *CONCURRENT_RATIO_METRICS})
@@ -96,6 +99,7 @@ class RequestRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     phase: Literal["cold", "warm"]
     prompt_tokens: int
     hit_tokens: int
+    shared_tokens: int = 0  # whole chunks shared with what was stored before it, in tokens (0: not recorded)
     lookup_s: float
     store_s: float
     load_s: float
@@ -205,8 +209,9 @@ def case_metrics(rows: Iterable[RequestRow], calibration: Mapping | None = None,
     m["store_copy_gbps"] = _rate(measured, "bytes_stored", "store_copy_s")
     m["load_copy_gbps"] = _rate(measured, "bytes_loaded", "load_copy_s")
     m["prefill_s"] = _p([r.prefill_s for r in measured if r.phase == "cold"], 50)
-    for f in ("bytes_stored", "bytes_loaded", "hit_tokens"):
+    for f in ("bytes_stored", "bytes_loaded", "hit_tokens", "shared_tokens"):
         m[f] = sum(getattr(r, f) for r in measured)
+    m["hit_share"] = _ratio(m["hit_tokens"], m["shared_tokens"])
     for f in ("verified_chunks", "corrupt_chunks"):
         m[f] = sum(getattr(r, f) for r in rows)
     calibration = calibration or {}

@@ -49,7 +49,8 @@ def fake_rows(sf: ScenarioFile, case_name: str, axes: dict, workload, seed: int 
         load = loaded / rate * jitter()
         prefill_warm = prefill_seconds(s.prefill, cfg, s.model.tp, total - hit, hit)
         rows.append(RequestRow(case=case_name, workload=workload.label, repeat=rep, request=1, phase="warm",
-                               prompt_tokens=total, hit_tokens=hit, lookup_s=lookup, store_s=0.0, load_s=load,
+                               prompt_tokens=total, hit_tokens=hit, shared_tokens=hit, lookup_s=lookup, store_s=0.0,
+                               load_s=load,
                                prefill_s=prefill_warm, ttft_s=lookup + load + prefill_warm, bytes_stored=0,
                                bytes_loaded=loaded, verified_chunks=hit // chunk, corrupt_chunks=0))
     return rows

@@ -44,11 +44,11 @@ def test_gate_exit_codes(run_folder: Path, tmp_path: Path, smoke, capsys):
     assert main(["gate", str(slow), "--baseline", str(baseline)]) == 1
     out = capsys.readouterr().out
     assert re.search(r"FAIL +long_doc_qa +shm-kernel-single-all-all +ttft_speedup +0.5 +>= ", out)
-    assert re.search(r"gate: FAIL \(2 of 252 checks failed\); every check in .*slow/gate.txt", out)
+    assert re.search(r"gate: FAIL \(2 of 316 checks failed\); every check in .*slow/gate.txt", out)
     assert "pass " not in out  # only the failures are printed ...
-    assert len((slow / "gate.txt").read_text().splitlines()) == 252 + 4  # ... the whole table is in the run
+    assert len((slow / "gate.txt").read_text().splitlines()) == 316 + 4  # ... the whole table is in the run
     assert main(["gate", str(slow), "--baseline", str(baseline), "--verbose"]) == 1
-    assert len(capsys.readouterr().out.splitlines()) == 252 + 3
+    assert len(capsys.readouterr().out.splitlines()) == 316 + 3
 
     partial = write_fake_run(tmp_path / "partial", smoke, finish=False, max_cases=4)
     assert main(["gate", str(partial), "--baseline", str(baseline)]) == 1

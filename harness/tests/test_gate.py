@@ -112,8 +112,8 @@ def test_write_baseline_round_trip(run_folder: Path, tmp_path: Path):
     path.write_text(baseline_from_run(run))
     baseline = load_baseline(path)
     assert baseline.scenario == "smoke" and baseline.scale == 1.0
-    assert {c.metric for c in baseline.check} == {"ttft_speedup", "hit_tokens", "verified_chunks",
-                                                  "bytes_stored", "bytes_loaded"}
+    assert {c.metric for c in baseline.check} == {"ttft_speedup", "hit_tokens", "shared_tokens", "hit_share",
+                                                  "verified_chunks", "bytes_stored", "bytes_loaded"}
     assert all(c.direction == "equal" for c in baseline.check if c.metric != "ttft_speedup")
     speedups = [c for c in baseline.check if c.metric == "ttft_speedup"]
     assert {c.case for c in speedups} == {"shm-*", "raw-*"} and all(c.value == 1.0 and c.spread for c in speedups)

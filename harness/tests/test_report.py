@@ -106,7 +106,7 @@ def test_report_opens_with_the_verdict_and_keeps_tables_narrow(run_folder: Path,
     write_report(run_folder, baseline=baseline)
     md = (run_folder / "report.md").read_text()
     first = md.split("\n## ")[1]
-    assert first.startswith("Verdict\n") and f"**gate: pass (0 of 252 checks failed)**, against `{baseline}`" in first
+    assert first.startswith("Verdict\n") and f"**gate: pass (0 of 316 checks failed)**, against `{baseline}`" in first
     assert "**Modeled:** prefill time (5000.0 uncached tokens/s)" in first and "No GPU in this run" in first
     assert "| hybridkv shm: shm-" in first and "of ceiling)" in first  # headline figures beside their ceilings
     widths = [line.count("|") - 1 for line in md.splitlines() if line.startswith("|")]

@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from benchkit import CALIBRATION, write_fake_run
 from hybridkv_bench.metrics import METRICS, REQUEST_COLUMNS, RequestRow, case_metrics
@@ -15,6 +16,7 @@ from hybridkv_bench.results.folder import (
     RunWriter,
     load_run,
 )
+from hybridkv_bench.workloads.hits import ExpectedHits
 
 
 def row(repeat=0, phase="warm", ttft=1.0, **kw) -> RequestRow:
@@ -22,6 +24,22 @@ def row(repeat=0, phase="warm", ttft=1.0, **kw) -> RequestRow:
                 hit_tokens=0, lookup_s=0.001, store_s=0.0, load_s=0.0, prefill_s=0.5, ttft_s=ttft,
                 bytes_stored=0, bytes_loaded=0, verified_chunks=0, corrupt_chunks=0)
     return RequestRow(**{**base, **kw})
+
+
+def test_hit_share_shows_the_hits_lost():
+    """A prefix stored with its recurrent state at its last chunk only: a request parting from it two chunks in
+    shares two chunks and hits none (DESIGN.md's hit rule), which hit_share shows; with a state at every chunk
+    it hits what it shares."""
+    a = np.arange(12)
+    b = np.concatenate([a[:9], np.arange(100, 103)])
+    for policy, hit in (("boundary", 0), ("all", 2)):
+        oracle = ExpectedHits(4, True, policy, "boundary")
+        oracle.stored(a)
+        assert (oracle.shared(b), oracle.lookup(b)) == (2, hit)
+    m = case_metrics([row(hit_tokens=0, shared_tokens=8), row(hit_tokens=8, shared_tokens=8),
+                      row(phase="cold", repeat=-1, hit_tokens=0, shared_tokens=8)])
+    assert (m["hit_tokens"], m["shared_tokens"], m["hit_share"]) == (8, 16, 0.5)
+    assert case_metrics([row()])["hit_share"] is None  # nothing shared: no ratio, never 0
 
 
 def test_case_metrics_by_hand():

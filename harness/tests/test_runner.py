@@ -97,6 +97,9 @@ def test_shipped_scenario_runs_verified(name: str, tmp_path: Path, capsys):
         if w.kind == "divergence":
             shared = (w.prompt_tokens // chunk // 2) * chunk  # whole shared chunks, inside or at the edge
             assert {r.hit_tokens for r in warm} == {shared}
+            # what the warm request shares with the stored prompt, beside it: every case here stores a state at
+            # every chunk, so no hit is lost
+            assert {r.shared_tokens for r in warm} == {shared} and m["hit_share"] == 1.0
         elif w.kind == "l1_pressure":
             counters = c.details["server_counters"]
             assert counters["l2_spills"] > 0 and counters["l2_prefetches"] > 0

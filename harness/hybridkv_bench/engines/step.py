@@ -38,7 +38,7 @@ def run_request(eng: Engine, oracle: ExpectedHits, req: Request, step: int, inde
                 align) -> RequestRow:
     """Run one request on `eng`, check its hit against `oracle`, record what it stored; its row. `align`:
     the barrier of this phase's aligned requests (threading's or multiprocessing's), or None."""
-    expect = oracle.lookup(req.tokens)
+    expect, shared = oracle.lookup(req.tokens), oracle.shared(req.tokens)
     name = f"r{info.repeat}-{req.name}"
     if req.think_s or req.hint_tokens:  # multi_turn: the user's think time, the hint sent as it starts
         hint = eng.kv.prefetch(req.tokens[:req.hint_tokens]) if req.hint_tokens else None
@@ -58,7 +58,8 @@ def run_request(eng: Engine, oracle: ExpectedHits, req: Request, step: int, inde
                           f"allow exactly {expect * info.chunk} ({expect} chunks of {info.chunk})")
     oracle.stored(req.tokens)
     return RequestRow(case=info.case, workload=info.workload, repeat=info.repeat, request=index, phase=req.phase,
-                      prompt_tokens=len(req.tokens), hit_tokens=res.hit_tokens, lookup_s=res.lookup_s,
+                      prompt_tokens=len(req.tokens), hit_tokens=res.hit_tokens,
+                      shared_tokens=shared * info.chunk, lookup_s=res.lookup_s,
                       store_s=res.store_s, store_done_s=res.store_done_s, load_s=res.load_s,
                       store_copy_s=res.store_copy_s, load_copy_s=res.load_copy_s,
                       store_span_s=res.store_span_s,

@@ -13,7 +13,7 @@ from hybridkv_bench.results.folder import Run
 
 # --write-baseline gates counts exactly, orderings inside the run, and timing ratios against a floor with the
 # case's own repeat spread as tolerance; never absolute times (CI machines differ, and so does their load).
-COUNT_METRICS = ("hit_tokens", "verified_chunks", "bytes_stored", "bytes_loaded")
+COUNT_METRICS = ("hit_tokens", "shared_tokens", "hit_share", "verified_chunks", "bytes_stored", "bytes_loaded")
 # (case glob, metric, floor, x repeat spread): a warm hit of the zero-copy paths must beat a cold prefill.
 # The seed's formats are judged by the orderings only: on a loaded CPU their warm path can exceed the
 # modeled prefill (as it does on the H200: that is the finding, not a regression).

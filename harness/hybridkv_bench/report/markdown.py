@@ -99,7 +99,8 @@ def _composition(run: Run, df: pd.DataFrame) -> str:
 RESULT_TABLES: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("time to first token and hits", (
         ("ttft_cold_s", "cold TTFT s"), ("ttft_warm_s", "warm TTFT s"), ("ttft_warm_s_p99", "warm p99 s"),
-        ("ttft_speedup", "speed-up"), ("hit_tokens", "hit tokens"), ("verified_chunks", "verified"),
+        ("ttft_speedup", "speed-up"), ("hit_tokens", "hit tokens"), ("shared_tokens", "shared tokens"),
+        ("hit_share", "hit/shared"), ("verified_chunks", "verified"),
         ("corrupt_chunks", "corrupt"))),
     ("transfer", (
         ("store_gbps", "store GB/s"), ("store_ceiling_ratio", "store/peak"), ("store_copy_gbps", "store copy GB/s"),

@@ -203,8 +203,8 @@ class Run:
 
 # Columns added after runs were published; an older requests.csv without them still loads (defaults).
 # The real-model columns are empty (None) in rows of the simulated engine.
-OPTIONAL_COLUMNS = frozenset({"store_copy_s", "load_copy_s", *MODEL_COLUMNS, "engine", "gpu", "step", "load_start_s",
-                              "store_start_s", "store_span_s", "tier"})
+OPTIONAL_COLUMNS = frozenset({"shared_tokens", "store_copy_s", "load_copy_s", *MODEL_COLUMNS, "engine", "gpu", "step",
+                              "load_start_s", "store_start_s", "store_span_s", "tier"})
 
 
 def _read_requests(path: Path, folder: Path) -> list[RequestRow]:

@@ -34,6 +34,16 @@ class ExpectedHits:
             out.append(prev)
         return out
 
+    def shared(self, tokens: np.ndarray) -> int:
+        """The whole chunks `tokens` shares with what was stored (every stored prompt's attention): what an
+        attention-only model would resume from, and so the most a hit can be."""
+        ids = self.prefixes(tokens)
+        with self._lock:
+            n = 0
+            while n < len(ids) and ids[n] in self._attention:
+                n += 1
+            return n
+
     def lookup(self, tokens: np.ndarray) -> int:
         ids = self.prefixes(tokens)
         with self._lock:

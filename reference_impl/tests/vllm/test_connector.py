@@ -19,7 +19,8 @@ from vllmkit import C, counters, run, sched_stats, settle, tokens, worker_stats
 
 def test_prefix_hit_loads_a_s_exact_bytes(serve, make_engine):
     srv = serve()
-    eng = make_engine(srv.endpoint, retention=0)  # vLLM's default: a state at the prompt's last boundary only
+    # vLLM's default retention, and no state asked for by the connector: a state at the prompt's last boundary only
+    eng = make_engine(srv.endpoint, retention=0, state_every_chunks=0)
     a = tokens(5 * C + 17, 0)
     assert run(eng, "A", a).corrupt_pages == 0
     assert worker_stats(eng).stores == 1 and worker_stats(eng).store_failures == 0
@@ -185,6 +186,7 @@ def test_bad_extra_config_names_the_key(serve, make_engine):
     ({"chunk_tokens": "16"}, "chunk_tokens must be int, got '16'"),
     ({"lookup_timeout_s": 0}, "lookup_timeout_s must be > 0"),
     ({"endpoint": "http://x"}, "endpoint must be ipc:// or tcp://"),
+    ({"state_every_chunks": -1}, "state_every_chunks must be >= 0, got -1"),
 ])
 def test_extra_config_errors_name_the_key_and_value(extra, says):
     with pytest.raises(ValueError, match="kv_connector_extra_config " + says):

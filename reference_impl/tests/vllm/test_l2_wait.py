@@ -34,7 +34,7 @@ def push_out_to_l2(endpoint: str) -> None:
 @pytest.mark.parametrize("l2_wait_s", [30.0, 0.0], ids=["waits-in-queue", "waits-in-lookup"])
 def test_a_prefix_in_l2_waits_in_vllm_s_queue_not_in_the_lookup(serve, make_engine, tmp_path, l2_wait_s):
     srv = serve("--l2-dir", str(tmp_path / "l2"), "--l2-gib", "0.25", "--admin", l1_gib=L1_GIB)
-    eng = make_engine(srv.endpoint, retention=0, l2_wait_s=l2_wait_s)
+    eng = make_engine(srv.endpoint, retention=0, state_every_chunks=0, l2_wait_s=l2_wait_s)
     a = tokens(5 * C + 17, 31)
     assert run(eng, "A", a).corrupt_pages == 0 and worker_stats(eng).stores == 1
     settle(eng)
@@ -72,7 +72,7 @@ def test_a_prefix_in_l2_waits_in_vllm_s_queue_not_in_the_lookup(serve, make_engi
 def test_a_server_without_l2_costs_no_prefetch_round_trip(serve, make_engine):
     """Nothing can be on disk: the scheduler side looks up at once, with no Prefetch before it."""
     srv = serve("--admin")
-    eng = make_engine(srv.endpoint, retention=0)
+    eng = make_engine(srv.endpoint, retention=0, state_every_chunks=0)
     a = tokens(4 * C + 9, 33)
     assert run(eng, "A", a).corrupt_pages == 0
     settle(eng)

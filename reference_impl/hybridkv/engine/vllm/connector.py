@@ -171,6 +171,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         self._requests.setdefault(request.request_id, request)
         hit, _ = self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+        self.scheduler_side.ask_for_states(request, num_computed_tokens + (hit or 0))
         # the load (load_mode layerwise: its server part and GDN states) is asynchronous: the request waits in
         # vLLM's queue, never the step
         return hit, bool(hit)

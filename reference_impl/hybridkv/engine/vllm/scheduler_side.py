@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerError
 from hybridkv.engine.vllm.books import HitTier, PendingHit, RequestTrack, SchedulerStats
+from hybridkv.engine.vllm.checkpoints import ask_for_state
 from hybridkv.engine.vllm.health import REFUSED, ConnState, Reconnector, Refused
 from hybridkv.engine.vllm.layerwise import promoted
 from hybridkv.engine.vllm.plan import (
@@ -309,9 +310,22 @@ class SchedulerSide:
         if self.settings.load_mode == "layerwise":
             self._held.add(request.request_id)
 
+    def ask_for_states(self, request: Request, done: int) -> None:
+        """Before a request's next step (it will have computed `done` tokens): ask vLLM to keep the GDN state at
+        the next boundary of the `state_every_chunks` grid (`checkpoints.py`). Models without recurrent groups
+        keep nothing of the kind."""
+        if self.layout.recurrent_groups:
+            ask_for_state(request, done, self.settings.state_every_chunks * self.chunk_tokens)
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> HybridKVMetadata:
         """This step's loads, and stores of the chunks up to each boundary state vLLM offers (a model without
         recurrent groups: of every chunk this step completes)."""
+        for rid, scheduled in scheduler_output.num_scheduled_tokens.items():
+            if (req := requests.get(rid)) is not None:
+                # computed by the end of this step (vLLM adds `scheduled` after this call), of tokens known now: under
+                # async scheduling decode's last token is a placeholder until the next step, and vLLM keeps the
+                # state of a block whose last token it does not know yet only once it does, at the same junction
+                self.ask_for_states(req, min(req.num_computed_tokens + scheduled, req.num_tokens))
         meta = HybridKVMetadata(loads=self._loads, server_epoch=self.server_epoch)
         self._loads = []
         if self._held and (step_loads := promoted(self._held, requests)):

@@ -44,6 +44,11 @@ class ConnectorSettings:
     # and the GDN states load there; the attention pages are copied from the pinned arena in the request's first
     # scheduled step, each attention layer waiting for its own (README, "Layer-wise loads")
     load_mode: LoadMode = "async"
+    # Hits at every shared block (checkpoints.py): ask vLLM to keep a GDN state every this many chunks of a
+    # request's prefill and decode (a step ends there), so a request diverging from a stored prompt, or a chat
+    # turn resuming through the last answer, resumes at the last chunk it shares. 0: only where vLLM keeps one
+    # itself (the prompt's last block boundary). Models without recurrent groups ignore it.
+    state_every_chunks: int = 1
 
     def __post_init__(self) -> None:
         for name in ("store_policy", "retrieve_policy"):
@@ -69,6 +74,9 @@ class ConnectorSettings:
             raise ValueError(f"kv_connector_extra_config l2_wait_s must be >= 0, got {self.l2_wait_s!r}")
         if self.chunk_tokens < 0:
             raise ValueError(f"kv_connector_extra_config chunk_tokens must be >= 0, got {self.chunk_tokens}")
+        if self.state_every_chunks < 0:
+            raise ValueError("kv_connector_extra_config state_every_chunks must be >= 0, "
+                             f"got {self.state_every_chunks}")
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None, environ: Mapping[str, str] | None = None) -> ConnectorSettings:
