@@ -54,3 +54,15 @@ def test_every_fourth_block_and_off(serve, make_engine):
     assert worker_stats(off).stores == 1
     settle(off)
     assert diverge(off, a, KEEP) == [0] * len(KEEP)
+
+
+def test_decode_keeps_a_state_at_every_chunk_whatever_the_prefill_grid(serve, make_engine):
+    """With `state_every_chunks` 4 the prompt keeps a state every fourth block, but the answer one at each block
+    it completes (decode ends a step at every token anyway), so the next chat turn resumes at the answer's last
+    whole block."""
+    srv = serve()
+    eng = make_engine(srv.endpoint, step_tokens=STEP, retention=0, state_every_chunks=4, salt="decode")
+    eng.add_request("A", tokens(4 * C + 17, 0), max_tokens=3 * C)  # prompt and answer reach 7 blocks and 17 tokens
+    assert eng.run().corrupt_pages == 0
+    # block 4 (the prompt's grid and its last whole block), then 5, 6 and 7 while decoding
+    assert worker_stats(eng).stores == 4 and worker_stats(eng).store_failures == 0

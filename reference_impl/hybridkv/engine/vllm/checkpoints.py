@@ -10,7 +10,7 @@ anywhere before that prompt's last block finds no state to resume from, and a ch
 previous answer (decode states are never kept).
 
 So the scheduler side moves the junction: before each step it names the next boundary of the request's grid
-(every `state_every_chunks` chunks, prefill and decode alike) as the junction, and vLLM ends the step there and
+(every `state_every_chunks` chunks of the prompt, every chunk of the answer) as the junction, and vLLM ends the step there and
 keeps the state. A junction vLLM itself set (its own prefix cache's) is kept until the request passed it. The
 cost: a prefill step per kept state (the step budget is still filled by other requests), a state object per kept
 boundary (the bytes `state_every_chunks` trades against hits)."""
@@ -28,13 +28,15 @@ def next_boundary(done: int, every_tokens: int) -> int:
     return (done // every_tokens + 1) * every_tokens
 
 
-def ask_for_state(request: Request, done: int, every_tokens: int) -> None:
+def ask_for_state(request: Request, done: int, every_tokens: int, nearer: bool = False) -> None:
     """Ask vLLM to end a step, and keep the GDN state, at the grid's next boundary past `done` tokens (what the
-    request will have computed when its next step starts). A junction of vLLM's own still ahead stays: it is
-    nearer, and the grid's boundary is asked for once the request passed it."""
+    request will have computed when its next step starts). A junction still ahead stays (vLLM's own prefix cache
+    may have set it) and the grid's boundary is asked for once the request passed it; with `nearer` (decode,
+    where the grid is finer than the prompt's and vLLM sets no junction) one farther than the grid's is moved in."""
     if every_tokens <= 0:
         return
+    want = next_boundary(done, every_tokens)
     junction = getattr(request, "shared_prefix_boundary", 0)
-    if junction > done:
+    if junction > done and not (nearer and junction > want):
         return
-    request.shared_prefix_boundary = next_boundary(done, every_tokens)
+    request.shared_prefix_boundary = want

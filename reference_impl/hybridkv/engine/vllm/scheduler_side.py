@@ -314,8 +314,14 @@ class SchedulerSide:
         """Before a request's next step (it will have computed `done` tokens): ask vLLM to keep the GDN state at
         the next boundary of the `state_every_chunks` grid (`checkpoints.py`). Models without recurrent groups
         keep nothing of the kind."""
+        every = self.settings.state_every_chunks
+        decoding = done >= request.num_prompt_tokens
+        if every and decoding:
+            # decode ends a step at every token anyway: a state at each chunk of the answer costs its bytes only,
+            # and the next chat turn resumes at the answer's last whole chunk whatever the prefill grid is
+            every = 1
         if self.layout.recurrent_groups:
-            ask_for_state(request, done, self.settings.state_every_chunks * self.chunk_tokens)
+            ask_for_state(request, done, every * self.chunk_tokens, nearer=decoding)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> HybridKVMetadata:
         """This step's loads, and stores of the chunks up to each boundary state vLLM offers (a model without
