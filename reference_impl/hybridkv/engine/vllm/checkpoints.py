@@ -11,9 +11,9 @@ previous answer (decode states are never kept).
 
 So the scheduler side moves the junction: before each step it names the next boundary of the request's grid
 (every `state_every_chunks` chunks of the prompt, every chunk of the answer) as the junction, and vLLM ends the
-step there and keeps the state. A junction vLLM itself set (its own prefix cache's) is kept until the request passed it. The
-cost: a prefill step per kept state (the step budget is still filled by other requests), a state object per kept
-boundary (the bytes `state_every_chunks` trades against hits)."""
+step there and keeps the state. A junction vLLM itself set (its own prefix cache's) is kept until the request passed
+it. The cost: a prefill step per kept state of the prompt (the step budget is still filled by other requests), a
+state object per kept boundary (the bytes `state_every_chunks` trades against hits)."""
 
 from __future__ import annotations
 
