@@ -23,9 +23,13 @@ def _device_block_ids(plan: PageCopyPlan) -> list[torch.Tensor]:
 
 
 def copy_pages_torch(plan: PageCopyPlan) -> None:
-    """Run `plan` on the current stream with torch indexing ops, one per layer of each object."""
+    """Run `plan` on the current stream with torch indexing ops, one per layer of each object (on a CPU, numpy's:
+    `_copy_host`)."""
     if plan.part:
         _copy_part(plan)
+        return
+    if plan.device.type == "cpu" and all(obj.device.type == "cpu" for _, _, obj in plan.transfers):
+        _copy_host(plan)
         return
     gather = plan.direction == "gather"
     for (layers, ids, obj), idx in zip(plan.transfers, _device_block_ids(plan), strict=True):
@@ -45,6 +49,28 @@ def copy_pages_torch(plan: PageCopyPlan) -> None:
                 row.copy_(view.index_select(0, idx), non_blocking=True)
             else:
                 view.index_copy_(0, idx, row.to(view.device, non_blocking=True))
+
+
+def _copy_host(plan: PageCopyPlan) -> None:
+    """A plan whose pages and objects are all in host memory: numpy's fancy indexing, a row copy per page on the
+    calling thread. torch's CPU index ops copy byte by byte in its intra-op thread pool, whose barrier after every
+    op stalls for as long as another process holds a core: many times a memcpy's time on a busy machine."""
+    gather = plan.direction == "gather"
+    for layers, ids, obj in plan.transfers:
+        n = len(ids)
+        if n == 0:
+            continue
+        idx = np.asarray(ids)
+        rows = obj.view(layers.num_layers, n, layers.page_bytes).numpy()
+        keep = idx != HOLE
+        if not keep.all():  # a scatter's holes (plan_pages allows them nowhere else): those pages go nowhere
+            idx, rows = idx[keep], rows[:, keep]
+        for view, row in zip(layers.views, rows, strict=True):
+            pages = view.numpy()
+            if gather:
+                np.take(pages, idx, axis=0, out=row, mode="clip")  # ids checked by the plan: "raise" would buffer
+            else:
+                pages[idx] = row
 
 
 def _copy_part(plan: PageCopyPlan) -> None:

@@ -61,10 +61,11 @@ class Route(ABC):
 
     @abstractmethod
     def load(self, h: TransferHandle, hit: Hit, jobs: list[ObjectJob], ready: torch.cuda.Event | None,
-             steps: LayerSteps | None = None) -> None:
+             steps: LayerSteps | None = None, inline: bool = False) -> None:
         """Start a load of `hit`'s objects into `jobs`' blocks (copies after `ready`; layer by layer in
         `steps`' order where the copies are queued by the caller); `h` tells the rest, and the lease is
-        released once it is done or failed."""
+        released once it is done or failed. `inline`: copies that would run on the load thread run on the
+        caller's (a direct wire on a CPU: `KVTransfer.retrieve`)."""
 
     def prebind(self, prep: PreparedStore) -> None:  # noqa: B027 - a hook: only the direct route binds ahead
         """Bind `prep`'s planned pages to its slots when the answer comes, where that saves work (`prep.bound`)."""
@@ -96,11 +97,14 @@ class Route(ABC):
     def _work(self, q: queue.SimpleQueue[_Item | None]) -> None:
         """Run each queued step; a failure is delivered through its handle and the worker keeps going."""
         while (item := q.get()) is not None:
-            h, fn, args = item
-            try:
-                fn(h, *args)
-            except BaseException as e:
-                self._fail(h, e)
+            self._run(item)
+
+    def _run(self, item: _Item) -> None:
+        h, fn, args = item
+        try:
+            fn(h, *args)
+        except BaseException as e:
+            self._fail(h, e)
 
     @staticmethod
     def _fail(h: TransferHandle, e: BaseException) -> None:
@@ -290,10 +294,14 @@ class DirectRoute(Route):
             return h, self._finish_fenced, (reply, issued)
         return h, self._finish_store, (reply, issued)
 
-    def load(self, h, hit, jobs, ready, steps=None) -> None:
+    def load(self, h, hit, jobs, ready, steps=None, inline=False) -> None:
         if not self._in_caller:
             copy = self._scatter(h, ready)
-            self._load_q.put((h, self._do_load, (hit, lambda: copy(self.wire.slots(jobs)))))
+            item: _Item = (h, self._do_load, (hit, lambda: copy(self.wire.slots(jobs))))
+            if inline:
+                self._run(item)
+            else:
+                self._load_q.put(item)
             return
         try:
             h.proceed()
@@ -369,7 +377,7 @@ class PayloadRoute(Route):
     def store(self, h, prepared, jobs, pages, ready) -> None:
         self._store_q.put((h, self._do_store, (prepared, jobs, pages, ready)))
 
-    def load(self, h, hit, jobs, ready, steps=None) -> None:
+    def load(self, h, hit, jobs, ready, steps=None, inline=False) -> None:
         copy = self._scatter(h, ready)  # a whole load on a worker: readers wait for `done`
         self._load_q.put((h, self._do_load, (hit, lambda: self.wire.load(h, hit, jobs, copy))))
 

@@ -55,6 +55,7 @@ class KVTransfer:
         reg, _ = self.client.call(P.Register(layout=layout, chunk_tokens=self.chunk_tokens, tp_rank=config.tp_rank,
                                              salt=config.salt, name=config.name))
         self.engine_id, self.namespace = reg.engine, reg.namespace
+        self.arena_path = reg.arena_path  # names this server instance's arena: another's offsets mean other bytes
         self.object_bytes = reg.object_bytes
         expect = [layout.object_bytes(g, self.chunk_tokens) for g in range(len(layout.groups))]
         if self.object_bytes != expect:
@@ -108,7 +109,8 @@ class KVTransfer:
         return out
 
     def retrieve(self, hit: Hit, block_ids: Sequence[Sequence[int]],
-                 ready: torch.cuda.Event | None = None, layerwise: bool = False) -> TransferHandle:
+                 ready: torch.cuda.Event | None = None, layerwise: bool = False,
+                 inline: bool = False) -> TransferHandle:
         """Load a hit's objects into the engine's blocks (one list per group), asynchronously. On CUDA the
         copies start after `ready`, by default after the work already queued on the caller's current stream
         (an engine zeroes new blocks there before it loads into them). `cancel()` on the handle before the
@@ -119,7 +121,13 @@ class KVTransfer:
         `layerwise`: the copies go in the order a forward reads the layers (every recurrent state, then the
         other layers by index), and the handle's `wait_layer(name)` orders a reader of one layer after that
         layer's pages alone, so layer i computes while later layers load. Where the copies are not queued by
-        this thread (a CPU, a payload wire) `wait_layer` waits for the whole load."""
+        this thread (a CPU, a payload wire) `wait_layer` waits for the whole load.
+
+        `inline`: a direct wire on a CPU copies on the calling thread, and the handle is done (or failed) when
+        this returns, instead of on the load thread. Those copies are a run of torch calls, each of which gives
+        up the GIL and must take it back: beside a thread that never sleeps (an engine loop polling for the
+        load), each take can wait the interpreter's whole switch interval. (On CUDA the caller's thread queues
+        the copies anyway; a payload wire's load waits for the server's frames: both ignore it.)"""
         h = TransferHandle("load", hit.request_id)
         jobs = self._object_blocks(hit.objects, block_ids)  # validate in the caller's thread
         # the bytes written: a hole's pages (a sliding-window block the engine does not hold) stay in the object
@@ -133,7 +141,7 @@ class KVTransfer:
         if ready is None and self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
-        self.route.load(h, hit, jobs, ready, self._layer_steps if layerwise else None)
+        self.route.load(h, hit, jobs, ready, self._layer_steps if layerwise else None, inline)
         return h
 
     def prepare_store(self, request_id: str, token_ids: Sequence[int] | np.ndarray, start_chunk: int = 0,

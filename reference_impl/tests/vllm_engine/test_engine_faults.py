@@ -64,14 +64,17 @@ def _cold_then_stored(llm, seed: int, n: int = 1200):
 def test_server_killed_after_the_scheduler_accepted_a_hit(rig):
     llm, proxy = rig["llm"], rig["proxy"]
     p, cold = _cold_then_stored(llm, 1)
-    failures = llm.collective_rpc(_worker_stats)[0]["load_failures"]
+    before = llm.collective_rpc(_worker_stats)[0]
     proxy.arm(lambda: os.kill(rig["server"].pid, signal.SIGKILL))
     t0 = time.monotonic()
     (warm,) = generate(llm, [p])
     elapsed = time.monotonic() - t0
     assert proxy.fired.is_set(), "the fault was never injected: no hit reached the scheduler"
     assert warm.tokens == cold.tokens
-    assert llm.collective_rpc(_worker_stats)[0]["load_failures"] == failures + 1
+    # the worker copies what the scheduler's lookup pinned out of the arena it maps, with no server in the way:
+    # a server killed after that lookup leaves those bytes where they were (nothing writes them any more)
+    after = llm.collective_rpc(_worker_stats)[0]
+    assert (after["load_failures"], after["loads_pinned"]) == (before["load_failures"], before["loads_pinned"] + 1)
     assert elapsed < 5, f"a dead server held the request {elapsed:.1f} s"
     rig["server"].close()
     # restarted empty at the same endpoint: misses, then hits again by themselves within retry_s

@@ -4,7 +4,10 @@ counters. Plain records, touched only by `scheduler_side.SchedulerSide`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from hybridkv.engine.vllm.plan import PinnedHit
 
 HitTier = Literal["l1", "l2", "unknown"]  # where a hit's objects were: memory, disk, or either
 
@@ -18,6 +21,7 @@ class PendingHit:
     leases: list[tuple[int, int]]  # (engine, lease) per rank: one pin set per request, however often vLLM asks
     extras: list[bytes] | None
     tier: HitTier
+    pinned: PinnedHit | None = None  # the lookup's objects, for the workers (None: ranks' hits differ)
 
 
 @dataclass(slots=True)

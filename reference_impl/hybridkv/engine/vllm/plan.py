@@ -14,6 +14,18 @@ from hybridkv.layout import ModelLayout
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
+    from hybridkv import protocol as P
+
+
+@dataclass(slots=True)
+class PinnedHit:
+    """The scheduler side's lookup of a hit, handed down to the workers: its objects stay pinned under the
+    scheduler's leases until the request ends, so a worker copies them out of the arena it maps with no lookup
+    of its own (a round trip on every warm request's path)."""
+
+    arena: str  # the arena file of the server that pinned them (a server restarted since has another)
+    objects: list[list[P.ObjectLoc]]  # per tensor-parallel rank, in retrieve order
+
 
 @dataclass(slots=True)
 class LoadJob:
@@ -25,6 +37,7 @@ class LoadJob:
     block_ids: tuple[list[int], ...]  # the blocks to write, HOLE where vLLM holds KV already or none (`load_block_ids`)
     extras: list[bytes] | None = None  # per chunk, what else decides its KV (cache salt, LoRA, images, embeds)
     refused: str = ""  # why the hit's objects cannot fill vLLM's blocks: the worker fails the load (a recompute)
+    pinned: PinnedHit | None = None  # the scheduler's pins of the hit; None: each worker looks it up itself
 
 
 @dataclass(slots=True)
@@ -84,10 +97,11 @@ class LoadRefused(LookupError):
 
 
 def load_job(layout: ModelLayout, chunk_tokens: int, request_id: str, token_ids: list[int], skip_tokens: int,
-             vllm_block_ids, extras: list[bytes] | None) -> LoadJob:
+             vllm_block_ids, extras: list[bytes] | None, pinned: PinnedHit | None = None) -> LoadJob:
     """The load of a hit into the blocks vLLM allocated for it (`load_block_ids`), or, where those blocks ask for
     KV the hit's objects lack, a refused one (`refused` says why)."""
-    job = LoadJob(request_id, token_ids, skip_tokens, block_ids_from_vllm(layout, vllm_block_ids), extras)
+    job = LoadJob(request_id, token_ids, skip_tokens, block_ids_from_vllm(layout, vllm_block_ids), extras,
+                  pinned=pinned)
     try:
         job.block_ids = load_block_ids(layout, chunk_tokens, job)
     except LoadRefused as e:

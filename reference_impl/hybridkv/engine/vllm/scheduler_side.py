@@ -25,6 +25,7 @@ from hybridkv.engine.vllm.layerwise import promoted
 from hybridkv.engine.vllm.plan import (
     HybridKVMetadata,
     LoadJob,
+    PinnedHit,
     StoreJob,
     boundary_stores,
     chunk_extras,
@@ -68,6 +69,7 @@ class SchedulerSide:
         self._l2 = False  # the server has an L2: only then can a prefix have to come back from disk
         self.server_epoch = 0  # registrations since the first: the workers check theirs when it moves
         self._workers: dict[int, ConnState] = {}  # each worker rank's connection, as it last reported it
+        self._arena = ""  # the server's arena file: where the objects a lookup pins lie, for the workers
         self._pending: dict[str, PendingHit] = {}
         self._requests: dict[str, RequestTrack] = {}
         self._loads: list[LoadJob] = []
@@ -135,7 +137,7 @@ class SchedulerSide:
         for reg in regs:
             client.keepalive(reg.engine, reg.heartbeat_s)
         again = bool(self._ranks)
-        self._client, self._l2 = client, regs[0].l2
+        self._client, self._l2, self._arena = client, regs[0].l2, regs[0].arena_path
         self._ranks = [(reg.engine, reg.namespace) for reg in regs]
         if again:
             self.server_epoch += 1
@@ -230,7 +232,11 @@ class SchedulerSide:
         # without L2, came from memory; a lookup on a server with L2 and no Prefetch may have read either
         tier: HitTier = "l2" if track.l2_since else "l1" if (p is not None or not self._l2) else "unknown"
         leases = [(engine, r.lease) for (engine, _), r in zip(self._ranks, results, strict=True)]
-        pending = PendingHit(tokens[:hit], num_computed_tokens, leases, extras, tier)
+        # the workers copy the pinned objects themselves (no lookup of their own) where every rank's hit is the
+        # hit: a rank that holds more has objects past it, and its state at its own end, not the hit's
+        pinned = PinnedHit(self._arena, [r.objects for r in results]) \
+            if all(r.hit_chunks * self.chunk_tokens == hit for r in results) else None
+        pending = PendingHit(tokens[:hit], num_computed_tokens, leases, extras, tier, pinned)
         if hit <= num_computed_tokens:
             self._release(pending)
             return 0, False
@@ -294,8 +300,9 @@ class SchedulerSide:
             # vLLM trimmed the hit (e.g. a local sub-block tail); load only what it accepted, in whole chunks
             hit = (pending.skip_tokens + num_external_tokens) // self.chunk_tokens * self.chunk_tokens
             pending.token_ids = pending.token_ids[:hit]
+            pending.pinned = None  # the pins hold the state at the longer hit's end: the workers look this one up
         job = load_job(self.layout, self.chunk_tokens, request.request_id, pending.token_ids, pending.skip_tokens,
-                       blocks.get_block_ids(), pending.extras)
+                       blocks.get_block_ids(), pending.extras, pending.pinned)
         self._loads.append(job)
         if job.refused:  # vLLM expects KV the objects lack: the worker fails the load, vLLM recomputes
             log.warning("hybridkv: refusing the hit of %s: %s", request.request_id, job.refused)

@@ -48,6 +48,7 @@ class WorkerStats:
     loads: int = 0
     load_failures: int = 0
     loads_given_up: int = 0  # copies not started lookup_timeout_s after the lookup: reported failed, never written
+    loads_pinned: int = 0  # loads of the objects the scheduler's lookup pinned: no lookup of the worker's own
     loaded_bytes: int = 0  # load_mode layerwise: the GDN states of the asynchronous phase only
     stores: int = 0
     store_failures: int = 0

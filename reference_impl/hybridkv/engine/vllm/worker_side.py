@@ -2,9 +2,11 @@
 CUDA suite covers on the GPU machine.
 
 Nothing here makes vLLM's step wait on the cache server longer than `lookup_timeout_s` / `step_timeout_s`:
-- Loads are asynchronous (vLLM's `load_kv_async`): `start_load` sends each load's pinning lookup (at most
-  `lookup_timeout_s`; a server that does not answer is dropped, so only the first request that meets it
-  waits) and starts its copies, which end on their own; the request waits in vLLM's queue
+- Loads are asynchronous (vLLM's `load_kv_async`): `start_load` starts each load's copies from the objects the
+  scheduler side's lookup pinned (`plan.PinnedHit`: no lookup of the worker's own, where the pins lie in the
+  arena this rank maps), or else after a pinning lookup of its own (at most `lookup_timeout_s`; a server that
+  does not answer is dropped, so only the first request that meets it waits); the copies end on their own (on
+  a CPU they run in `start_load`, so the same step reports the load); the request waits in vLLM's queue
   (WAITING_FOR_REMOTE_KVS) holding its blocks until `transfer_results` reports it. A load that failed, or
   whose copies had not started `lookup_timeout_s` later (a payload wire's answer stuck), is reported as a
   failed receive, which vLLM recomputes; a load given up before its first page write never writes.
@@ -37,6 +39,7 @@ from typing import TYPE_CHECKING
 
 from hybridkv import protocol as P
 from hybridkv.engine.client import ServerError
+from hybridkv.engine.handles import Hit
 from hybridkv.engine.paged import engine_pages
 from hybridkv.engine.transfer import KVTransfer, PreparedStore, TransferConfig, TransferHandle
 from hybridkv.engine.vllm.events import StoreReports
@@ -275,26 +278,46 @@ class WorkerSide:
         return ev
 
     def _start_load(self, job: LoadJob, ready: torch.cuda.Event | None) -> TransferHandle:
-        """Pin the hit under this rank's engine and start copying it into the blocks the scheduler side named
-        (`plan.load_block_ids`: the ones vLLM expects from the connector); a load it refused fails here."""
+        """Start copying the hit into the blocks the scheduler side named (`plan.load_block_ids`: the ones vLLM
+        expects from the connector), from the objects the scheduler's lookup pinned or else after pinning them
+        under this rank's engine; a load it refused fails here. On a CPU the copies run here (`inline`): on a
+        thread of their own, beside an engine loop that never sleeps (vLLM in-process), each of their torch
+        calls could wait the interpreter's switch interval for the GIL."""
         if job.refused:
             raise LoadRefused(job.refused)
         t = self.transfer
         if t is None:
             self._connect_soon()
             raise ConnectionError("no connection to the cache server")
-        try:
-            hit = t.lookup(job.request_id, job.token_ids, skip_tokens=job.skip_tokens,
-                           timeout=self.settings.lookup_timeout_s, extras=job.extras)
-        except (TimeoutError, ConnectionError, ServerError) as e:
-            if not isinstance(e, ServerError) or e.code == ErrorCode.UNKNOWN_ENGINE:
-                self._drop(t, e)  # the server is gone, hung or forgot us: reconnect once it answers, off the step
-            raise
-        if hit.hit_tokens < len(job.token_ids):
-            t.end_session_soon(job.request_id)
-            raise LookupError(f"the server holds {hit.hit_tokens} of the {len(job.token_ids)} hit tokens now")
+        hit = self._pinned(t, job)
+        if hit is None:
+            try:
+                hit = t.lookup(job.request_id, job.token_ids, skip_tokens=job.skip_tokens,
+                               timeout=self.settings.lookup_timeout_s, extras=job.extras)
+            except (TimeoutError, ConnectionError, ServerError) as e:
+                if not isinstance(e, ServerError) or e.code == ErrorCode.UNKNOWN_ENGINE:
+                    self._drop(t, e)  # the server is gone, hung or forgot us: reconnect once it answers, off the step
+                raise
+            if hit.hit_tokens < len(job.token_ids):
+                t.end_session_soon(job.request_id)
+                raise LookupError(f"the server holds {hit.hit_tokens} of the {len(job.token_ids)} hit tokens now")
         # load_mode layerwise: the GDN states now, the attention part held (pinned) for the request's first step
-        return t.retrieve(hit if self.layerwise is None else self.layerwise.hold(t, hit, job), job.block_ids, ready)
+        return t.retrieve(hit if self.layerwise is None else self.layerwise.hold(t, hit, job), job.block_ids, ready,
+                          inline=True)
+
+    def _pinned(self, t: KVTransfer, job: LoadJob) -> Hit | None:
+        """This rank's part of the scheduler's lookup, pinned under the scheduler's leases until the request ends
+        (lease 0: the load releases nothing). None where this rank must look the hit up itself: none was handed
+        down, a payload wire (the server sends the bytes of a lease of this rank's own engine), or the pins lie
+        in another arena than the one this rank maps (the server restarted in between: those offsets would
+        read other bytes)."""
+        p = job.pinned
+        if p is None or self.tp_rank >= len(p.objects) or p.arena != t.arena_path \
+                or not traits(t.config.wire_format).direct:
+            return None
+        self.stats.loads_pinned += 1
+        return Hit(job.request_id, [], len(job.token_ids) // self.chunk_tokens, self.chunk_tokens, 0,
+                   p.objects[self.tp_rank])
 
     def transfer_results(self) -> tuple[set[str], set[str]]:
         """(finished, failed) loads since the last call; a failed one is also finished (vLLM's contract). A
