@@ -397,6 +397,7 @@ class WorkerSide:
         until = time.monotonic() + self.settings.step_timeout_s
         handles = []
         cancelled = 0
+        forgotten: BaseException | None = None  # the server answered that it does not know this engine
         for job in meta.stores:
             try:
                 h = t.store(job.request_id, job.token_ids, job.block_ids, start_chunk=job.start_chunk,
@@ -406,6 +407,7 @@ class WorkerSide:
                 if self.events is not None:
                     self.events.report(job, False)
                 log.warning("hybridkv: store of %s failed (%s); a later request misses it", job.request_id, e)
+                forgotten = e if _unknown_engine(e) else forgotten
                 continue
             handles.append(h)
             if self.events is not None:
@@ -427,11 +429,16 @@ class WorkerSide:
             except Exception as e:
                 self.stats.store_failures += 1
                 log.warning("hybridkv: store of %s failed (%s); a later request misses it", h.request_id, e)
+                forgotten = e if _unknown_engine(e) else forgotten
                 continue
             self._count_store(h)
             self._in_flight.setdefault(h.request_id, []).append(h)
         self.stats.store_s += time.perf_counter() - t0
-        if cancelled:
+        if forgotten is not None:
+            # a load reads the scheduler's pins and needs no registration of this rank, so a store is where a
+            # restarted or reclaiming server shows it forgot us: register again once it answers
+            self._drop(t, forgotten)
+        elif cancelled:
             # a hung server (or one whose answers stopped): no more stores until a reconnect, or every step
             # would wait step_timeout_s again
             self.stats.stores_cancelled += cancelled
@@ -508,3 +515,7 @@ class WorkerSide:
             self.transfer.close()
             self.transfer = None
 
+
+def _unknown_engine(e: BaseException) -> bool:
+    """The server's answer that it does not know the engine (it restarted, or reclaimed it)."""
+    return isinstance(e, ServerError) and e.code == ErrorCode.UNKNOWN_ENGINE
