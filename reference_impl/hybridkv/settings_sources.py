@@ -27,7 +27,8 @@ CONFIG_ENV = "HYBRIDKV_CONFIG"
 # the vLLM connector's settings (hybridkv.engine.vllm.settings; a test holds this list to its fields)
 OTHER_ENV = frozenset({"HYBRIDKV_DMA_BATCH"} | {ENV_PREFIX + k.upper() for k in (
     "salt", "wire_format", "copy_engine", "streams", "commit", "store_policy", "retrieve_policy", "chunk_tokens",
-    "lookup_timeout_s", "step_timeout_s", "l2_wait_s", "timeout_s", "retry_s", "expect_preset", "load_mode")})
+    "lookup_timeout_s", "step_timeout_s", "l2_wait_s", "timeout_s", "retry_s", "expect_preset", "load_mode",
+    "state_every_chunks")})
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 _UNSET = object()
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
