@@ -60,6 +60,29 @@ def test_connector_settings_from_variables():
             raise AssertionError(f"{env} taken")
 
 
+def test_connector_settings_from_a_file_beneath_variables_and_extra_config(tmp_path):
+    f = tmp_path / "connector.toml"
+    f.write_text('timeout_s = 7.0\nload-mode = "layerwise"\nsalt = "from-file"\nretry_s = 3.0\n')
+    s = ConnectorSettings.from_extra({"config": str(f), "salt": "from-extra"}, {"HYBRIDKV_RETRY_S": "4"})
+    assert (s.timeout_s, s.load_mode, s.salt, s.retry_s) == (7.0, "layerwise", "from-extra", 4.0)
+    assert ConnectorSettings.from_extra({}, {"HYBRIDKV_CONNECTOR_CONFIG": str(f)}).salt == "from-file"
+    for text, message in (("nonsense = 1\n", "unknown keys ['nonsense']"), ("timeout_s = [", "is not TOML"),
+                          ('load_mode = "eager"\n', "load_mode must be one of")):
+        f.write_text(text)
+        try:
+            ConnectorSettings.from_extra({"config": str(f)}, {})
+        except ValueError as e:
+            assert message in str(e), e
+        else:
+            raise AssertionError(f"{text!r} taken")
+    try:
+        ConnectorSettings.from_extra({"config": str(tmp_path / "none.toml")}, {})
+    except ValueError as e:
+        assert "none.toml" in str(e)
+    else:
+        raise AssertionError("a missing file taken")
+
+
 def test_the_readme_vllm_line_uses_the_rule():
     """The README's `vllm serve` line names no endpoint of its own: the connector then looks where `hybridkv
     serve` listens by default, in whichever session each runs."""

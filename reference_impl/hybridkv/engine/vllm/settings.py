@@ -84,15 +84,19 @@ class ConnectorSettings:
         process's; HYBRIDKV_ENDPOINT is the one `hybridkv serve` and `status` read too); an unknown key, a wrong
         type or a value outside a setting's choices is an error naming the key (or the variable) and the value."""
         extra = dict(extra or {})
+        environ = os.environ if environ is None else environ
         known = sorted(f.name for f in fields(cls))
+        path = extra.pop("config", None) or environ.get(CONFIG_ENV)
         unknown = sorted(set(extra) - set(known))
         if unknown:
             raise ValueError(f"unknown kv_connector_extra_config keys {unknown}; known: {known}")
-        environ = os.environ if environ is None else environ
         hints = get_type_hints(cls)
+        from_file = _config_file(str(path), known) if path else {}
         for name in known:
             var = "HYBRIDKV_" + name.upper()
-            if name not in extra and environ.get(var):
+            if name not in extra and not environ.get(var) and name in from_file:
+                extra[name] = from_file[name]
+            elif name not in extra and environ.get(var):
                 try:
                     extra[name] = msgspec.convert(environ[var], hints[name], strict=False)
                 except msgspec.ValidationError:
@@ -108,6 +112,28 @@ class ConnectorSettings:
             want = get_type_hints(cls)[key]
             choices = f"one of {get_args(want)}" if get_args(want) else want.__name__
             raise ValueError(f"kv_connector_extra_config {key} must be {choices}, got {extra[key]!r}") from None
+
+
+CONFIG_ENV = "HYBRIDKV_CONNECTOR_CONFIG"  # a TOML file of connector settings, beneath variables and extra-config
+
+
+def _config_file(path: str, known: list[str]) -> dict[str, Any]:
+    """The settings of TOML file `path` (the extra-config keys, `-` or `_` alike); an unreadable file, bad TOML or
+    an unknown key is an error naming the file."""
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            table = tomllib.load(f)
+    except OSError as e:
+        raise ValueError(f"connector config file {path}: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"connector config file {path} is not TOML: {e}") from None
+    out = {k.replace("-", "_"): v for k, v in table.items()}
+    unknown = sorted(set(out) - set(known))
+    if unknown:
+        raise ValueError(f"connector config file {path}: unknown keys {unknown}; known: {known}")
+    return out
 
 
 def kv_transfer_config(endpoint: str, **extra: Any) -> dict[str, Any]:
