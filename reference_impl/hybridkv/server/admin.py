@@ -14,7 +14,7 @@ from hybridkv.layout import LayoutError
 from hybridkv.server import store
 from hybridkv.server.clear import clear as in_turns
 from hybridkv.server.context import Answer, Context, Frames, RequestError, no_frames
-from hybridkv.server.sessions import Engine
+from hybridkv.server.records import Engine
 from hybridkv.server.telemetry import STATUS_FIGURES, limits, server_figures
 from hybridkv.server.turns import let_go
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from hybridkv import protocol as P
 from hybridkv.server.context import Answer, Context
-from hybridkv.server.sessions import Engine
+from hybridkv.server.records import Engine
 from hybridkv.server.turns import BIG_OBJECTS, TURN, WAIT, Clock, Work, drive
 
 

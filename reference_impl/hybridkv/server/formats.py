@@ -19,7 +19,7 @@ from hybridkv.arena import Arena
 from hybridkv.baselines.codec import bytes_to_tensor, copy_tensor_into, decode_tensor, encode_tensor
 from hybridkv.server.errors import RequestError
 from hybridkv.server.loans import Loans
-from hybridkv.server.sessions import Engine, Lease, Reservation
+from hybridkv.server.records import Engine, Lease, Reservation
 from hybridkv.wire_formats import FORMATS, TRAITS, WireFormat
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ from hybridkv.server.context import Answer, Context, Frames, RequestError, check
 from hybridkv.server.hitrule import count_foreign, count_hit, hit_length
 from hybridkv.server.l1 import Entry, NoSlot, ObjectKey, State
 from hybridkv.server.lookup_turns import TurnedLookupOp
-from hybridkv.server.sessions import Engine
+from hybridkv.server.records import Engine
 from hybridkv.server.turns import BIG_OBJECTS
 
 E = P.ErrorCode

@@ -6,7 +6,7 @@ from typing import Any
 
 from hybridkv import protocol as P
 from hybridkv.server.context import Answer, Context, Frames, RequestError, no_frames
-from hybridkv.server.sessions import Lease
+from hybridkv.server.records import Lease
 from hybridkv.server.turns import let_go
 
 E = P.ErrorCode

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hybridkv import protocol as P
 from hybridkv.layout import ModelLayout
@@ -19,6 +19,7 @@ from hybridkv.server.counters import Counters
 from hybridkv.server.errors import RequestError
 from hybridkv.server.fences import Fences
 from hybridkv.server.l1 import Entry
+from hybridkv.server.records import Engine, Lease, Reservation, Slot
 
 E = P.ErrorCode
 log = logging.getLogger("hybridkv.server")
@@ -26,48 +27,6 @@ log = logging.getLogger("hybridkv.server")
 # A loop turn (its poll waits 200 ms at most) longer than this: the server did not run (stopped, a VM paused, swapped
 # out), and what its clients sent meanwhile waited unread; no engine's silence counts that time.
 STALLED_S = 1.0
-
-
-@dataclass(slots=True, eq=False)
-class Slot:
-    chunk: int
-    group: int
-    entry: Entry
-
-
-@dataclass(slots=True, eq=False)
-class Reservation:
-    id: int
-    engine: Engine
-    request: str
-    slots: list[Slot]
-    committing: bool = False
-    dead: bool = False  # its engine was dropped while a commit copy was in flight
-    fence: int = 0  # its fence word's arena offset (0: none), given back when it closes
-
-
-@dataclass(slots=True, eq=False)
-class Lease:
-    id: int
-    engine: Engine
-    request: str
-    entries: list[Entry]
-    locs: list[P.ObjectLoc]
-
-
-@dataclass(slots=True, eq=False)
-class Engine:
-    id: int
-    ident: bytes  # the routing id of the connection that registered it
-    name: str
-    layout: ModelLayout
-    ns: bytes
-    chunk_tokens: int
-    object_bytes: list[int]
-    last_seen: float  # on the sessions' clock (`Sessions.now`)
-    reservations: dict[int, Reservation] = field(default_factory=dict)
-    leases: dict[int, Lease] = field(default_factory=dict)
-    prefetches: int = 0  # its Prefetch requests still waiting for room (bounded by max_prefetches)
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ from hybridkv.server.context import Answer, Context, Frames, RequestError, check
 from hybridkv.server.fences import Pending
 from hybridkv.server.l1 import NoSlot
 from hybridkv.server.objects import Held
-from hybridkv.server.sessions import Engine, Reservation, Slot
+from hybridkv.server.records import Engine, Reservation, Slot
 from hybridkv.server.turns import TURN, TURN_S, Clock, Steps, Work, drive, encoded_locs
 from hybridkv.wire_formats import traits
 

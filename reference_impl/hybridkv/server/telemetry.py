@@ -15,14 +15,17 @@ import threading
 import time
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, get_args
+from typing import Protocol, get_args
 
 from hybridkv import protocol as P
-
-if TYPE_CHECKING:
-    from hybridkv.server.context import Context
+from hybridkv.arena import Arena
+from hybridkv.server.config import ServerConfig
+from hybridkv.server.counters import Counters
+from hybridkv.server.objects import ObjectStore
+from hybridkv.server.sessions import Sessions
+from hybridkv.server.workers import Workers
 
 log = logging.getLogger("hybridkv.server")
 
@@ -71,7 +74,29 @@ class Snapshot:
     recent_errors: tuple[tuple[float, str, str], ...]   # (monotonic time, request type, code), newest first
 
 
-def server_figures(ctx: Context) -> dict[str, int | float]:
+class ServerView(Protocol):
+    """What the figures are read from: the request handlers' Context (context.py), named here by the parts
+    read, so these books do not import the layer that holds them."""
+
+    @property
+    def config(self) -> ServerConfig: ...
+    @property
+    def arena(self) -> Arena: ...
+    @property
+    def sessions(self) -> Sessions: ...
+    @property
+    def objects(self) -> ObjectStore: ...
+    @property
+    def workers(self) -> Workers: ...
+    @property
+    def counters(self) -> Counters: ...
+    @property
+    def started(self) -> float: ...
+    @property
+    def parked(self) -> Sized: ...
+
+
+def server_figures(ctx: ServerView) -> dict[str, int | float]:
     """The counters and gauges of the whole server (Stats reports them; snapshots hold them)."""
     out = ctx.counters.as_dict()
     out.update(ctx.objects.stats())
@@ -86,7 +111,7 @@ def server_figures(ctx: Context) -> dict[str, int | float]:
     return out
 
 
-def limits(ctx: Context) -> dict[str, int]:
+def limits(ctx: ServerView) -> dict[str, int]:
     c = ctx.config
     return {"max_engines": c.max_engines, "max_leases": c.max_leases, "max_reservations": c.max_reservations,
             "max_pending": c.max_pending}
@@ -134,7 +159,7 @@ class Telemetry:
             self.errors[key] = self.errors.get(key, 0) + 1
             self.recent.appendleft((time.monotonic(), kind, reply.code))
 
-    def publish(self, ctx: Context) -> Snapshot:
+    def publish(self, ctx: ServerView) -> Snapshot:
         """Take a snapshot for readers on other threads (when a scrape asks for one)."""
         snap = Snapshot(time.monotonic(), server_figures(ctx), limits(ctx),
                         {k: (tuple(v.counts), v.total_s) for k, v in self.latency.items()},
@@ -145,7 +170,7 @@ class Telemetry:
             self._published.notify_all()
         return snap
 
-    def tick(self, ctx: Context) -> None:
+    def tick(self, ctx: ServerView) -> None:
         """On the loop's timer: sample the totals Status shows rates of (once a second, counters only: no
         adapter is asked for its stats), and log the headline line when it is due."""
         now = time.monotonic()

@@ -22,7 +22,7 @@ from hybridkv.server.l1 import Entry
 from hybridkv.server.objects import ObjectStore
 
 if TYPE_CHECKING:
-    from hybridkv.server.sessions import Engine
+    from hybridkv.server.records import Engine
 
 log = logging.getLogger("hybridkv.server")
 
