@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from hybridkv.server.counters import Counters
+from hybridkv.server.machinery.workers import Workers
 from hybridkv.server.objects import ObjectStore
-from hybridkv.server.workers import Workers
 
 
 class ClearsL2(Protocol):

@@ -15,10 +15,10 @@ from hybridkv.server.config import ServerConfig
 from hybridkv.server.counters import Counters
 from hybridkv.server.errors import RequestError
 from hybridkv.server.formats import Formats
+from hybridkv.server.machinery.workers import Workers
 from hybridkv.server.objects import ObjectStore
 from hybridkv.server.sessions import Sessions
 from hybridkv.server.telemetry import Telemetry
-from hybridkv.server.workers import Workers
 
 E = P.ErrorCode
 Frames = Sequence[Any]

@@ -20,8 +20,8 @@ import msgspec
 
 from hybridkv.arena import Arena, ExtentAllocator
 from hybridkv.keys import ObjectKey
-from hybridkv.server.lru import LruQueue, Queue, Segment
-from hybridkv.server.table import KeySet, ObjectTable
+from hybridkv.server.machinery.lru import LruQueue, Queue, Segment
+from hybridkv.server.machinery.table import KeySet, ObjectTable
 
 
 class State(enum.Enum):

@@ -27,14 +27,14 @@ from hybridkv.server.context import Answer, Context, Frames, RequestError
 from hybridkv.server.counters import Counters
 from hybridkv.server.fences import Fences, fence_region_bytes
 from hybridkv.server.formats import Formats
-from hybridkv.server.heap import LARGE_FRAME, HeapTrim
 from hybridkv.server.l2.base import L2Adapter
 from hybridkv.server.lifecycle import claim_ipc_path, refuse_meanwhile, refuse_queued, refuse_until_quiet
+from hybridkv.server.machinery.heap import LARGE_FRAME, HeapTrim
+from hybridkv.server.machinery.workers import Workers
 from hybridkv.server.objects import ObjectStore
 from hybridkv.server.sessions import STALLED_S, SessionLimits, Sessions
 from hybridkv.server.telemetry import Telemetry
 from hybridkv.server.turns import TURN_S, let_go
-from hybridkv.server.workers import Workers
 
 log = logging.getLogger("hybridkv.server")
 E = P.ErrorCode

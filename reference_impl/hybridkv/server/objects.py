@@ -26,8 +26,8 @@ from hybridkv.server.counters import Counters
 from hybridkv.server.l1 import Entry, L1Cache, NoSlot, ObjectKey, State
 from hybridkv.server.l2.base import L2Adapter
 from hybridkv.server.loans import Loans
-from hybridkv.server.table import ObjectKeys, SegmentedSet
-from hybridkv.server.workers import Workers
+from hybridkv.server.machinery.table import ObjectKeys, SegmentedSet
+from hybridkv.server.machinery.workers import Workers
 
 log = logging.getLogger("hybridkv.server")
 

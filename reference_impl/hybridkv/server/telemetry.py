@@ -23,9 +23,9 @@ from hybridkv import protocol as P
 from hybridkv.arena import Arena
 from hybridkv.server.config import ServerConfig
 from hybridkv.server.counters import Counters
+from hybridkv.server.machinery.workers import Workers
 from hybridkv.server.objects import ObjectStore
 from hybridkv.server.sessions import Sessions
-from hybridkv.server.workers import Workers
 
 log = logging.getLogger("hybridkv.server")
 

@@ -214,9 +214,9 @@ def test_a_segmented_queue_keeps_the_order_one_ordered_dict_keeps(monkeypatch, s
     import random
     from collections import OrderedDict
 
-    from hybridkv.server import lru
     from hybridkv.server.l1 import Entry
-    from hybridkv.server.lru import LruQueue, Queue
+    from hybridkv.server.machinery import lru
+    from hybridkv.server.machinery.lru import LruQueue, Queue
 
     monkeypatch.setattr(lru, "SEGMENT", 8)
     monkeypatch.setattr(lru, "_SPARSE", 4)

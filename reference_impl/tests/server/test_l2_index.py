@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import rediskit
 from hybridkv.keys import ObjectKey
-from hybridkv.server import lru
 from hybridkv.server.l2.base import L2Error
 from hybridkv.server.l2.fs import FilesystemL2, _IndexEntry
-from hybridkv.server.lru import LruIndex
+from hybridkv.server.machinery import lru
+from hybridkv.server.machinery.lru import LruIndex
 
 NS_A = b"namespace-a-0001"
 NS_B = b"namespace-b-0002"

@@ -1,5 +1,5 @@
-"""The L1's tables in pieces (server/table.py): they answer as one dict and one set would, and no piece grows past
-its share, which is what bounds a resize's stop of the loop."""
+"""The L1's tables in pieces (server/machinery/table.py): they answer as one dict and one set would, and no
+piece grows past its share, which is what bounds a resize's stop of the loop."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import os
 import random
 
 import pytest
-from hybridkv.server import table, turns
+from hybridkv.server import turns
 from hybridkv.server.l1 import Entry, State
-from hybridkv.server.lru import LruQueue, Queue
-from hybridkv.server.table import KeySet, ObjectTable, SegmentedSet
+from hybridkv.server.machinery import table
+from hybridkv.server.machinery.lru import LruQueue, Queue
+from hybridkv.server.machinery.table import KeySet, ObjectTable, SegmentedSet
 
 
 def entry(k: bytes, g: int) -> Entry:

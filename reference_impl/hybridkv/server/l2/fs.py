@@ -22,7 +22,7 @@ from hybridkv.keys import ObjectKey
 from hybridkv.server.l2.base import L2Adapter, L2Error, byte_view, check_key, check_ns
 from hybridkv.server.l2.fs_files import TMP_PREFIX, ObjectDir
 from hybridkv.server.l2.header import BadObject
-from hybridkv.server.lru import Indexed, LruIndex
+from hybridkv.server.machinery.lru import Indexed, LruIndex
 
 log = logging.getLogger(__name__)
 

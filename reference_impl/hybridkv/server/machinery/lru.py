@@ -11,7 +11,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import msgspec
 
 from hybridkv.keys import ObjectKey
-from hybridkv.server.table import Keyed, ObjectTable
+from hybridkv.server.machinery.table import Keyed, ObjectTable
 
 
 class Queue(enum.Enum):
