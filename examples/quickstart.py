@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from hybridkv.engine.transfer import KVTransfer, TransferConfig
 from hybridkv.presets import preset_layout
-from hybridkv.server.config import GIB, ServerConfig
+from hybridkv.server.books.config import GIB, ServerConfig
 from hybridkv.server.launch import start_server
 
 DEVICE = "cpu"

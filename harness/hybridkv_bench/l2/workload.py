@@ -223,7 +223,7 @@ class _Rig:
     cfg: Any
     docs: list
     logs: Path
-    server: Any  # hybridkv.server.config.ServerConfig: both hosts' settings, less their endpoint and L1 size
+    server: Any  # hybridkv.server.books.config.ServerConfig: both hosts' settings, less their endpoint and L1 size
     work: Path
     total: int
 
@@ -311,7 +311,7 @@ def run_l2_bench(b: L2Bench, out: Path) -> dict:
     import torch
     from hybridkv.engine.transfer import TransferConfig
     from hybridkv.presets import preset_layout
-    from hybridkv.server.config import ServerConfig
+    from hybridkv.server.books.config import ServerConfig
     from hybridkv.server.l2.header import CRC32_IMPL
     from hybridkv.wire_formats import DEFAULT_FORMAT
 

@@ -44,7 +44,7 @@ from hybridkv.engine.wire import DirectWire
 from hybridkv.layout import ModelLayout
 from hybridkv.policy import chunk_objects
 from hybridkv.presets import preset_layout
-from hybridkv.server.config import GIB, ServerConfig
+from hybridkv.server.books.config import GIB, ServerConfig
 from hybridkv.server.launch import start_server
 from hybridkv_kernels import build_plan, run_plan
 

@@ -12,10 +12,10 @@ from hybridkv import protocol as P
 from hybridkv.keys import namespace
 from hybridkv.layout import LayoutError
 from hybridkv.server import store
+from hybridkv.server.books.records import Engine
+from hybridkv.server.books.telemetry import STATUS_FIGURES, limits, server_figures
 from hybridkv.server.clear import clear as in_turns
 from hybridkv.server.context import Answer, Context, Frames, RequestError, no_frames
-from hybridkv.server.records import Engine
-from hybridkv.server.telemetry import STATUS_FIGURES, limits, server_figures
 from hybridkv.server.turns import let_go
 
 E = P.ErrorCode

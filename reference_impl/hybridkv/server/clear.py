@@ -21,8 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 from hybridkv import protocol as P
+from hybridkv.server.books.records import Engine
 from hybridkv.server.context import Answer, Context
-from hybridkv.server.records import Engine
 from hybridkv.server.turns import BIG_OBJECTS, TURN, WAIT, Clock, Work, drive
 
 

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from hybridkv.server.config import GIB, ConfigError, ServerConfig
+from hybridkv.server.books.config import GIB, ConfigError, ServerConfig
 from hybridkv.settings_sources import add_config_arguments
 
 if TYPE_CHECKING:
@@ -281,12 +281,12 @@ def run(args: argparse.Namespace) -> int:
 
     from hybridkv.arena import ArenaError
     from hybridkv.cli import UserError
+    from hybridkv.server.books.telemetry import Telemetry
     from hybridkv.server.connections import raise_fd_limit
     from hybridkv.server.l2.base import L2Error
     from hybridkv.server.lifecycle import EndpointInUse
     from hybridkv.server.loop import CacheServer
     from hybridkv.server.metrics_http import MetricsEndpoint, MetricsError, check_metrics_address
-    from hybridkv.server.telemetry import Telemetry
 
     # Until the server exists, SIGTERM must still unwind through the finally below (not kill us mid-start
     # with the arena created); afterwards it asks the loop to stop.

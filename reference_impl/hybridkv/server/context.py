@@ -10,15 +10,15 @@ from typing import Any, Protocol
 from hybridkv import protocol as P
 from hybridkv.arena import Arena
 from hybridkv.keys import KEY_BYTES
-from hybridkv.server.clear_lane import ClearLane
-from hybridkv.server.config import ServerConfig
-from hybridkv.server.counters import Counters
-from hybridkv.server.errors import RequestError
-from hybridkv.server.formats import Formats
+from hybridkv.server.books.clear_lane import ClearLane
+from hybridkv.server.books.config import ServerConfig
+from hybridkv.server.books.counters import Counters
+from hybridkv.server.books.errors import RequestError
+from hybridkv.server.books.formats import Formats
+from hybridkv.server.books.objects import ObjectStore
+from hybridkv.server.books.sessions import Sessions
+from hybridkv.server.books.telemetry import Telemetry
 from hybridkv.server.machinery.workers import Workers
-from hybridkv.server.objects import ObjectStore
-from hybridkv.server.sessions import Sessions
-from hybridkv.server.telemetry import Telemetry
 
 E = P.ErrorCode
 Frames = Sequence[Any]

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hybridkv.server.books.records import Engine
 from hybridkv.server.context import Context
 from hybridkv.server.machinery.table import ObjectKeys
-from hybridkv.server.records import Engine
 from hybridkv.server.turns import SLICE_OBJECTS, TURN, Clock, Steps
 
 

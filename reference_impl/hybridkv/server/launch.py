@@ -21,7 +21,7 @@ from hybridkv.server.cli import server_argv
 from hybridkv.settings_sources import ENV_PREFIX, OTHER_ENV
 
 if TYPE_CHECKING:
-    from hybridkv.server.config import ServerConfig
+    from hybridkv.server.books.config import ServerConfig
 
 
 class ServerStartError(RuntimeError):

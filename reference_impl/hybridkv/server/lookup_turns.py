@@ -20,11 +20,11 @@ from typing import Any, cast
 
 from hybridkv import protocol as P
 from hybridkv.policy import resume_bytes, resume_slices
+from hybridkv.server.books.l1 import Entry, NoSlot, ObjectKey, State
+from hybridkv.server.books.records import Engine
 from hybridkv.server.context import Context
 from hybridkv.server.hitrule import count_foreign, count_hit, hit_length_turns
-from hybridkv.server.l1 import Entry, NoSlot, ObjectKey, State
 from hybridkv.server.machinery.table import SegmentedSet
-from hybridkv.server.records import Engine
 from hybridkv.server.turns import SLICE_OBJECTS, TURN, WAIT, Clock, Steps, TurnedOp, Work, encoded_locs, probe_l2, unpin
 
 _state, _ns, _offset, _length = (attrgetter(a) for a in ("state", "ns", "offset", "length"))

@@ -21,19 +21,19 @@ from zmq.backend import zmq_poll
 from hybridkv import protocol as P
 from hybridkv.arena import Arena, remove_dead_arenas
 from hybridkv.server import admin, lookup, prefetch, retrieve, store
-from hybridkv.server.config import ServerConfig
+from hybridkv.server.books.config import ServerConfig
+from hybridkv.server.books.counters import Counters
+from hybridkv.server.books.fences import Fences, fence_region_bytes
+from hybridkv.server.books.formats import Formats
+from hybridkv.server.books.objects import ObjectStore
+from hybridkv.server.books.sessions import STALLED_S, SessionLimits, Sessions
+from hybridkv.server.books.telemetry import Telemetry
 from hybridkv.server.connections import ConnectionGate, bind_gated
 from hybridkv.server.context import Answer, Context, Frames, RequestError
-from hybridkv.server.counters import Counters
-from hybridkv.server.fences import Fences, fence_region_bytes
-from hybridkv.server.formats import Formats
 from hybridkv.server.l2.base import L2Adapter
 from hybridkv.server.lifecycle import claim_ipc_path, refuse_meanwhile, refuse_queued, refuse_until_quiet
 from hybridkv.server.machinery.heap import LARGE_FRAME, HeapTrim
 from hybridkv.server.machinery.workers import Workers
-from hybridkv.server.objects import ObjectStore
-from hybridkv.server.sessions import STALLED_S, SessionLimits, Sessions
-from hybridkv.server.telemetry import Telemetry
 from hybridkv.server.turns import TURN_S, let_go
 
 log = logging.getLogger("hybridkv.server")

@@ -27,7 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from hybridkv import __version__
-from hybridkv.server.telemetry import BUCKETS_S, Snapshot, Telemetry
+from hybridkv.server.books.telemetry import BUCKETS_S, Snapshot, Telemetry
 
 SCRAPE_WAIT_S = 1.0  # a loop busier than this answers a scrape with its last snapshot (see snapshot_age)
 MAX_CONNECTIONS = 16  # at once; within connections.FD_RESERVE, the files the engines' gate leaves to the server

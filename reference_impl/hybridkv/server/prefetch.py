@@ -19,13 +19,13 @@ from typing import cast
 
 from hybridkv import protocol as P
 from hybridkv.policy import resume_objects, resume_slices
+from hybridkv.server.books.l1 import Entry, NoSlot, ObjectKey, State
+from hybridkv.server.books.objects import Held
+from hybridkv.server.books.records import Engine
 from hybridkv.server.context import Answer, Context, Frames, RequestError
 from hybridkv.server.hitrule import count_foreign, hit_length, hit_length_turns
-from hybridkv.server.l1 import Entry, NoSlot, ObjectKey, State
 from hybridkv.server.lookup import resume_request
 from hybridkv.server.machinery.table import SegmentedSet
-from hybridkv.server.objects import Held
-from hybridkv.server.records import Engine
 from hybridkv.server.turns import BIG_OBJECTS, SLICE_OBJECTS, TURN, WAIT, Clock, TurnedOp, Work, probe_l2, unpin
 
 E = P.ErrorCode

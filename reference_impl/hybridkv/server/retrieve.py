@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from hybridkv import protocol as P
+from hybridkv.server.books.records import Lease
 from hybridkv.server.context import Answer, Context, Frames, RequestError, no_frames
-from hybridkv.server.records import Lease
 from hybridkv.server.turns import let_go
 
 E = P.ErrorCode

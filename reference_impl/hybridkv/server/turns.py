@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, TypeVar
 import msgspec
 
 from hybridkv import protocol as P
+from hybridkv.server.books.l1 import Entry
+from hybridkv.server.books.objects import ObjectStore
 from hybridkv.server.context import Context
-from hybridkv.server.l1 import Entry
-from hybridkv.server.objects import ObjectStore
 
 if TYPE_CHECKING:
-    from hybridkv.server.records import Engine
+    from hybridkv.server.books.records import Engine
 
 log = logging.getLogger("hybridkv.server")
 

@@ -188,7 +188,7 @@ def main() -> int:
     ap.add_argument("--max-rss-mib", type=float, default=256.0)
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
-    from hybridkv.server.config import GIB, ServerConfig
+    from hybridkv.server.books.config import GIB, ServerConfig
     from hybridkv.server.launch import start_server
 
     sock = tempfile.mkdtemp(prefix="hkv-ld-", dir="/tmp")

@@ -28,7 +28,7 @@ import zmq
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.presets import preset_layout
-from hybridkv.server.config import GIB, ServerConfig
+from hybridkv.server.books.config import GIB, ServerConfig
 from hybridkv.server.launch import start_server
 
 WINDOW = 32  # messages in flight: enough to keep the server busy, few enough to match every answer

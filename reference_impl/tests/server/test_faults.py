@@ -233,7 +233,7 @@ def test_sigterm_exits_cleanly_and_unlinks_the_arena(server_factory):
 
 _STARTER = textwrap.dedent("""
     import sys, time
-    from hybridkv.server.config import GIB, ServerConfig
+    from hybridkv.server.books.config import GIB, ServerConfig
     from hybridkv.server.launch import start_server
     srv = start_server(ServerConfig(endpoint=sys.argv[1], l1_bytes=int(0.01 * GIB)))
     print(srv.proc.pid, srv.arena_path, flush=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from hybridkv.arena import SLOT_ALIGN, Arena
-from hybridkv.server.l1 import L1Cache, NoSlot, State
+from hybridkv.server.books.l1 import L1Cache, NoSlot, State
 
 NS = b"n" * 16
 
@@ -40,7 +40,7 @@ def test_lru_evicts_the_oldest_unpinned_ready_object(arena):
 
 
 def test_a_lent_object_is_evicted_but_its_slot_is_reused_only_once_every_loan_is_back(arena):
-    """Reply frames still being sent read a lent object's slot (server/loans.py): the object leaves the table as
+    """Reply frames still being sent read a lent object's slot (server/books/loans.py): the object leaves the table as
     any other (evicting it frees nothing yet, so eviction goes on to the next), but no store gets its slot until
     the last loan of it is given back."""
     l1 = L1Cache(arena)
@@ -154,7 +154,7 @@ def test_spill_ahead_stops_at_its_byte_bound_so_large_objects_spread_over_the_io
 
 
 def test_flush_batches_hold_many_small_objects_or_few_large_ones(arena, tmp_path):
-    from hybridkv.server.objects import SPILL_BATCH, SPILL_BATCH_BYTES, spill_batches
+    from hybridkv.server.books.objects import SPILL_BATCH, SPILL_BATCH_BYTES, spill_batches
 
     small = fill(L1Cache(arena), 4)
     assert list(spill_batches(small)) == [small]       # tiny objects share one worker hand-off
@@ -214,7 +214,7 @@ def test_a_segmented_queue_keeps_the_order_one_ordered_dict_keeps(monkeypatch, s
     import random
     from collections import OrderedDict
 
-    from hybridkv.server.l1 import Entry
+    from hybridkv.server.books.l1 import Entry
     from hybridkv.server.machinery import lru
     from hybridkv.server.machinery.lru import LruQueue, Queue
 

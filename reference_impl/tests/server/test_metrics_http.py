@@ -18,7 +18,7 @@ from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.engine.transfer import KVTransfer, TransferConfig
 from hybridkv.presets import preset_layout
-from hybridkv.server.config import GIB, ServerConfig
+from hybridkv.server.books.config import GIB, ServerConfig
 from hybridkv.server.launch import start_server
 from hybridkv.server.metrics_http import CONNECTION_S, MAX_CONNECTIONS
 from prometheus_client.parser import text_string_to_metric_families

@@ -10,9 +10,9 @@ import time
 
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
-from hybridkv.server.config import GIB, ServerConfig
+from hybridkv.server.books.config import GIB, ServerConfig
+from hybridkv.server.books.telemetry import HEADLINE_FIGURES
 from hybridkv.server.launch import start_server
-from hybridkv.server.telemetry import HEADLINE_FIGURES
 from serverkit import Engine
 
 

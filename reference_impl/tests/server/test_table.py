@@ -9,7 +9,7 @@ import random
 
 import pytest
 from hybridkv.server import turns
-from hybridkv.server.l1 import Entry, State
+from hybridkv.server.books.l1 import Entry, State
 from hybridkv.server.machinery import table
 from hybridkv.server.machinery.lru import LruQueue, Queue
 from hybridkv.server.machinery.table import KeySet, ObjectTable, SegmentedSet

@@ -7,7 +7,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hybridkv.server.config import ServerConfig
+from hybridkv.server.books.config import ServerConfig
 from hybridkv.server.launch import start_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "reference_impl" / "tests" / "engine"))

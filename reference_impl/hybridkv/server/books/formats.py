@@ -17,9 +17,9 @@ import numpy as np
 from hybridkv import protocol as P
 from hybridkv.arena import Arena
 from hybridkv.baselines.codec import bytes_to_tensor, copy_tensor_into, decode_tensor, encode_tensor
-from hybridkv.server.errors import RequestError
-from hybridkv.server.loans import Loans
-from hybridkv.server.records import Engine, Lease, Reservation
+from hybridkv.server.books.errors import RequestError
+from hybridkv.server.books.loans import Loans
+from hybridkv.server.books.records import Engine, Lease, Reservation
 from hybridkv.wire_formats import FORMATS, TRAITS, WireFormat
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import numpy as np
 
 from hybridkv.arena import Arena
-from hybridkv.server.l1 import Entry, L1Cache
+from hybridkv.server.books.l1 import Entry, L1Cache
 
 
 class Loan:

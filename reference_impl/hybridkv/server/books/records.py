@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from hybridkv import protocol as P
 from hybridkv.layout import ModelLayout
-from hybridkv.server.l1 import Entry
+from hybridkv.server.books.l1 import Entry
 
 
 @dataclass(slots=True, eq=False)

@@ -37,7 +37,7 @@ import numpy as np
 from hybridkv.arena import SLOT_ALIGN, Arena
 
 if TYPE_CHECKING:
-    from hybridkv.server.records import Reservation
+    from hybridkv.server.books.records import Reservation
 
 FENCE_WORD = 8
 FENCE_WORDS = 16384  # 128 KiB: more reservations open at once than that commit the classic way

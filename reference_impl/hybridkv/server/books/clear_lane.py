@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from hybridkv.server.counters import Counters
+from hybridkv.server.books.counters import Counters
+from hybridkv.server.books.objects import ObjectStore
 from hybridkv.server.machinery.workers import Workers
-from hybridkv.server.objects import ObjectStore
 
 
 class ClearsL2(Protocol):

@@ -21,11 +21,11 @@ from operator import attrgetter
 from typing import cast
 
 from hybridkv.arena import Arena
-from hybridkv.server.config import ServerConfig
-from hybridkv.server.counters import Counters
-from hybridkv.server.l1 import Entry, L1Cache, NoSlot, ObjectKey, State
+from hybridkv.server.books.config import ServerConfig
+from hybridkv.server.books.counters import Counters
+from hybridkv.server.books.l1 import Entry, L1Cache, NoSlot, ObjectKey, State
+from hybridkv.server.books.loans import Loans
 from hybridkv.server.l2.base import L2Adapter
-from hybridkv.server.loans import Loans
 from hybridkv.server.machinery.table import ObjectKeys, SegmentedSet
 from hybridkv.server.machinery.workers import Workers
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 from hybridkv import protocol as P
 from hybridkv.layout import ModelLayout
-from hybridkv.server.counters import Counters
-from hybridkv.server.errors import RequestError
-from hybridkv.server.fences import Fences
-from hybridkv.server.l1 import Entry
-from hybridkv.server.records import Engine, Lease, Reservation, Slot
+from hybridkv.server.books.counters import Counters
+from hybridkv.server.books.errors import RequestError
+from hybridkv.server.books.fences import Fences
+from hybridkv.server.books.l1 import Entry
+from hybridkv.server.books.records import Engine, Lease, Reservation, Slot
 
 E = P.ErrorCode
 log = logging.getLogger("hybridkv.server")

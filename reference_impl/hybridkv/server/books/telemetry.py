@@ -21,11 +21,11 @@ from typing import Protocol, get_args
 
 from hybridkv import protocol as P
 from hybridkv.arena import Arena
-from hybridkv.server.config import ServerConfig
-from hybridkv.server.counters import Counters
+from hybridkv.server.books.config import ServerConfig
+from hybridkv.server.books.counters import Counters
+from hybridkv.server.books.objects import ObjectStore
+from hybridkv.server.books.sessions import Sessions
 from hybridkv.server.machinery.workers import Workers
-from hybridkv.server.objects import ObjectStore
-from hybridkv.server.sessions import Sessions
 
 log = logging.getLogger("hybridkv.server")
 
