@@ -20,7 +20,6 @@ from zmq.backend import zmq_poll
 
 from hybridkv import protocol as P
 from hybridkv.arena import Arena, remove_dead_arenas
-from hybridkv.server import admin, lookup, prefetch, retrieve, store
 from hybridkv.server.books.config import ServerConfig
 from hybridkv.server.books.counters import Counters
 from hybridkv.server.books.fences import Fences, fence_region_bytes
@@ -29,12 +28,13 @@ from hybridkv.server.books.objects import ObjectStore
 from hybridkv.server.books.sessions import STALLED_S, SessionLimits, Sessions
 from hybridkv.server.books.telemetry import Telemetry
 from hybridkv.server.connections import ConnectionGate, bind_gated
-from hybridkv.server.context import Answer, Context, Frames, RequestError
 from hybridkv.server.l2.base import L2Adapter
 from hybridkv.server.lifecycle import claim_ipc_path, refuse_meanwhile, refuse_queued, refuse_until_quiet
 from hybridkv.server.machinery.heap import LARGE_FRAME, HeapTrim
 from hybridkv.server.machinery.workers import Workers
-from hybridkv.server.turns import TURN_S, let_go
+from hybridkv.server.ops import admin, lookup, prefetch, retrieve, store
+from hybridkv.server.ops.context import Answer, Context, Frames, RequestError
+from hybridkv.server.ops.turns import TURN_S, let_go
 
 log = logging.getLogger("hybridkv.server")
 E = P.ErrorCode

@@ -8,11 +8,11 @@ import os
 import random
 
 import pytest
-from hybridkv.server import turns
 from hybridkv.server.books.l1 import Entry, State
 from hybridkv.server.machinery import table
 from hybridkv.server.machinery.lru import LruQueue, Queue
 from hybridkv.server.machinery.table import KeySet, ObjectTable, SegmentedSet
+from hybridkv.server.ops import turns
 
 
 def entry(k: bytes, g: int) -> Entry:

@@ -22,10 +22,21 @@ from hybridkv import protocol as P
 from hybridkv.policy import resume_bytes, resume_slices
 from hybridkv.server.books.l1 import Entry, NoSlot, ObjectKey, State
 from hybridkv.server.books.records import Engine
-from hybridkv.server.context import Context
-from hybridkv.server.hitrule import count_foreign, count_hit, hit_length_turns
 from hybridkv.server.machinery.table import SegmentedSet
-from hybridkv.server.turns import SLICE_OBJECTS, TURN, WAIT, Clock, Steps, TurnedOp, Work, encoded_locs, probe_l2, unpin
+from hybridkv.server.ops.context import Context
+from hybridkv.server.ops.hitrule import count_foreign, count_hit, hit_length_turns
+from hybridkv.server.ops.turns import (
+    SLICE_OBJECTS,
+    TURN,
+    WAIT,
+    Clock,
+    Steps,
+    TurnedOp,
+    Work,
+    encoded_locs,
+    probe_l2,
+    unpin,
+)
 
 _state, _ns, _offset, _length = (attrgetter(a) for a in ("state", "ns", "offset", "length"))
 Pinned = tuple[list[Entry], list[P.ObjectLoc], bool]  # the answer's entries and places, and whether it is complete

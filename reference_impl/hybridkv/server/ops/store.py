@@ -9,13 +9,13 @@ from typing import Any
 import msgspec
 
 from hybridkv import protocol as P
-from hybridkv.server import turns
 from hybridkv.server.books.fences import Pending
 from hybridkv.server.books.l1 import NoSlot
 from hybridkv.server.books.objects import Held
 from hybridkv.server.books.records import Engine, Reservation, Slot
-from hybridkv.server.context import Answer, Context, Frames, RequestError, check_keys, no_frames
-from hybridkv.server.turns import TURN, TURN_S, Clock, Steps, Work, drive, encoded_locs
+from hybridkv.server.ops import turns
+from hybridkv.server.ops.context import Answer, Context, Frames, RequestError, check_keys, no_frames
+from hybridkv.server.ops.turns import TURN, TURN_S, Clock, Steps, Work, drive, encoded_locs
 from hybridkv.wire_formats import traits
 
 E = P.ErrorCode

@@ -19,7 +19,7 @@ import msgspec
 from hybridkv import protocol as P
 from hybridkv.server.books.l1 import Entry
 from hybridkv.server.books.objects import ObjectStore
-from hybridkv.server.context import Context
+from hybridkv.server.ops.context import Context
 
 if TYPE_CHECKING:
     from hybridkv.server.books.records import Engine

@@ -11,12 +11,12 @@ from hybridkv import __version__
 from hybridkv import protocol as P
 from hybridkv.keys import namespace
 from hybridkv.layout import LayoutError
-from hybridkv.server import store
 from hybridkv.server.books.records import Engine
 from hybridkv.server.books.telemetry import STATUS_FIGURES, limits, server_figures
-from hybridkv.server.clear import clear as in_turns
-from hybridkv.server.context import Answer, Context, Frames, RequestError, no_frames
-from hybridkv.server.turns import let_go
+from hybridkv.server.ops import store
+from hybridkv.server.ops.clear import clear as in_turns
+from hybridkv.server.ops.context import Answer, Context, Frames, RequestError, no_frames
+from hybridkv.server.ops.turns import let_go
 
 E = P.ErrorCode
 log = logging.getLogger("hybridkv.server")

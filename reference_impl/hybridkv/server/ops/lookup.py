@@ -6,10 +6,10 @@ from hybridkv import protocol as P
 from hybridkv.policy import resume_bytes, resume_objects
 from hybridkv.server.books.l1 import Entry, NoSlot, ObjectKey, State
 from hybridkv.server.books.records import Engine
-from hybridkv.server.context import Answer, Context, Frames, RequestError, check_keys, no_frames
-from hybridkv.server.hitrule import count_foreign, count_hit, hit_length
-from hybridkv.server.lookup_turns import TurnedLookupOp
-from hybridkv.server.turns import BIG_OBJECTS
+from hybridkv.server.ops.context import Answer, Context, Frames, RequestError, check_keys, no_frames
+from hybridkv.server.ops.hitrule import count_foreign, count_hit, hit_length
+from hybridkv.server.ops.lookup_turns import TurnedLookupOp
+from hybridkv.server.ops.turns import BIG_OBJECTS
 
 E = P.ErrorCode
 

@@ -22,11 +22,11 @@ from hybridkv.policy import resume_objects, resume_slices
 from hybridkv.server.books.l1 import Entry, NoSlot, ObjectKey, State
 from hybridkv.server.books.objects import Held
 from hybridkv.server.books.records import Engine
-from hybridkv.server.context import Answer, Context, Frames, RequestError
-from hybridkv.server.hitrule import count_foreign, hit_length, hit_length_turns
-from hybridkv.server.lookup import resume_request
 from hybridkv.server.machinery.table import SegmentedSet
-from hybridkv.server.turns import BIG_OBJECTS, SLICE_OBJECTS, TURN, WAIT, Clock, TurnedOp, Work, probe_l2, unpin
+from hybridkv.server.ops.context import Answer, Context, Frames, RequestError
+from hybridkv.server.ops.hitrule import count_foreign, hit_length, hit_length_turns
+from hybridkv.server.ops.lookup import resume_request
+from hybridkv.server.ops.turns import BIG_OBJECTS, SLICE_OBJECTS, TURN, WAIT, Clock, TurnedOp, Work, probe_l2, unpin
 
 E = P.ErrorCode
 _state, _ns = attrgetter("state"), attrgetter("ns")

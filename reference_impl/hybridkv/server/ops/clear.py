@@ -22,8 +22,8 @@ from typing import Any
 
 from hybridkv import protocol as P
 from hybridkv.server.books.records import Engine
-from hybridkv.server.context import Answer, Context
-from hybridkv.server.turns import BIG_OBJECTS, TURN, WAIT, Clock, Work, drive
+from hybridkv.server.ops.context import Answer, Context
+from hybridkv.server.ops.turns import BIG_OBJECTS, TURN, WAIT, Clock, Work, drive
 
 
 class TurnedClearOp:

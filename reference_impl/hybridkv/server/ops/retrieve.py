@@ -6,8 +6,8 @@ from typing import Any
 
 from hybridkv import protocol as P
 from hybridkv.server.books.records import Lease
-from hybridkv.server.context import Answer, Context, Frames, RequestError, no_frames
-from hybridkv.server.turns import let_go
+from hybridkv.server.ops.context import Answer, Context, Frames, RequestError, no_frames
+from hybridkv.server.ops.turns import let_go
 
 E = P.ErrorCode
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hybridkv.server.books.records import Engine
-from hybridkv.server.context import Context
 from hybridkv.server.machinery.table import ObjectKeys
-from hybridkv.server.turns import SLICE_OBJECTS, TURN, Clock, Steps
+from hybridkv.server.ops.context import Context
+from hybridkv.server.ops.turns import SLICE_OBJECTS, TURN, Clock, Steps
 
 
 def hit_length(ctx: Context, eng: Engine, keys: list[bytes], policy: str, missing: ObjectKeys,
