@@ -13,7 +13,7 @@ import torch
 from hybridkv.engine.transfer import KVTransfer, TransferConfig
 from hybridkv.presets import preset_layout
 from hybridkv.server.books.config import GIB, ServerConfig
-from hybridkv.server.launch import start_server
+from hybridkv.server.front.launch import start_server
 
 DEVICE = "cpu"
 NUM_BLOCKS = 64  # blocks in the engine's paged cache, per group

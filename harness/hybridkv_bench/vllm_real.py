@@ -211,7 +211,7 @@ def run_ttft(sc: TTFTScenario, out: Path, scenario_text: str) -> tuple[Path, lis
     import shutil
 
     from hybridkv.server.books.config import GIB, ServerConfig
-    from hybridkv.server.launch import start_server
+    from hybridkv.server.front.launch import start_server
 
     from hybridkv_bench.results.folder import CaseResult, RunWriter
     from hybridkv_bench.results.host import collect_context

@@ -45,7 +45,7 @@ from hybridkv.layout import ModelLayout
 from hybridkv.policy import chunk_objects
 from hybridkv.presets import preset_layout
 from hybridkv.server.books.config import GIB, ServerConfig
-from hybridkv.server.launch import start_server
+from hybridkv.server.front.launch import start_server
 from hybridkv_kernels import build_plan, run_plan
 
 from hybridkv_bench.pools import BlockAllocator, fill_random, vllm_pools

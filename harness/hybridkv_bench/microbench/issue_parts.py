@@ -30,7 +30,7 @@ from hybridkv.engine.transfer import KVTransfer
 from hybridkv.engine.wire import DirectWire
 from hybridkv.presets import preset_layout
 from hybridkv.server.books.config import GIB, ServerConfig
-from hybridkv.server.launch import start_server
+from hybridkv.server.front.launch import start_server
 from hybridkv_kernels import copy_dma, cuda_batch
 from hybridkv_kernels.copy_dma import copy_runs
 

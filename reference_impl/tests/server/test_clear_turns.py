@@ -16,9 +16,9 @@ from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerError
 from hybridkv.keys import chunk_keys, namespace
 from hybridkv.layout import GroupLayout, ModelLayout
-from hybridkv.server.cli import parse
+from hybridkv.server.front.cli import parse
+from hybridkv.server.front.launch import ServerProcess
 from hybridkv.server.l2.fs import FilesystemL2
-from hybridkv.server.launch import ServerProcess
 
 CT = 2
 LAYOUT = ModelLayout(model="clear", groups=(

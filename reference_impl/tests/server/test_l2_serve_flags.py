@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import rediskit
 from hybridkv.engine.client import CacheClient
-from hybridkv.server.launch import ServerStartError
+from hybridkv.server.front.launch import ServerStartError
 from serverkit import Engine
 
 TINY_L1 = 1 / 1024

@@ -25,8 +25,8 @@ from hybridkv.engine.client import CacheClient, ServerError
 from hybridkv.keys import chunk_keys
 from hybridkv.layout import GroupLayout, ModelLayout
 from hybridkv.policy import resume_objects
-from hybridkv.server.cli import parse
-from hybridkv.server.launch import ServerProcess
+from hybridkv.server.front.cli import parse
+from hybridkv.server.front.launch import ServerProcess
 from hybridkv_bench.microbench.lookup_bench import store_chunks
 from serverkit import Engine
 

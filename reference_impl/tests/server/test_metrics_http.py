@@ -19,8 +19,8 @@ from hybridkv.engine.client import CacheClient
 from hybridkv.engine.transfer import KVTransfer, TransferConfig
 from hybridkv.presets import preset_layout
 from hybridkv.server.books.config import GIB, ServerConfig
-from hybridkv.server.launch import start_server
-from hybridkv.server.metrics_http import CONNECTION_S, MAX_CONNECTIONS
+from hybridkv.server.front.launch import start_server
+from hybridkv.server.front.metrics_http import CONNECTION_S, MAX_CONNECTIONS
 from prometheus_client.parser import text_string_to_metric_families
 from serverkit import Engine, process_fds
 

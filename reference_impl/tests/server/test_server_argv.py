@@ -6,7 +6,7 @@ import os
 
 import pytest
 from hybridkv.server.books.config import GIB, ConfigError, ServerConfig
-from hybridkv.server.cli import parse, server_argv
+from hybridkv.server.front.cli import parse, server_argv
 from hybridkv.server.l2.specs import FsL2Spec, L2ConfigError, RedisL2Spec
 
 MIB = 1 << 20

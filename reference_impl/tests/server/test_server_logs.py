@@ -12,7 +12,7 @@ from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.server.books.config import GIB, ServerConfig
 from hybridkv.server.books.telemetry import HEADLINE_FIGURES
-from hybridkv.server.launch import start_server
+from hybridkv.server.front.launch import start_server
 from serverkit import Engine
 
 
@@ -64,8 +64,8 @@ def test_text_lines_carry_their_time_in_utc(sock_dir):
 
     before = datetime.datetime.now(datetime.UTC)
     env = {**os.environ, "TZ": "HST10"}
-    code = ("import logging, time; from hybridkv.server.logs import setup_logging; setup_logging('info', 'text'); "
-            "logging.getLogger('hybridkv.server').info('ready')")
+    code = ("import logging, time; from hybridkv.server.front.logs import setup_logging; "
+            "setup_logging('info', 'text'); logging.getLogger('hybridkv.server').info('ready')")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True)
     after = datetime.datetime.now(datetime.UTC)
     m = re.fullmatch(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3})Z INFO hybridkv.server: ready\n", r.stderr)

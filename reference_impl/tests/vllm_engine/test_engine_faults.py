@@ -13,8 +13,8 @@ import time
 import pytest
 from enginekit import BLOCK, close_llm, forget_local, generate, make_llm, prompt
 from faultproxy import FaultProxy
-from hybridkv.server.cli import parse
-from hybridkv.server.launch import start_server
+from hybridkv.server.front.cli import parse
+from hybridkv.server.front.launch import start_server
 
 RETRY_S = 3.0
 

@@ -19,7 +19,7 @@ from hybridkv import protocol as P
 from hybridkv.keys import chunk_keys
 from hybridkv.presets import preset_layout
 from hybridkv.server.books.config import GIB, ServerConfig
-from hybridkv.server.loop import CacheServer
+from hybridkv.server.front.loop import CacheServer
 from hybridkv.server.ops import admin, lookup, retrieve, store
 
 

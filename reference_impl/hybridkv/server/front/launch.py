@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hybridkv.server.cli import server_argv
+from hybridkv.server.front.cli import server_argv
 from hybridkv.settings_sources import ENV_PREFIX, OTHER_ENV
 
 if TYPE_CHECKING:

@@ -13,8 +13,8 @@ from hybridkv.server.books.config import GIB, ConfigError, ServerConfig
 from hybridkv.settings_sources import add_config_arguments
 
 if TYPE_CHECKING:
+    from hybridkv.server.front.loop import CacheServer
     from hybridkv.server.l2.specs import L2Spec
-    from hybridkv.server.loop import CacheServer
 
 MAX_GIB = float(1 << 32)  # 4 EiB: any larger size (inf among them) is a typo, not a machine
 
@@ -274,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.cuda_ipc:
         # The server holds no VRAM: hide every GPU before anything could initialise CUDA.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    from hybridkv.server.logs import setup_logging
+    from hybridkv.server.front.logs import setup_logging
 
     setup_logging(args.log_level, args.log_format)
     import zmq
@@ -282,11 +282,11 @@ def run(args: argparse.Namespace) -> int:
     from hybridkv.arena import ArenaError
     from hybridkv.cli import UserError
     from hybridkv.server.books.telemetry import Telemetry
-    from hybridkv.server.connections import raise_fd_limit
+    from hybridkv.server.front.connections import raise_fd_limit
+    from hybridkv.server.front.lifecycle import EndpointInUse
+    from hybridkv.server.front.loop import CacheServer
+    from hybridkv.server.front.metrics_http import MetricsEndpoint, MetricsError, check_metrics_address
     from hybridkv.server.l2.base import L2Error
-    from hybridkv.server.lifecycle import EndpointInUse
-    from hybridkv.server.loop import CacheServer
-    from hybridkv.server.metrics_http import MetricsEndpoint, MetricsError, check_metrics_address
 
     # Until the server exists, SIGTERM must still unwind through the finally below (not kill us mid-start
     # with the arena created); afterwards it asks the loop to stop.

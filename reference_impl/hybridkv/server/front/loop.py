@@ -27,9 +27,9 @@ from hybridkv.server.books.formats import Formats
 from hybridkv.server.books.objects import ObjectStore
 from hybridkv.server.books.sessions import STALLED_S, SessionLimits, Sessions
 from hybridkv.server.books.telemetry import Telemetry
-from hybridkv.server.connections import ConnectionGate, bind_gated
+from hybridkv.server.front.connections import ConnectionGate, bind_gated
+from hybridkv.server.front.lifecycle import claim_ipc_path, refuse_meanwhile, refuse_queued, refuse_until_quiet
 from hybridkv.server.l2.base import L2Adapter
-from hybridkv.server.lifecycle import claim_ipc_path, refuse_meanwhile, refuse_queued, refuse_until_quiet
 from hybridkv.server.machinery.heap import LARGE_FRAME, HeapTrim
 from hybridkv.server.machinery.workers import Workers
 from hybridkv.server.ops import admin, lookup, prefetch, retrieve, store
