@@ -4,7 +4,7 @@ Consecutive block ids of a layer whose page stride equals the page size are one 
 well-allocated sequence moves in few large copies. On CUDA a plan's runs go to the copy engines in batched
 driver calls (`cuda_batch`, CUDA 12.8+) on two streams, which keeps two copy engines busy back to back, in slices
 of `SLICE_RUNS` so the first copies start while the rest is queued; without it
-(an older driver, or HYBRIDKV_DMA_BATCH=0) each run is its own `copy_`, and the gaps between copies make
+(an older driver, or `cuda_batch.set_enabled(False)`) each run is its own `copy_`, and the gaps between copies make
 small pages launch-bound (0.65 of the ceiling on 0.4 MB pages, 4-7 GB/s on 64 KiB pages, kernels/README.md).
 On a CPU the same code runs as plain memcpy.
 """
@@ -131,7 +131,7 @@ def copy_pages_dma(plan: PageCopyPlan, batched: bool | None = None, stream: torc
     starts, lengths = copy_runs(plan)
     if batched:
         raise RuntimeError("batched memcpy was asked for but cannot run here (not a CUDA plan, no driver entry "
-                           f"point, {cuda_batch.ENV_SWITCH}=0, or the legacy default stream)")
+                           "point, cuda_batch.set_enabled(False), or the legacy default stream)")
     if stream is not None:
         with torch.cuda.stream(stream):
             _copy_runs_one_by_one(plan, starts, lengths)

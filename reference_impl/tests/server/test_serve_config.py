@@ -93,11 +93,11 @@ def test_a_bad_variable_is_one_line(env, message):
 
 
 def test_variables_other_parts_read_are_left_alone():
-    """The copy engines' switch and the connector's settings are HYBRIDKV_ variables serve does not refuse."""
+    """The connector's settings are HYBRIDKV_ variables serve does not refuse."""
     from hybridkv.engine.vllm.settings import ConnectorSettings
 
     assert {env_name(f.name) for f in fields(ConnectorSettings)} - {"HYBRIDKV_ENDPOINT"} <= OTHER_ENV
-    r = serve("--print-config", env={"HYBRIDKV_DMA_BATCH": "0", "HYBRIDKV_SALT": "tenant", "HYBRIDKV_ENDPOINT":
+    r = serve("--print-config", env={"HYBRIDKV_SALT": "tenant", "HYBRIDKV_ENDPOINT":
                                      "tcp://127.0.0.1:7000"})
     assert r.returncode == 0, r.stderr
     assert 'endpoint = "tcp://127.0.0.1:7000"  # HYBRIDKV_ENDPOINT' in r.stdout
