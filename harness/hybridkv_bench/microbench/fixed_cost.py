@@ -347,8 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"{gaps} ms (the protocol's part, on any machine)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="TOP",
                     help="instead: cProfile the queueing of a prepared store's and a load's copies, top TOP lines")
-    ap.add_argument("--dma-batch", choices=["on", "off"], default="on",
-                    help="off: CUDA page copies one driver call per run, not batched (for comparisons)")
+    ap.add_argument("--dma-batch", choices=["on", "off"], default="on", help="off: CUDA copies not batched")
     args = ap.parse_args(argv)
     cuda_batch.set_enabled(args.dma_batch == "on")
     if args.rounds < 1 or args.page_bytes < 0 or args.page_bytes % 16 or any(c < 1 for c in args.chunks):
@@ -386,8 +385,7 @@ def main(argv: list[str] | None = None) -> int:
                     row = profile(server.endpoint, layout, chunks, args.rounds, args.device, commit)
                     if args.json:
                         print(json.dumps({"preset": name, "tp": tp, "chunks": chunks, "device": args.device,
-                                          "commit": commit, "page_bytes": layout.groups[0].page_bytes,
-                                          "p50_us": row}))
+                                          "commit": commit, "page_bytes": layout.groups[0].page_bytes, "p50_us": row}))
                     else:
                         print(f"{name} TP{tp} {chunks} chunks, commit {commit} (p50 us): " +
                               "  ".join(f"{k} {v:.0f}" for k, v in row.items()))
