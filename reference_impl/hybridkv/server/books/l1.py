@@ -78,7 +78,7 @@ class L1Cache:
         self.policy = policy
         self._start_spill = start_spill
         self._l2_has = l2_has
-        # sharded: one dict's resize stopped the loop 66-370 ms at 1.4M objects
+        # sharded: one dict's resize at a million objects stops the loop (table.py)
         self._entries: ObjectTable[Entry] = ObjectTable()
         self.get: Callable[[ObjectKey], Entry | None] = self._entries.get
         self.get_many: Callable[[list[ObjectKey]], list[Entry | None]] = self._entries.get_many

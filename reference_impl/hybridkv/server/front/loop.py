@@ -52,9 +52,10 @@ HANDLERS: dict[type, Callable[[Context, bytes, Any, Frames], Answer]] = {
 
 # CPython's full collection walks every tracked object, whoever made it. The L1's and the L2 index's objects, and the
 # tables and queues that hold them, are not tracked (gc=False entries in plain dicts keyed by bytes or by entry); the
-# READY key sets are (table.SegmentedSet). At 1M L1 and 700k L2 objects a full collection takes ~53 ms after a churn
-# of 300k, where it took 330-370 ms (`microbench/gc_pause`). So full collections run only in a tick that found the
-# server idle (no request since the last tick, none parked), at most this often; the young generation every tick.
+# READY key sets are (table.SegmentedSet). A full collection still walks those sets, and at a million objects that is
+# a stop of the loop a request would feel (`microbench/gc_pause` times it). So full collections run only in a tick
+# that found the server idle (no request since the last tick, none parked), at most this often; the young generation
+# every tick.
 FULL_GC_EVERY_S = 60.0
 SHUTDOWN_LINGER_MS = 500  # how long the last answers may take to leave at shutdown
 FULL_GC_BUSY_S = 600.0  # a server never idle still frees old reference cycles this often
@@ -164,9 +165,9 @@ class CacheServer:
                         time.sleep(nap)
                 if ctx.another_turn:  # a large request goes on after every other client had its turn
                     ctx.another_turn = False
-                    # What its last turn made young is collected now, a turn's worth: moving 460k objects into new
-                    # eviction segments allocates almost nothing the collector counts, so its next collection came
-                    # late and walked them all at once (45 ms of CPU on the 2-core VM, and again one generation up)
+                    # What its last turn made young is collected now, a turn's worth: moving many objects into new
+                    # eviction segments allocates almost nothing the collector counts, so its next collection would
+                    # come late and walk them all at once (and again one generation up)
                     gc.collect(1)
                     self._run_parked()
                 if self.telemetry.wanted:  # a scrape waits for a snapshot (metrics_http)
@@ -383,8 +384,8 @@ class CacheServer:
             let_go(self.ctx, held)
         self.objects.tick(now)
         # The young generation, every tick: storing an object allocates one tracked tuple (its oid), evicting one frees
-        # one, so the collector's count stayed flat and its young collection came when something else moved it,
-        # walking every oid made since (108-112 ms at 300k); a tick's worth is ~2 ms at 20k objects.
+        # one, so the collector's count stays flat and its young collection comes when something else moves it,
+        # walking every oid made since in one stop; a tick's worth is small.
         gc.collect(0)
         idle = self.counters.requests == self._requests_seen and not self.ctx.parked
         self._requests_seen = self.counters.requests

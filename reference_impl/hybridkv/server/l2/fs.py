@@ -65,7 +65,7 @@ class FilesystemL2(L2Adapter):
         # Per-object locks (striped) order a rename against an unlink of the same path; held for
         # metadata syscalls only, never while payload bytes move.
         self._key_locks = tuple(threading.Lock() for _ in range(_KEY_LOCK_STRIPES))
-        # least recently used first; in pieces (one OrderedDict of 699k objects resized in one 141 ms step)
+        # least recently used first; in pieces (one OrderedDict of every object resizes in one long step)
         self._index: LruIndex[_IndexEntry] = LruIndex()
         self._disk = 0       # disk bytes held (what capacity bounds)
         self._reserved = 0   # disk bytes of puts in flight, counted against capacity before they land

@@ -4,10 +4,10 @@ A 65,536-key PrepareStore of four groups makes the server hold 155 MiB while its
 Entry, its table slot and a Slot each; docs/protocol.md, Limits). Once the reservation ends they are freed, but
 glibc keeps most of the pages: freed chunks inside its heap are not returned by themselves, and after a large
 block is freed glibc raises its own trim threshold (up to 64 MiB), so even the heap's top stays. `malloc_trim(0)`
-returns what is free: measured on a real server (tests/server/test_heap.py), 29 MiB above the start stayed after
-one such prepare, 17 MiB with the trim. It takes a few milliseconds after a large free and 0.2 ms when there is
-nothing to give back, so the loop calls it only after a large request frame or release, at its next tick, once
-no request is parked: never on the path of a lookup.
+returns what is free (tests/server/test_heap.py holds a real server to it). It walks the heap, which costs
+milliseconds after a large free and still something when there is nothing to give back, so the loop calls it only
+after a large request frame or release, at its next tick, once no request is parked: never on the path of a
+lookup.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ class Queue(enum.Enum):
     AHEAD = 4     # a spill-ahead write is in flight
 
 
-# Entries per segment of a queue. CPython resizes a dict in one step, walking every entry: an OrderedDict of 699k
-# entries stopped the loop 141 ms as it grew, one of 1.4M 258 ms (2-core VM). A segment of 16,384 resizes in ~1 ms.
+# Entries per segment of a queue. CPython resizes a dict in one step, walking every entry: one queue of a million
+# entries stops the loop for the whole walk as it grows; a segment this size resizes in a stop no request feels.
 SEGMENT = 16_384
 _SPARSE = SEGMENT // 2  # a segment (not the youngest) under this many entries merges into a neighbour
 
@@ -31,7 +31,7 @@ _SPARSE = SEGMENT // 2  # a segment (not the youngest) under this many entries m
 Segment = dict[Any, None]
 """A piece of a queue: a plain dict of its entries (as keys, hashed by identity: eq=False) in insertion order. Not an
 OrderedDict, nor one keyed by oid: the cycle collector tracks every OrderedDict and walks its entries in each full
-collection (1M queued entries: ~50 ms of it on the 2-core VM), and a dict stays tracked from the moment a (key,
+collection (a cost that grows with the queued entries), and a dict stays tracked from the moment a (key,
 group) tuple, still tracked when new, enters it to the next full collection. A dict whose keys are untracked
 entries (gc=False) and whose values are None is never tracked."""
 
@@ -239,7 +239,7 @@ class LruIndex(Generic[E]):
 
     def clear(self) -> None:
         """Take every entry out: a fresh table and queue at once, then the old segments emptied one at a time
-        (each in one C call of a few ms; 1M entries in one OrderedDict.clear() took 104-114 ms). Callers with a
+        (each in one short C call; one OrderedDict.clear() of a million entries is one long stop). Callers with a
         lock that the loop waits on swap in a new index under it and clear the old one outside it."""
         queue = self.queue
         self.table, self.queue = ObjectTable(), LruQueue()

@@ -1,8 +1,8 @@
 """The L1's tables, kept in pieces so that none grows past a size whose resize stops the server's loop: the object
 table, (key, group) -> Entry, and the sets of READY keys a lookup asks.
 
-CPython grows a dict in one step that walks every entry: the L1 table as one dict stopped the loop 66 ms at
-1.4M objects on a quiet 2-core VM (120-370 ms on a loaded one), the moment a prepare crossed a power of two.
+CPython grows a dict in one step that walks every entry: the L1 table as one dict stopped the loop for the whole
+walk at a million objects, the moment a prepare crossed a power of two.
 Here each of a group's SHARDS dicts holds about 1/SHARDS of its objects, chosen by the key's hash (a chunk key is
 already a hash; bytes keep theirs, so choosing costs no hashing). The shards fill evenly, so they cross their
 powers of two within a few thousand objects of each other, not in the same one: code that inserts many
@@ -26,10 +26,10 @@ from typing import Generic, Protocol, TypeVar
 
 from hybridkv.keys import ObjectKey
 
-SHARDS = 64  # 1.45M objects: the worst 256-object piece of a prepare 7.6 ms of CPU, 255 ms in one dict
+SHARDS = 64  # a piece of a prepare meets one shard's resize, 1/SHARDS of one dict's
 _MASK = SHARDS - 1
-KEYSET_SEGMENT = 1 << 17  # a set resize of 131k keys: ~3 ms
-PIECE = 256  # entries a walk in pieces (`ObjectTable.pieces`) hands out at once: a Clear drops one in ~10 us
+KEYSET_SEGMENT = 1 << 17  # a set this size resizes in a stop no request feels
+PIECE = 256  # entries a walk in pieces (`ObjectTable.pieces`) hands out at once: small next to a loop turn
 
 
 class Keyed(Protocol):

@@ -1,8 +1,8 @@
 """Clear in turns: a namespace's (or, for an admin, every namespace's) unpinned objects dropped from L1 a bounded
 piece at a time on the loop (`ObjectStore.clear_l1_steps`), then from L2 on an I/O thread in the adapter's pieces
 (`L2Adapter.clear_steps`: its lock held per piece, never for the whole walk), so that a Clear of a million objects,
-which any client may send for its own namespace, does not hold the loop (4.7 s for 524k L1 objects in one step on
-the 2-core VM; 193 s for 200k filesystem-L2 objects, whose files were unlinked on the loop): every other client's
+which any client may send for its own namespace, does not hold the loop (in one step it held it for seconds, and
+a filesystem L2's files unlinked on the loop for minutes): every other client's
 requests are answered meanwhile. A Clear that finishes in its first turn (a small L1, a small or no local L2 index)
 answers at once, as before. L2 walks run one at a time, and the Clears that wait for one share it, whatever their
 namespaces (`clear_lane`): a flood of Clears holds one I/O thread, not all of them, and no Clear waits more than two

@@ -64,7 +64,7 @@ class PrepareOp:
         """Check objects (all before any is reserved: a bad one refuses the whole request); False when the
         turn is over first. Raises RequestError naming the first bad object."""
         n_keys, n_groups = len(self.keys), len(self.eng.layout.groups)
-        if self.seen is None:  # a flag per (chunk, group) asked: no set to grow (a 262k set resized 34 ms)
+        if self.seen is None:  # a flag per (chunk, group) asked: no set to grow (a large set's resize is one stop)
             self.seen = bytearray(n_keys * n_groups)
         seen, n = self.seen, len(todo) // 2
         while self.checked < n:
@@ -120,7 +120,7 @@ class PrepareOp:
                     self.locs.append(P.ObjectLoc(c, g, r.offset, r.length))  # made here: no long last turn
             self.next += 1
         slots: Any = self.locs
-        if len(self.locs) > turns.BIG_OBJECTS:  # 200,000 locations took 66 ms to encode in the answer's one piece
+        if len(self.locs) > turns.BIG_OBJECTS:  # encoded in turns: in the answer's one piece it would hold the loop
             if self._encoding is None:
                 self._encoding = encoded_locs(self.locs, self._clock)
             self._clock.until = until
@@ -248,7 +248,7 @@ def publish(ctx: Context, res: Reservation, ident: bytes, req_id: int, whole: bo
 
 
 class PublishOp:
-    """A large commit published in turns (200,000 objects held the loop 0.4-0.8 s in one piece on the 2-core VM).
+    """A large commit published in turns (in one piece it holds the loop for as long as its objects take).
     Between its turns a lookup finds a prefix of its objects visible (each one's bytes whole: the copies ended or
     the fence showed before the commit got here), i.e. a shorter hit. The reservation stays open and committing
     until the last piece, so an AbortStore or a second CommitStore of it is `unknown_reservation` and an
@@ -266,8 +266,8 @@ class PublishOp:
     def _publish(self, slots: list[Slot]) -> Work:
         # the clock read after every object, not every SLICE_OBJECTS: the commit's objects are chunk-major, so
         # every group's set of READY keys grows past a power of two at the same chunk, and 64 set resizes in
-        # one piece held the loop 262 ms (64-group loop_share on the 2-core VM); the bytes are counted on the way
-        # (a pass over 262,144 slots after the last piece took 20-30 ms)
+        # one piece would hold the loop (`microbench/loop_share`, 64 groups); the bytes are counted on the way
+        # (not in a pass over every slot after the last piece)
         objects, clock = self.ctx.objects, self.clock
         for i, s in enumerate(slots):
             objects.make_ready(s.entry)

@@ -84,8 +84,8 @@ def unpin(objects: ObjectStore, entries: Sequence[Entry], clock: Clock) -> Work:
 
 
 def empty(lists: Sequence[list], clock: Clock) -> Work:
-    """Empty `lists` from their ends, in pieces: the objects they alone hold are freed a piece at a time (the 524,288
-    locations of a closed lease took 30 ms to free in one step on the 2-core VM, a reservation's slots as long)."""
+    """Empty `lists` from their ends, in pieces: the objects they alone hold are freed a piece at a time (a closed
+    lease's locations, or a reservation's slots, freed in one step are one long stop of the loop)."""
     for lst in lists:
         while lst:
             del lst[-SLICE_OBJECTS:]
@@ -95,7 +95,7 @@ def empty(lists: Sequence[list], clock: Clock) -> Work:
 
 class LetGo:
     """The pins of released leases let go in turns, after the Release, EndSession or Unregister that closed them
-    answered (one piece held the loop 0.5-0.76 s for a 64-group x 16k-key lease on the 2-core VM), then the lists
+    answered (in one piece a 64-group x 16k-key lease's pins hold the loop far past a turn), then the lists
     of what is done with emptied in turns. Until its last piece an object stays pinned a few turns longer: only its
     eviction waits. It answers nothing."""
 
@@ -146,7 +146,7 @@ def _array_header(n: int) -> bytes:
 
 def encoded_locs(locs: list[P.ObjectLoc], clock: Clock) -> Steps[msgspec.Raw]:
     """`locs` as the msgpack bytes the reply's encoder would write for the list, encoded in pieces (524,288
-    locations are 5.8 MB: 25 ms in one piece on the 2-core VM). A Raw in a reply's field is written as it is."""
+    locations are 5.8 MB, more than a turn's work in one piece). A Raw in a reply's field is written as it is."""
     parts = [_array_header(len(locs))]
     step = 16 * SLICE_OBJECTS
     for i in range(0, len(locs), step):
