@@ -361,7 +361,7 @@ def test_sigkill_during_l2_writes_loses_no_completed_object(server_factory, l2_d
         srv = server_factory(*l2, l1_gib=40 / 1024, name=f"w{rnd}")  # 13 slots of 3.2 MB
         writer = subprocess.Popen([sys.executable, str(TESTS / "l2_store_loop.py"), srv.endpoint, BIG,
                                    str(1000 * rnd)], stdout=subprocess.PIPE, text=True,
-                                  env={**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), *sys.path])})
+                                  env={**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parents[1]), *sys.path])})
         try:
             assert writer.stdout.readline().strip() == "ready"
             time.sleep(rng.uniform(0.2, 1.0))
