@@ -191,7 +191,7 @@ def test_grafana_dashboard_asks_only_for_metrics_the_server_exports(server_facto
     from hybridkv.engine.client import CacheClient, ServerError
     from serverkit import Engine
 
-    dash = json.loads((Path(__file__).parents[3] / "docs" / "grafana-dashboard.json").read_text())
+    dash = json.loads((Path(__file__).parents[4] / "docs" / "grafana-dashboard.json").read_text())
     server = server_factory("--l2-dir", str(tmp_path / "l2"), "--l2-gib", "0.1", "--metrics-port", "0")
     with CacheClient(server.endpoint) as c:
         eng = Engine(c)
@@ -210,7 +210,7 @@ def test_grafana_dashboard_asks_only_for_metrics_the_server_exports(server_facto
             asked |= set(re.findall(r"\b((?:hybridkv|process)_[a-z0-9_]+)\b", t["expr"]))
     assert len(asked) > 30
     assert asked - served <= REDIS_ONLY, sorted(asked - served)
-    docs = (Path(__file__).parents[3] / "docs" / "metrics.md").read_text()
+    docs = (Path(__file__).parents[4] / "docs" / "metrics.md").read_text()
     assert all(f"`{m}`" in docs for m in REDIS_ONLY)
 
 
