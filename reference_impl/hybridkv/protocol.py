@@ -31,7 +31,7 @@ PROTOCOL_VERSION = 1
 # hand-written client may still send short lists (their lengths are checked before any element is built).
 MAX_LISTED = 4096        # objects or block lists given as a msgpack list
 MAX_LISTED_BLOCKS = 256  # blocks in one listed block list: a listed message decodes in a few ms
-MAX_KEYS = 1 << 20       # keys in one request, whatever --max-keys says (1M keys decode in ~12 ms)
+MAX_KEYS = 1 << 20       # keys in one request, whatever --max-keys says (a bound on one message's decode time)
 MAX_SHARED_DIMS = 8      # dimensions of one shared CUDA page view
 
 
