@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from hybridkv.server.cli import parse_args, server_config
-from hybridkv.server.launch import ServerProcess, start_server
+from hybridkv.server.front.cli import parse_args, server_config
+from hybridkv.server.front.launch import ServerProcess, start_server
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

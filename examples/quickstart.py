@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from hybridkv.engine.transfer import KVTransfer, TransferConfig
 from hybridkv.presets import preset_layout
-from hybridkv.server.config import GIB, ServerConfig
-from hybridkv.server.launch import start_server
+from hybridkv.server.books.config import GIB, ServerConfig
+from hybridkv.server.front.launch import start_server
 
 DEVICE = "cpu"
 NUM_BLOCKS = 64  # blocks in the engine's paged cache, per group

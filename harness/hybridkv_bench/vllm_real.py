@@ -214,8 +214,8 @@ def run_ttft(sc: TTFTScenario, out: Path, scenario_text: str) -> tuple[Path, lis
     """Measure every prompt length; write run.json (one case per length), ttft.csv, ttft.png, report.md."""
     import shutil
 
-    from hybridkv.server.config import GIB, ServerConfig
-    from hybridkv.server.launch import start_server
+    from hybridkv.server.books.config import GIB, ServerConfig
+    from hybridkv.server.front.launch import start_server
 
     from hybridkv_bench.results.folder import CaseResult, RunWriter
     from hybridkv_bench.results.host import collect_context

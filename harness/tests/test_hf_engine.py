@@ -15,8 +15,8 @@ import torch  # noqa: E402
 from benchkit import SCENARIOS  # noqa: E402
 from hybridkv.engine.transfer import KVTransfer, TransferConfig  # noqa: E402
 from hybridkv.presets import TINY_HYBRID, hybrid_layout  # noqa: E402
-from hybridkv.server.config import GIB, ServerConfig  # noqa: E402
-from hybridkv.server.launch import start_server  # noqa: E402
+from hybridkv.server.books.config import GIB, ServerConfig  # noqa: E402
+from hybridkv.server.front.launch import start_server  # noqa: E402
 from hybridkv_bench.engines.hf.engine import HFEngine  # noqa: E402
 from hybridkv_bench.engines.hf.model import HFModelError, build_model  # noqa: E402
 from hybridkv_bench.engines.hf.oracle import CONTROLS, judge  # noqa: E402

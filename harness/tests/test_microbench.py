@@ -67,8 +67,8 @@ def sock_dir():
 
 @pytest.fixture(scope="module")
 def lookup_server(sock_dir):
-    from hybridkv.server.config import GIB, ServerConfig
-    from hybridkv.server.launch import start_server
+    from hybridkv.server.books.config import GIB, ServerConfig
+    from hybridkv.server.front.launch import start_server
 
     # room for the store benchmark's rounds (8 objects of 20 KiB each) beside the 71 chunks, so no lookup
     # benchmark finds its chunks evicted whatever order the tests run in

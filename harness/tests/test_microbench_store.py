@@ -18,8 +18,8 @@ import pytest
 import torch
 from hybridkv.engine.transfer import KVTransfer
 from hybridkv.presets import preset_layout
-from hybridkv.server.config import GIB, ServerConfig
-from hybridkv.server.launch import start_server
+from hybridkv.server.books.config import GIB, ServerConfig
+from hybridkv.server.front.launch import start_server
 from hybridkv_bench.microbench.fixed_cost import LOAD_STEPS, STORE_STEPS, profile, small_pages
 from hybridkv_bench.pools import BlockAllocator, fill_random, vllm_pools
 from hybridkv_kernels import PagedLayers, build_plan, plan_pages

@@ -18,8 +18,8 @@ import pytest
 import torch
 from benchkit import REPO, SCENARIOS
 from hybridkv.cli import main
-from hybridkv.server.config import GIB, ServerConfig
-from hybridkv.server.launch import start_server
+from hybridkv.server.books.config import GIB, ServerConfig
+from hybridkv.server.front.launch import start_server
 from hybridkv_bench.gate.checks import gate
 from hybridkv_bench.results.folder import load_run
 from hybridkv_bench.run.options import BenchOptions

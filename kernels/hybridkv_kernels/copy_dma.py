@@ -4,8 +4,8 @@ Consecutive block ids of a layer whose page stride equals the page size are one 
 well-allocated sequence moves in few large copies. On CUDA a plan's runs go to the copy engines in batched
 driver calls (`cuda_batch`, CUDA 12.8+) on two streams, which keeps two copy engines busy back to back, in slices
 of `SLICE_RUNS` so the first copies start while the rest is queued; without it
-(an older driver, or HYBRIDKV_DMA_BATCH=0) each run is its own `copy_`, and the gaps between copies make
-small pages launch-bound (0.65 of the ceiling on 0.4 MB pages, 4-7 GB/s on 64 KiB pages, kernels/README.md).
+(an older driver, or `cuda_batch.set_enabled(False)`) each run is its own `copy_`, and the gaps between copies make
+small pages launch-bound (kernels/README.md has the figures).
 On a CPU the same code runs as plain memcpy.
 """
 
@@ -63,9 +63,8 @@ SLICE_RUNS = 512
 
 
 # Plans of fewer runs than this go on the caller's stream alone, in one driver call, without the side stream's fork
-# and join (two event records, two waits). A TP8 rank's 2-chunk store (80 runs of 0.4 MB pages) queued in 289-305
-# us that way against 320-338 split, and its copies ended no later (866-882 against 883-1097 us from the call);
-# at 1,184 runs the two finished alike (H100, issue_parts, results/h100/2026-12-07). Measured on stores only.
+# and join (two event records, two waits): a short plan queues faster that way and its copies end no later, while
+# long plans finish alike either way (stores measured with issue_parts: results/h100/2026-12-07/README.md).
 SPLIT_MIN_RUNS = 256
 
 
@@ -131,7 +130,7 @@ def copy_pages_dma(plan: PageCopyPlan, batched: bool | None = None, stream: torc
     starts, lengths = copy_runs(plan)
     if batched:
         raise RuntimeError("batched memcpy was asked for but cannot run here (not a CUDA plan, no driver entry "
-                           f"point, {cuda_batch.ENV_SWITCH}=0, or the legacy default stream)")
+                           "point, cuda_batch.set_enabled(False), or the legacy default stream)")
     if stream is not None:
         with torch.cuda.stream(stream):
             _copy_runs_one_by_one(plan, starts, lengths)

@@ -6,20 +6,19 @@ PCIe ceiling than one copy per page or the Triton kernel (kernels/README.md, "Ba
 `bench/bench_copy_variants.py`).
 
 `available()` says whether this process can use it: a CUDA driver that exports the entry point (the
-CUDA 13 `_v2` signature, or 12.8's with `failIdx`), and `HYBRIDKV_DMA_BATCH` not set to `0` (the switch
-that keeps the one-copy-per-run path for comparisons). Nothing here runs or loads on a machine without CUDA.
+CUDA 13 `_v2` signature, or 12.8's with `failIdx`), and the batched path not turned off by `set_enabled(False)`
+(the switch that keeps the one-copy-per-run path for comparisons; only the process's edge calls it: a benchmark's
+command line, a test). Nothing here runs or loads on a machine without CUDA.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import threading
 
 import numpy as np
 
-ENV_SWITCH = "HYBRIDKV_DMA_BATCH"
 MAX_COPIES_PER_CALL = 4096  # the driver states no limit; bounded anyway so one call stays short
 _SRC_ACCESS_ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: sources read in stream order
 
@@ -84,11 +83,23 @@ class BatchMemcpy:
             self._check(self._fn(*args), "cuMemcpyBatchAsync")
 
 
-@functools.cache
+_enabled = True
+
+
+def set_enabled(on: bool) -> None:
+    """Let page copies on CUDA use the batched driver call (the default), or not: off, `auto` picks as on a
+    driver without it and each run of pages is its own copy (for comparisons). Plans run after the call see it."""
+    global _enabled
+    _enabled = bool(on)
+
+
 def get() -> BatchMemcpy | None:
-    """The process's batched memcpy, or None where the driver lacks it or the switch turns it off."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return None
+    """The process's batched memcpy, or None where the driver lacks it or `set_enabled(False)` turned it off."""
+    return _driver() if _enabled else None
+
+
+@functools.cache
+def _driver() -> BatchMemcpy | None:
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError:

@@ -20,6 +20,22 @@ def test_auto_picks_dma_for_large_pages_and_the_kernel_below(page_bytes, want_cp
         assert choose_impl("auto", page_bytes, "cuda") == ("dma" if cuda_batch.available() else want_cuda)
 
 
+def test_the_batch_switch_is_an_explicit_setting(monkeypatch):
+    """`cuda_batch.set_enabled(False)` (what a benchmark's `--dma-batch off` calls) turns the batched path off and
+    `auto` then picks as on a driver without it; the environment no longer does (nothing below the edge reads it)."""
+    monkeypatch.setenv("HYBRIDKV_DMA_BATCH", "0")
+    on = cuda_batch.available()
+    assert on == (cuda_batch._driver() is not None)  # the old variable changes nothing
+    cuda_batch.set_enabled(False)
+    try:
+        assert cuda_batch.get() is None and not cuda_batch.available()
+        if torch.cuda.is_available() and "triton" in available_impls("cuda"):
+            assert choose_impl("auto", 65_536, "cuda") == "triton"
+    finally:
+        cuda_batch.set_enabled(True)
+    assert cuda_batch.available() == on
+
+
 def test_kernel_is_the_torch_reference_on_cpu_even_under_the_interpreter():
     # Triton's CPU interpreter is a test tool; a CPU engine asking for the kernel gets torch.
     assert choose_impl("kernel", 4096, "cpu") == "torch"

@@ -37,7 +37,8 @@ class Arena:
     def __init__(self, size: int, directory: str | Path = "/dev/shm", prefix: str = "hybridkv",
                  fence_bytes: int = 0):
         """`size`: the slots' bytes; `fence_bytes` (a multiple of SLOT_ALIGN) more follow them in the file, the
-        fence words (`hybridkv.server.fences`): engines map the whole file (`file_bytes`), slots lie below `size`."""
+        fence words (`hybridkv.server.books.fences`): engines map the whole file (`file_bytes`), slots lie below
+        `size`."""
         if fence_bytes % SLOT_ALIGN or fence_bytes < 0:
             raise ArenaError(f"fence region {fence_bytes} B is not a multiple of {SLOT_ALIGN} B")
         if size < SLOT_ALIGN:

@@ -14,7 +14,7 @@ from importlib.metadata import entry_points
 # name -> (module, one-line help). Each module defines add_arguments(parser) and run(args) -> int, and may define
 # parse_command_line(parser, argv) -> args.
 BUILTIN: dict[str, tuple[str, str]] = {
-    "serve": ("hybridkv.server.cli", "run the CPU-only cache server"),
+    "serve": ("hybridkv.server.front.cli", "run the CPU-only cache server"),
     "status": ("hybridkv.status", "sum up a running cache server: tiers, hit rate, traffic, engines, limits, errors"),
 }
 ENTRY_POINT_GROUP = "hybridkv.commands"

@@ -31,7 +31,7 @@ PROTOCOL_VERSION = 1
 # hand-written client may still send short lists (their lengths are checked before any element is built).
 MAX_LISTED = 4096        # objects or block lists given as a msgpack list
 MAX_LISTED_BLOCKS = 256  # blocks in one listed block list: a listed message decodes in a few ms
-MAX_KEYS = 1 << 20       # keys in one request, whatever --max-keys says (1M keys decode in ~12 ms)
+MAX_KEYS = 1 << 20       # keys in one request, whatever --max-keys says (a bound on one message's decode time)
 MAX_SHARED_DIMS = 8      # dimensions of one shared CUDA page view
 
 
@@ -114,7 +114,7 @@ class CommitStore(Message, tag="commit_store"):
     """Make a reservation's objects visible. For raw and legacy formats one payload frame per slot follows;
     for cuda_ipc, `blocks` names each slot's engine blocks and the server copies them itself. `fenced` (shm,
     a reservation with a fence word): sent with the copies, not after them; the server publishes once the
-    fence word holds the reservation id (`hybridkv.server.fences`)."""
+    fence word holds the reservation id (`hybridkv.server.books.fences`)."""
     engine: int
     reservation: int
     format: WireFormat = DEFAULT_FORMAT
@@ -292,7 +292,7 @@ class StatusResult(Message, tag="status_result"):
     version: str
     pid: int
     uptime_s: float
-    figures: dict[str, int | float]   # server-wide totals and gauges (hybridkv.server.telemetry.STATUS_FIGURES)
+    figures: dict[str, int | float]   # server-wide totals and gauges (hybridkv.server.books.telemetry.STATUS_FIGURES)
     limits: dict[str, int]            # the configured bounds the figures are held against
     window_s: float                   # the span `window` covers: the last minute, or the uptime when shorter
     window: dict[str, int | float]    # growth of the totals over that span (hit rate and GB/s come from it)

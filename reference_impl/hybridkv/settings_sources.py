@@ -23,9 +23,9 @@ from typing import Any
 
 ENV_PREFIX = "HYBRIDKV_"
 CONFIG_ENV = "HYBRIDKV_CONFIG"
-# HYBRIDKV_ variables read by other parts, which a command leaves alone: the copy engines' batched-DMA switch and
-# the vLLM connector's settings (hybridkv.engine.vllm.settings; a test holds this list to its fields)
-OTHER_ENV = frozenset({"HYBRIDKV_DMA_BATCH", "HYBRIDKV_CONNECTOR_CONFIG"} | {ENV_PREFIX + k.upper() for k in (
+# HYBRIDKV_ variables read by other parts, which a command leaves alone: the vLLM connector's settings and its
+# config file (hybridkv.engine.vllm.settings; a test holds this list to its fields)
+OTHER_ENV = frozenset({"HYBRIDKV_CONNECTOR_CONFIG"} | {ENV_PREFIX + k.upper() for k in (
     "salt", "wire_format", "copy_engine", "streams", "commit", "store_policy", "retrieve_policy", "chunk_tokens",
     "lookup_timeout_s", "step_timeout_s", "l2_wait_s", "timeout_s", "retry_s", "expect_preset", "load_mode",
     "state_every_chunks")})

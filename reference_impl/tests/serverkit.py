@@ -18,8 +18,8 @@ from hybridkv import protocol as P
 from hybridkv.arena import map_arena
 from hybridkv.engine.client import CacheClient
 from hybridkv.presets import preset_layout
-from hybridkv.server.cli import parse
-from hybridkv.server.launch import ServerProcess, start_server
+from hybridkv.server.front.cli import parse
+from hybridkv.server.front.launch import ServerProcess, start_server
 
 
 def spawn_server(sock_dir: str, *args: str, name: str = "s", l1_gib: float = 0.05,

@@ -1,6 +1,8 @@
-"""The code's shape, checked: no import cycles, the engine never imports the server, the harness's top package
+"""The code's shape, checked: no import cycles (type-only imports included), the engine never imports the server,
+the server's layers import only downwards (front -> ops -> books -> l2 -> machinery), the harness's top package
 stays small, no source file over 400 lines, and the wire formats are named in few modules (the rest read
-`hybridkv.wire_formats`). Imports are read from the source (ast), the ones under `if TYPE_CHECKING:` left out.
+`hybridkv.wire_formats`). Imports are read from the source (ast); `import_graph(typing=False)` leaves out the ones
+under `if TYPE_CHECKING:`.
 
     python reference_impl/tests/test_structure.py   # prints the figures these tests hold to
 """
@@ -17,6 +19,13 @@ PACKAGES = {"hybridkv": ROOT / "reference_impl" / "hybridkv", "hybridkv_kernels"
 MAX_LINES = 400
 MAX_HARNESS_TOP = 12
 MAX_FORMAT_MODULES = 4
+# The server's folders, top to bottom: a module may import its own folder and the folders below it, never above.
+SERVER_LAYERS = ("front", "ops", "books", "l2", "machinery")
+# Below the edge nothing reads the environment (settings are passed down); these reads are the named exceptions.
+ENV_READS_BELOW_THE_EDGE = {
+    "hybridkv_kernels.dispatch",  # TRITON_INTERPRET: Triton's own switch (its jit then runs on the CPU), not ours
+    "hybridkv.server.l2.specs",   # a Redis password from the variable the config names, read as the config is parsed
+}
 
 
 @cache
@@ -40,13 +49,14 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
 
 
 @cache
-def import_graph() -> dict[str, frozenset[str]]:
-    """Module -> the project modules it imports (the deepest existing module each import names)."""
+def import_graph(typing: bool = False) -> dict[str, frozenset[str]]:
+    """Module -> the project modules it imports (the deepest existing module each import names); `typing`:
+    with the imports under `if TYPE_CHECKING:`."""
     mods = modules()
     graph = {}
     for name, path in mods.items():
         tree = ast.parse(path.read_text())
-        skip = _type_checking_nodes(tree)
+        skip = _type_checking_nodes(tree) if not typing else set()
         package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
         edges = set()
         for n in ast.walk(tree):
@@ -72,9 +82,10 @@ def import_graph() -> dict[str, frozenset[str]]:
     return graph
 
 
-def import_cycles() -> list[list[str]]:
-    """Strongly connected groups of more than one module (Tarjan, iterative)."""
-    graph = import_graph()
+def import_cycles(typing: bool = False) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan, iterative); `typing`: counting the imports
+    under `if TYPE_CHECKING:` too."""
+    graph = import_graph(typing)
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -115,6 +126,35 @@ def import_cycles() -> list[list[str]]:
     return out
 
 
+def server_layer(module: str) -> int | None:
+    """The index in SERVER_LAYERS of a server module's folder (None: not in a layer folder)."""
+    parts = module.split(".")
+    if parts[:2] != ["hybridkv", "server"] or len(parts) < 3:
+        return None
+    return SERVER_LAYERS.index(parts[2]) if parts[2] in SERVER_LAYERS else None
+
+
+def upward_imports() -> list[tuple[str, str]]:
+    """(importer, imported) pairs where a server module imports a folder above its own (type-only included)."""
+    out = []
+    for a, bs in import_graph(typing=True).items():
+        la = server_layer(a)
+        out.extend((a, b) for b in sorted(bs) if (lb := server_layer(b)) is not None and (la is None or lb < la)
+                   and a.startswith("hybridkv.server."))
+    return sorted(out)
+
+
+def env_reads_below_the_edge() -> list[str]:
+    """Server modules below the front door and kernel modules that read os.environ / os.getenv."""
+    out = []
+    for name, path in modules().items():
+        below = (name.startswith("hybridkv.server.") and server_layer(name) != 0) or name.startswith("hybridkv_kernels")
+        if below and any(isinstance(n, ast.Attribute) and n.attr in ("environ", "getenv", "environb")
+                         for n in ast.walk(ast.parse(path.read_text()))):
+            out.append(name)
+    return sorted(out)
+
+
 def format_literal_modules() -> dict[str, list[str]]:
     """Modules that spell a wire format's name as a string constant (docstrings aside)."""
     from hybridkv.wire_formats import FORMATS
@@ -144,6 +184,30 @@ def harness_top_modules() -> list[str]:
 
 def test_no_import_cycles():
     assert import_cycles() == []
+
+
+def test_no_import_cycles_in_the_library_type_only_imports_included():
+    """A cycle through a type-only import still ties the two modules' layers together. The L2 specs build their
+    adapters (`spec.open()` imports the adapter's module when called), and the adapters name their spec's type:
+    the one such pair left, kept inside l2/."""
+    cycles = [c for c in import_cycles(typing=True) if c[0].startswith("hybridkv.")]
+    assert [c for c in cycles if not all(m.startswith("hybridkv.server.l2.") for m in c)] == []
+
+
+def test_the_server_is_only_layer_folders():
+    loose = sorted(p.name for p in PACKAGES["hybridkv"].joinpath("server").glob("*.py") if p.name != "__init__.py")
+    assert loose == []
+    folders = sorted(p.name for p in PACKAGES["hybridkv"].joinpath("server").iterdir()
+                     if p.is_dir() and p.name != "__pycache__")
+    assert folders == sorted(SERVER_LAYERS)
+
+
+def test_server_imports_only_run_downwards():
+    assert upward_imports() == []
+
+
+def test_no_environment_read_below_the_edge():
+    assert set(env_reads_below_the_edge()) <= ENV_READS_BELOW_THE_EDGE
 
 
 def test_the_engine_never_imports_the_server():
@@ -177,6 +241,8 @@ if __name__ == "__main__":
 
     sys.path[:0] = [str(ROOT / "reference_impl"), str(ROOT / "kernels"), str(ROOT / "harness")]
     print("import cycles:", import_cycles() or "none")
+    print("import cycles, type-only imports included:", import_cycles(typing=True) or "none")
+    print("upward imports between the server's layers:", upward_imports() or "none")
     print("harness top modules:", len(harness_top_modules()))
     print("files over", MAX_LINES, "lines:", long_files() or "none")
     fm = format_literal_modules()

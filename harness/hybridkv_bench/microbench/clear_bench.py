@@ -22,9 +22,9 @@ from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.keys import chunk_keys, namespace
 from hybridkv.layout import GroupLayout, ModelLayout
-from hybridkv.server.cli import parse
+from hybridkv.server.front.cli import parse
+from hybridkv.server.front.launch import start_server
 from hybridkv.server.l2.fs import FilesystemL2
-from hybridkv.server.launch import start_server
 
 CT = 2
 GROUPS = 4

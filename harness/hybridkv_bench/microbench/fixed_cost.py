@@ -44,9 +44,9 @@ from hybridkv.engine.wire import DirectWire
 from hybridkv.layout import ModelLayout
 from hybridkv.policy import chunk_objects
 from hybridkv.presets import preset_layout
-from hybridkv.server.config import GIB, ServerConfig
-from hybridkv.server.launch import start_server
-from hybridkv_kernels import build_plan, run_plan
+from hybridkv.server.books.config import GIB, ServerConfig
+from hybridkv.server.front.launch import start_server
+from hybridkv_kernels import build_plan, cuda_batch, run_plan
 
 from hybridkv_bench.pools import BlockAllocator, fill_random, vllm_pools
 
@@ -347,7 +347,9 @@ def main(argv: list[str] | None = None) -> int:
                          f"{gaps} ms (the protocol's part, on any machine)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="TOP",
                     help="instead: cProfile the queueing of a prepared store's and a load's copies, top TOP lines")
+    ap.add_argument("--dma-batch", choices=["on", "off"], default="on", help="off: CUDA copies not batched")
     args = ap.parse_args(argv)
+    cuda_batch.set_enabled(args.dma_batch == "on")
     if args.rounds < 1 or args.page_bytes < 0 or args.page_bytes % 16 or any(c < 1 for c in args.chunks):
         ap.error("--rounds and --chunks must be >= 1, --page-bytes 0 or a multiple of 16")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -383,8 +385,7 @@ def main(argv: list[str] | None = None) -> int:
                     row = profile(server.endpoint, layout, chunks, args.rounds, args.device, commit)
                     if args.json:
                         print(json.dumps({"preset": name, "tp": tp, "chunks": chunks, "device": args.device,
-                                          "commit": commit, "page_bytes": layout.groups[0].page_bytes,
-                                          "p50_us": row}))
+                                          "commit": commit, "page_bytes": layout.groups[0].page_bytes, "p50_us": row}))
                     else:
                         print(f"{name} TP{tp} {chunks} chunks, commit {commit} (p50 us): " +
                               "  ".join(f"{k} {v:.0f}" for k, v in row.items()))

@@ -24,8 +24,8 @@ import time
 from typing import Any
 
 from hybridkv.arena import SLOT_ALIGN, Arena
-from hybridkv.server.l1 import L1Cache, NoSlot
-from hybridkv.server.lru import Indexed, LruIndex
+from hybridkv.server.books.l1 import L1Cache, NoSlot
+from hybridkv.server.machinery.lru import Indexed, LruIndex
 
 GROUPS = 4
 NS = b"gc-pause-ns-0001"

@@ -29,8 +29,8 @@ from hybridkv.engine.handles import TransferHandle
 from hybridkv.engine.transfer import KVTransfer
 from hybridkv.engine.wire import DirectWire
 from hybridkv.presets import preset_layout
-from hybridkv.server.config import GIB, ServerConfig
-from hybridkv.server.launch import start_server
+from hybridkv.server.books.config import GIB, ServerConfig
+from hybridkv.server.front.launch import start_server
 from hybridkv_kernels import copy_dma, cuda_batch
 from hybridkv_kernels.copy_dma import copy_runs
 
@@ -156,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--l1-gib", type=float, default=4)
     ap.add_argument("--top", type=int, default=25, help="cProfile lines")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--dma-batch", choices=["on", "off"], default="on",
+                    help="off: CUDA page copies one driver call per run, not batched (for comparisons)")
     args = ap.parse_args(argv)
+    cuda_batch.set_enabled(args.dma_batch == "on")
     d = tempfile.mkdtemp(prefix="hkv-", dir="/tmp")
     server = start_server(ServerConfig(endpoint=f"ipc://{d}/s.sock", l1_bytes=int(args.l1_gib * GIB)))
     try:

@@ -28,7 +28,7 @@ from typing import Any
 
 from hybridkv.keys import ObjectKey
 from hybridkv.server.l2.fs import _IndexEntry
-from hybridkv.server.lru import LruIndex
+from hybridkv.server.machinery.lru import LruIndex
 
 NS = b"ns"
 

@@ -31,8 +31,8 @@ from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.keys import chunk_keys
 from hybridkv.layout import GroupLayout, ModelLayout
-from hybridkv.server.config import GIB, ServerConfig
-from hybridkv.server.launch import start_server
+from hybridkv.server.books.config import GIB, ServerConfig
+from hybridkv.server.front.launch import start_server
 
 from hybridkv_bench.microbench.lookup_bench import store_chunks
 

@@ -24,8 +24,8 @@ from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.keys import chunk_keys
 from hybridkv.layout import GroupLayout, ModelLayout
-from hybridkv.server.config import ServerConfig
-from hybridkv.server.launch import start_server
+from hybridkv.server.books.config import ServerConfig
+from hybridkv.server.front.launch import start_server
 from hybridkv.wire_formats import TRAITS
 
 # the raw format, by what it is: frames of the objects' bytes, which the server neither decodes nor copies itself

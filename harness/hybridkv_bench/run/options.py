@@ -13,7 +13,7 @@ import torch
 
 if TYPE_CHECKING:
     from hybridkv.engine.transfer import Hit
-    from hybridkv.server.launch import ServerProcess
+    from hybridkv.server.front.launch import ServerProcess
 
 
 class BenchError(Exception):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerTimeout
-from hybridkv.server.launch import ServerProcess
+from hybridkv.server.front.launch import ServerProcess
 
 from hybridkv_bench.run.options import BenchError
 

@@ -14,7 +14,7 @@ Streams = Literal["single", "per_group"]
 STREAM_MODES: tuple[Streams, ...] = get_args(Streams)
 # fenced (the default): a store over the shm wire sends its commit with the copies (on CUDA with DMA copies; on a
 # CPU once its synchronous copies are done), and the server publishes once the fence word written after them
-# shows (hybridkv.server.fences); tested on CPU and the H200. after_copies: the classic commit, a round trip
+# shows (hybridkv.server.books.fences); tested on CPU and the H200. after_copies: the classic commit, a round trip
 # after the copies were waited for (always so for a payload wire and for kernel copies on CUDA).
 CommitMode = Literal["fenced", "after_copies"]
 COMMIT_MODES: tuple[CommitMode, ...] = get_args(CommitMode)

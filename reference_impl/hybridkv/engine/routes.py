@@ -240,7 +240,7 @@ class DirectRoute(Route):
         super().__init__(client, engine_id, copies, timeout_s)
         self.wire = wire
         self._in_caller = copies.device.type == "cuda"  # copies only queue there: the caller queues them
-        # commits sent with the copies (hybridkv.server.fences): a wire with fence words, the config asking for
+        # commits sent with the copies (hybridkv.server.books.fences): a wire with fence words, the config asking for
         # it, and on CUDA DMA copies (the copy engine writes the fence after the pages, in stream order). On a
         # CPU the copies are synchronous: the fence is written and the commit sent once they are done (the
         # same protocol, nothing to overlap)

@@ -188,8 +188,8 @@ def main() -> int:
     ap.add_argument("--max-rss-mib", type=float, default=256.0)
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
-    from hybridkv.server.config import GIB, ServerConfig
-    from hybridkv.server.launch import start_server
+    from hybridkv.server.books.config import GIB, ServerConfig
+    from hybridkv.server.front.launch import start_server
 
     sock = tempfile.mkdtemp(prefix="hkv-ld-", dir="/tmp")
     server = start_server(ServerConfig(endpoint=f"ipc://{sock}/s.sock", l1_bytes=GIB // 4, max_queued_replies=100,

@@ -1,4 +1,4 @@
-"""Stores whose commit leaves with the copies (TransferConfig.commit = "fenced", hybridkv.server.fences): on
+"""Stores whose commit leaves with the copies (TransferConfig.commit = "fenced", hybridkv.server.books.fences): on
 CUDA the GPU writes the reservation's fence word after the pages and the server publishes once it shows. The
 CUDA cases run on a GPU machine; on a CPU the classic commit applies, which the CPU cases check."""
 

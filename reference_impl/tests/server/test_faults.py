@@ -17,7 +17,7 @@ import pytest
 import zmq
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
-from hybridkv.server import cli as serve_cli
+from hybridkv.server.front import cli as serve_cli
 from serverkit import Engine
 
 TESTS = Path(__file__).parents[1]  # serverkit's folder
@@ -233,8 +233,8 @@ def test_sigterm_exits_cleanly_and_unlinks_the_arena(server_factory):
 
 _STARTER = textwrap.dedent("""
     import sys, time
-    from hybridkv.server.config import GIB, ServerConfig
-    from hybridkv.server.launch import start_server
+    from hybridkv.server.books.config import GIB, ServerConfig
+    from hybridkv.server.front.launch import start_server
     srv = start_server(ServerConfig(endpoint=sys.argv[1], l1_bytes=int(0.01 * GIB)))
     print(srv.proc.pid, srv.arena_path, flush=True)
     time.sleep(600)

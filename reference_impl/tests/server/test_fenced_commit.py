@@ -1,5 +1,5 @@
 """Fenced commits against a real server process: a store's commit sent with its copies, published once the
-reservation's fence word in the arena holds its id (hybridkv.server.fences). Here the test's own process
+reservation's fence word in the arena holds its id (hybridkv.server.books.fences). Here the test's own process
 writes the slots and the fence word into the shared arena, as an engine's GPU copies do on CUDA."""
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ def test_fence_words_run_out_then_come_back_oldest_freed_first(tmp_path):
     """The pool itself, over a real arena file: a word per take until none is left (0: the classic commit),
     words given back are handed out again in the order they came back, each zeroed."""
     from hybridkv.arena import Arena
-    from hybridkv.server.fences import FENCE_WORD, Fences, fence_region_bytes
+    from hybridkv.server.books.fences import FENCE_WORD, Fences, fence_region_bytes
 
     arena = Arena(1 << 20, tmp_path, fence_bytes=fence_region_bytes(1 << 20))
     try:

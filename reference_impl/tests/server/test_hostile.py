@@ -19,7 +19,7 @@ from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerError
 from hybridkv.layout import GroupLayout, ModelLayout
 from hybridkv.presets import preset_layout
-from hybridkv.server.launch import ServerStartError
+from hybridkv.server.front.launch import ServerStartError
 from serverkit import Engine, RawDealer
 
 E = P.ErrorCode

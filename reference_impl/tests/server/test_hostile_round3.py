@@ -20,8 +20,8 @@ from hybridkv.engine.client import CacheClient, ServerError
 from hybridkv.keys import chunk_keys
 from hybridkv.layout import MAX_LAYERS, MAX_NAME_CHARS, GroupLayout, ModelLayout
 from hybridkv.presets import preset_layout
-from hybridkv.server.config import GIB, ServerConfig
-from hybridkv.server.launch import ServerStartError, start_server
+from hybridkv.server.books.config import GIB, ServerConfig
+from hybridkv.server.front.launch import ServerStartError, start_server
 from serverkit import Engine, RawDealer, process_cpu_s, process_fds, small_tmpfs
 
 MIB = 1 << 20

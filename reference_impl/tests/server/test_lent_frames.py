@@ -3,7 +3,7 @@
 A raw Retrieve of objects of 64 KiB or more answers with zero-copy frames that libzmq sends later. A client that
 pipelines a Release (EndSession, Unregister, or goes silent until reclaimed) right behind its Retrieve and reads
 the reply later must still read its own bytes, whatever another tenant stored meanwhile: the frames' slots are
-not reused until libzmq has let go of them (server/loans.py). Real server processes; the attacker never maps
+not reused until libzmq has let go of them (server/books/loans.py). Real server processes; the attacker never maps
 the arena.
 """
 

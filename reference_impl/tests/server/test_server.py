@@ -193,7 +193,7 @@ def test_every_request_type_has_a_handler():
     one would be answered bad_message by every server."""
     from typing import get_args
 
-    from hybridkv.server.loop import HANDLERS
+    from hybridkv.server.front.loop import HANDLERS
 
     assert set(HANDLERS) == set(get_args(P.Request))
 

@@ -17,7 +17,7 @@ import pytest
 import zmq
 from hybridkv import protocol as P
 from hybridkv.cli import main
-from hybridkv.server.telemetry import STATUS_FIGURES, WINDOW_FIGURES
+from hybridkv.server.books.telemetry import STATUS_FIGURES, WINDOW_FIGURES
 
 LIMITS = {"max_engines": 1024, "max_leases": 4096, "max_reservations": 1024}
 ESC = "\x1b]0;owned\x07\x1b[2J\x1b[31m"  # sets the window title, clears the screen, turns red

@@ -18,11 +18,12 @@ import sys
 import time
 from dataclasses import replace
 
+from hybridkv.server.books.config import ServerConfig
+from hybridkv.server.front.cli import server_argv
+from hybridkv.server.front.launch import ServerProcess
+
 # store binds turns.TURN_S as it is imported: imported first, a PrepareStore keeps its 5 ms turns
-from hybridkv.server import hitrule, lookup, lookup_turns, prefetch, store, turns  # noqa: F401
-from hybridkv.server.cli import server_argv
-from hybridkv.server.config import ServerConfig
-from hybridkv.server.launch import ServerProcess
+from hybridkv.server.ops import hitrule, lookup, lookup_turns, prefetch, store, turns  # noqa: F401
 
 
 def start(config: ServerConfig, *, one_turn: bool = False, turn_s: float | None = None,

@@ -16,8 +16,8 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from hybridkv.engine.vllm.settings import kv_transfer_config  # noqa: E402
-from hybridkv.server.cli import parse  # noqa: E402
-from hybridkv.server.launch import ServerProcess, start_server  # noqa: E402
+from hybridkv.server.front.cli import parse  # noqa: E402
+from hybridkv.server.front.launch import ServerProcess, start_server  # noqa: E402
 from hybridkv_bench import vllm_offline as offline  # noqa: E402
 from hybridkv_bench import vllm_planning as planning  # noqa: E402
 

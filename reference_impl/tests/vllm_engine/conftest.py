@@ -43,8 +43,8 @@ if _why:
     collect_ignore_glob = ["test_*.py"]
 
 import enginekit  # noqa: E402
-from hybridkv.server.cli import parse  # noqa: E402
-from hybridkv.server.launch import ServerProcess, start_server  # noqa: E402
+from hybridkv.server.front.cli import parse  # noqa: E402
+from hybridkv.server.front.launch import ServerProcess, start_server  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -16,8 +16,8 @@ from enginekit import BLOCK, close_llm, forget_local, generate, make_llm, prompt
 from faultproxy import FaultProxy
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
-from hybridkv.server.cli import parse
-from hybridkv.server.launch import start_server
+from hybridkv.server.front.cli import parse
+from hybridkv.server.front.launch import start_server
 
 RETRY_S = 3.0
 

@@ -7,8 +7,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hybridkv.server.config import ServerConfig
-from hybridkv.server.launch import start_server
+from hybridkv.server.books.config import ServerConfig
+from hybridkv.server.front.launch import start_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "reference_impl" / "tests" / "engine"))
 from test_transfer_order import ordered_store_wrong_pages  # noqa: E402

@@ -22,7 +22,7 @@ from hybridkv.keys import ObjectKey
 from hybridkv.server.l2.base import L2Adapter, L2Error, byte_view, check_key, check_ns
 from hybridkv.server.l2.fs_files import TMP_PREFIX, ObjectDir
 from hybridkv.server.l2.header import BadObject
-from hybridkv.server.lru import Indexed, LruIndex
+from hybridkv.server.machinery.lru import Indexed, LruIndex
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class FilesystemL2(L2Adapter):
         # Per-object locks (striped) order a rename against an unlink of the same path; held for
         # metadata syscalls only, never while payload bytes move.
         self._key_locks = tuple(threading.Lock() for _ in range(_KEY_LOCK_STRIPES))
-        # least recently used first; in pieces (one OrderedDict of 699k objects resized in one 141 ms step)
+        # least recently used first; in pieces (one OrderedDict of every object resizes in one long step)
         self._index: LruIndex[_IndexEntry] = LruIndex()
         self._disk = 0       # disk bytes held (what capacity bounds)
         self._reserved = 0   # disk bytes of puts in flight, counted against capacity before they land

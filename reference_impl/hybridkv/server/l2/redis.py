@@ -33,7 +33,7 @@ from hybridkv.server.l2.redis_cluster import ClusterLink, store_links
 from hybridkv.server.l2.redis_keys import WINDOW, chunk_rounds, clear_batch
 from hybridkv.server.l2.redis_link import DOWN, StoreHealth
 from hybridkv.server.l2.redis_meta import Forged, MetaCodec
-from hybridkv.server.lru import Indexed, LruIndex
+from hybridkv.server.machinery.lru import Indexed, LruIndex
 
 if TYPE_CHECKING:
     from hybridkv.server.l2.specs import RedisL2Spec

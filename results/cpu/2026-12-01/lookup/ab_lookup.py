@@ -28,7 +28,7 @@ import zmq
 from hybridkv import protocol as P
 from hybridkv.keys import chunk_keys, namespace
 from hybridkv.presets import preset_layout
-from hybridkv.server.launch import start_server
+from hybridkv.server.front.launch import start_server
 
 ROOT = Path(__file__).resolve().parents[4]
 

@@ -33,7 +33,7 @@ import psutil
 from hybridkv import __version__
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
-from hybridkv.server.launch import start_server
+from hybridkv.server.front.launch import start_server
 from hybridkv_bench.microbench.lookup_bench import store_chunks
 
 ROOT = Path(__file__).resolve().parents[4]

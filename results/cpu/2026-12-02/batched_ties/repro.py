@@ -16,8 +16,8 @@ os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "reference_impl/tests/vllm_engine"))
 
 import enginekit as ek  # noqa: E402
-from hybridkv.server.cli import parse  # noqa: E402
-from hybridkv.server.launch import start_server  # noqa: E402
+from hybridkv.server.front.cli import parse  # noqa: E402
+from hybridkv.server.front.launch import start_server  # noqa: E402
 
 LENGTHS = [129, 200, 255, 256, 257, 300, 383, 450, 511, 513, 600, 640, 777, 900, 1023, 1025, 1100, 1300, 1500,
            1700, 2000, 2049]

@@ -18,9 +18,9 @@ import numpy as np
 from hybridkv import protocol as P
 from hybridkv.keys import chunk_keys
 from hybridkv.presets import preset_layout
-from hybridkv.server import admin, lookup, retrieve, store
-from hybridkv.server.config import GIB, ServerConfig
-from hybridkv.server.loop import CacheServer
+from hybridkv.server.books.config import GIB, ServerConfig
+from hybridkv.server.front.loop import CacheServer
+from hybridkv.server.ops import admin, lookup, retrieve, store
 
 
 def bench(fn: Callable[[], None], n: int) -> tuple[float, float]:

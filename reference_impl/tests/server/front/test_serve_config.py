@@ -1,0 +1,146 @@
+"""`hybridkv serve --config FILE` and HYBRIDKV_<FLAG> variables: flags over variables over the file over defaults,
+an unknown key or a bad value refused in one line naming where it came from, and --print-config showing the merged
+settings as a file that --config takes back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+from hybridkv.cli import UserError
+from hybridkv.server.books.config import GIB
+from hybridkv.server.front.cli import parse_args, server_config
+from hybridkv.server.l2.specs import FsL2Spec
+from hybridkv.settings_sources import OTHER_ENV, env_name
+
+
+def serve(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDKV_")}
+    return subprocess.run([sys.executable, "-m", "hybridkv.cli", "serve", *args], capture_output=True, text=True,
+                          env={**clean, **(env or {})}, timeout=timeout)
+
+
+def write(tmp_path: Path, text: str) -> str:
+    p = tmp_path / "hybridkv.toml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_flags_over_variables_over_the_file(tmp_path):
+    path = write(tmp_path, 'l1-gib = 2\nmax_keys = 100\nio-threads = 2\nflush-on-exit = true\neviction = "fifo"\n'
+                           '[l2-adapter]\ntype = "fs"\nbase_path = "/srv/l2"\nmax_capacity_gb = 3\n')
+    env = {"HYBRIDKV_MAX_KEYS": "50", "HYBRIDKV_IO_THREADS": "5", "HYBRIDKV_ADMIN": "yes"}
+    args = parse_args(["--config", path, "--io-threads", "3"], env)
+    cfg = server_config(args)
+    assert cfg.l1_bytes == 2 * GIB           # the file
+    assert cfg.max_keys == 50                # a variable over the file
+    assert cfg.io_threads == 3               # the flag over both
+    assert cfg.admin and cfg.flush_on_exit and cfg.eviction == "fifo"
+    assert cfg.l2 == FsL2Spec("/srv/l2", 3 * GIB, False)  # the L2 as a table
+    assert args.settings["max-keys"].source == "HYBRIDKV_MAX_KEYS"
+    assert args.settings["l1-gib"].source == f"--config {path}"
+    assert args.settings["io-threads"].source == "flag" and args.settings["quarantine"].source == "default"
+
+
+def test_hybridkv_config_names_the_file_and_a_variable_alone_works(tmp_path):
+    path = write(tmp_path, "max-leases = 7\n")
+    cfg = server_config(parse_args([], {"HYBRIDKV_CONFIG": path, "HYBRIDKV_L1_GIB": "0.5"}))
+    assert cfg.max_leases == 7 and cfg.l1_bytes == GIB // 2
+
+
+def test_port_flag_over_an_endpoint_from_the_file(tmp_path):
+    path = write(tmp_path, 'endpoint = "tcp://127.0.0.1:6000"\n')
+    assert server_config(parse_args(["--config", path, "--port", "6001"])).endpoint == "tcp://127.0.0.1:6001"
+    with pytest.raises(UserError, match="give one"):
+        server_config(parse_args(["--endpoint", "tcp://127.0.0.1:6000", "--port", "6001"]))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("l1-size = 4\n", "unknown key 'l1-size' (did you mean 'l1-gib'?)"),
+    ("l1-size-gb = 4\n", "unknown key 'l1-size-gb'"),   # the seed's flags are the command line's alone
+    ("port = 5555\n", "unknown key 'port'"),
+    ('max-keys = "many"\n', "max-keys in {path}: invalid int value 'many'"),
+    ("max-keys = 1.5\n", "max-keys in {path}: invalid int value 1.5"),
+    ("admin = 1\n", "admin in {path} must be true or false, got 1"),
+    ('eviction = "mru"\n', "eviction in {path} must be one of ['fifo', 'lru'], got 'mru'"),
+    ("l1-gib = true\n", "l1-gib in {path} must be a float, got True"),
+    ("l1-gib = [1]\n", "l1-gib in {path} must be a float, got [1]"),
+    ("l1-gib = \n", "--config {path}: not TOML: "),
+])
+def test_a_bad_file_is_one_line(tmp_path, text, message):
+    path = write(tmp_path, text)
+    r = serve("--config", path)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith("hybridkv serve: error: ") and r.stderr.count("\n") == 1, r.stderr
+    assert message.format(path=path) in r.stderr
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"HYBRIDKV_L1_GB": "4"}, "unknown environment variable HYBRIDKV_L1_GB (did you mean HYBRIDKV_L1_GIB?)"),
+    ({"HYBRIDKV_ADMIN": "maybe"}, "HYBRIDKV_ADMIN must be true or false, got 'maybe'"),
+    ({"HYBRIDKV_MAX_LEASES": "lots"}, "HYBRIDKV_MAX_LEASES: invalid int value 'lots'"),
+    ({"HYBRIDKV_L1_GIB": "-1"}, "L1 size (--l1-gib) must be above 0"),
+    ({"HYBRIDKV_CONFIG": "/nonexistent/hkv.toml"}, "--config /nonexistent/hkv.toml: No such file or directory"),
+])
+def test_a_bad_variable_is_one_line(env, message):
+    r = serve("--print-config", env=env)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+
+
+def test_variables_other_parts_read_are_left_alone():
+    """The connector's settings are HYBRIDKV_ variables serve does not refuse."""
+    from hybridkv.engine.vllm.settings import ConnectorSettings
+
+    assert {env_name(f.name) for f in fields(ConnectorSettings)} - {"HYBRIDKV_ENDPOINT"} <= OTHER_ENV
+    r = serve("--print-config", env={"HYBRIDKV_SALT": "tenant", "HYBRIDKV_ENDPOINT":
+                                     "tcp://127.0.0.1:7000"})
+    assert r.returncode == 0, r.stderr
+    assert 'endpoint = "tcp://127.0.0.1:7000"  # HYBRIDKV_ENDPOINT' in r.stdout
+
+
+def test_print_config_is_a_file_config_takes_back(tmp_path):
+    path = write(tmp_path, '[l2-adapter]\ntype = "fs"\nbase_path = "/srv/l2 \\"x\\""\nmax_capacity_gb = 2\n')
+    argv = ["--config", path, "--l1-gib", "1.5", "--max-engines", "9", "--admin", "--metrics-port", "0"]
+    env = {"HYBRIDKV_EVICTION": "fifo", "HYBRIDKV_CLIENT_TIMEOUT": "7.5"}
+    r = serve(*argv, "--print-config", env=env)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "l1-gib = 1.5  # flag" in out and 'eviction = "fifo"  # HYBRIDKV_EVICTION' in out
+    assert f"[l2-adapter]  # --config {path}" in out and "# l2-dir: not set (default)" in out
+    again = tmp_path / "printed.toml"
+    again.write_text(out)
+    first, second = parse_args(argv, env), parse_args(["--config", str(again)])
+    assert server_config(first) == server_config(second)
+    assert second.metrics_port == 0 and second.log_level == "info"
+
+
+def test_a_server_runs_from_a_file(tmp_path, sock_dir):
+    path = write(tmp_path, f'endpoint = "ipc://{sock_dir}/c.sock"\nl1-gib = 0.03\nmax-engines = 3\n')
+    p = subprocess.Popen([sys.executable, "-m", "hybridkv.cli", "serve", "--config", path],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "HYBRIDKV_MAX_ENGINES": "4"})
+    try:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        assert line.startswith(f"hybridkv server ready: endpoint=ipc://{sock_dir}/c.sock l1=0.03GiB"), line
+        r = subprocess.run([sys.executable, "-m", "hybridkv.cli", "status", "--endpoint", f"ipc://{sock_dir}/c.sock"],
+                           capture_output=True, text=True, timeout=60)
+        assert "engines 0 of 4 " in r.stdout, r
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=60)
+    assert p.returncode == 0
+
+
+def test_a_launched_server_runs_its_config_alone(server_factory, monkeypatch):
+    """The harness's and the tests' servers take no HYBRIDKV_ variable of the process that starts them."""
+    monkeypatch.setenv("HYBRIDKV_MAX_ENGINES", "3")
+    server = server_factory(admin=False)
+    r = subprocess.run([sys.executable, "-m", "hybridkv.cli", "status", "--endpoint", server.endpoint],
+                       capture_output=True, text=True, timeout=60)
+    assert "engines 0 of 1,024 " in r.stdout, r

@@ -1,0 +1,74 @@
+"""The server's log lines: JSON lines with stable field names (--log-format json), and the headline line that
+--headline-interval rate-limits. A real server process; its stderr is read after it stopped."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+from hybridkv import protocol as P
+from hybridkv.engine.client import CacheClient
+from hybridkv.server.books.config import GIB, ServerConfig
+from hybridkv.server.books.telemetry import HEADLINE_FIGURES
+from hybridkv.server.front.launch import start_server
+from serverkit import Engine
+
+
+def test_json_lines_and_a_rate_limited_headline(sock_dir):
+    server = start_server(ServerConfig(endpoint=f"ipc://{sock_dir}/j.sock", l1_bytes=int(0.02 * GIB)),
+                          log_level="info", log_format="json", headline_interval=0.5)
+    try:
+        with CacheClient(server.endpoint) as c:
+            eng = Engine(c)
+            keys = eng.keys(2, seed=1)
+            eng.store(keys)
+            c.call(P.Release(engine=eng.id, lease=eng.lookup(keys).lease))
+            t0 = time.monotonic()
+            time.sleep(2.1)
+            elapsed = time.monotonic() - t0
+        assert server.stop() == 0
+        err = server.proc.stderr.read()
+    finally:
+        server.close()
+    records = [json.loads(line) for line in err.splitlines()]  # every line is one JSON object
+    assert records
+    for r in records:
+        assert {"ts", "level", "logger", "msg"} <= r.keys(), r
+        assert isinstance(r["ts"], float) and r["level"] in ("debug", "info", "warning", "error", "critical")
+    heads = [r for r in records if r.get("event") == "headline"]
+    # once per 0.5 s (the loop ticks every 0.5 s at most): never more often, and not skipped
+    assert 2 <= len(heads) <= elapsed / 0.5 + 2, len(heads)
+    assert all(list(h["fields"]) == list(HEADLINE_FIGURES) for h in heads)
+    last = heads[-1]["fields"]
+    assert last["lookups"] == 1 and last["hit_chunks"] == 2 and last["lookup_chunks"] == 2
+    assert last["engines"] == 1 and last["bytes_committed"] == 2 * sum(eng.sizes)
+    assert heads[-1]["logger"] == "hybridkv.server" and heads[-1]["msg"].startswith("headline: ")
+    times = [h["ts"] for h in heads]
+    assert all(b - a >= 0.45 for a, b in zip(times, times[1:], strict=False)), times
+
+
+def test_headline_interval_is_checked(sock_dir):
+    r = subprocess.run([sys.executable, "-m", "hybridkv.cli", "serve", "--endpoint", f"ipc://{sock_dir}/h.sock",
+                        "--l1-gib", "0.01", "--headline-interval", "-1"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "--headline-interval must be 0 (never) or more seconds, got -1" in r.stderr
+
+
+def test_text_lines_carry_their_time_in_utc(sock_dir):
+    """A text line's time says its zone (UTC, `Z`), whatever the machine's zone is: here UTC-10."""
+    import datetime
+    import os
+    import re
+
+    before = datetime.datetime.now(datetime.UTC)
+    env = {**os.environ, "TZ": "HST10"}
+    code = ("import logging, time; from hybridkv.server.front.logs import setup_logging; "
+            "setup_logging('info', 'text'); logging.getLogger('hybridkv.server').info('ready')")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True)
+    after = datetime.datetime.now(datetime.UTC)
+    m = re.fullmatch(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3})Z INFO hybridkv.server: ready\n", r.stderr)
+    assert m, r.stderr
+    t = datetime.datetime.fromisoformat(m[1]).replace(tzinfo=datetime.UTC)
+    assert before - datetime.timedelta(seconds=1) <= t <= after
