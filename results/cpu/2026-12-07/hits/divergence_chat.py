@@ -28,8 +28,8 @@ STORED, TAIL, BLOCK = 3000, 400, 128
 
 def main() -> None:
     import enginekit as ek
-    from hybridkv.server.cli import parse
-    from hybridkv.server.launch import start_server
+    from hybridkv.server.front.cli import parse
+    from hybridkv.server.front.launch import start_server
     from vllm import LLM
 
     every, out = int(sys.argv[1]), sys.argv[2]

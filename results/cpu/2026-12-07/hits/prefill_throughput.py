@@ -25,8 +25,8 @@ for k, v in (("VLLM_TARGET_DEVICE", "cpu"), ("HF_HUB_OFFLINE", "1"), ("VLLM_LOGG
 
 def main() -> None:
     import enginekit as ek
-    from hybridkv.server.cli import parse
-    from hybridkv.server.launch import start_server
+    from hybridkv.server.front.cli import parse
+    from hybridkv.server.front.launch import start_server
     from vllm import LLM
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
