@@ -1,6 +1,6 @@
 """The code's shape, checked: no import cycles (type-only imports included), the engine never imports the server,
 the server's layers import only downwards (front -> ops -> books -> l2 -> machinery), the harness's top package
-stays small, no source file over 400 lines, and the wire formats are named in few modules (the rest read
+stays small, no source file over 600 lines, and the wire formats are named in few modules (the rest read
 `hybridkv.wire_formats`). Imports are read from the source (ast); `import_graph(typing=False)` leaves out the ones
 under `if TYPE_CHECKING:`.
 
@@ -16,7 +16,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"hybridkv": ROOT / "reference_impl" / "hybridkv", "hybridkv_kernels": ROOT / "kernels" / "hybridkv_kernels",
             "hybridkv_bench": ROOT / "harness" / "hybridkv_bench"}
-MAX_LINES = 400
+# File size is a guide: a file splits where its ideas part, never to get under a number (cuts made on line count
+# left twins such as lookup.py / lookup_turns.py). This is the bound past which a file surely holds two ideas.
+MAX_LINES = 600
 MAX_HARNESS_TOP = 12
 MAX_FORMAT_MODULES = 4
 # The server's folders, top to bottom: a module may import its own folder and the folders below it, never above.
@@ -227,7 +229,7 @@ def test_the_harness_top_package_is_small():
     assert len(top) <= MAX_HARNESS_TOP, top
 
 
-def test_no_source_file_is_over_400_lines():
+def test_no_source_file_is_over_600_lines():
     assert long_files() == []
 
 
