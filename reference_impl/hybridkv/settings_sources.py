@@ -16,6 +16,7 @@ import json
 import math
 import os
 import re
+import stat
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -32,6 +33,9 @@ OTHER_ENV = frozenset({"HYBRIDKV_CONNECTOR_CONFIG"} | {ENV_PREFIX + k.upper() fo
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 _UNSET = object()
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+# A settings file is a few hundred bytes: a larger one is no settings file (/dev/zero, a log named by mistake), and
+# reading it whole filled the RAM.
+MAX_CONFIG_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +86,8 @@ def convert(action: argparse.Action, value: Any, where: str) -> Any:
         if not isinstance(value, bool):
             raise UserError(f"{where} must be true or false, got {value!r}")
         return value if isinstance(action, argparse._StoreTrueAction) else not value
+    if _has_nul(value):  # no flag or variable can hold one; C below (libzmq, the OS) would cut the text at it
+        raise UserError(f"{where} holds a NUL character: {value!r}")
     if isinstance(value, dict | list) and action.metavar == "JSON":
         value = json.dumps(value)
     if isinstance(value, bool) or not isinstance(value, str | int | float):
@@ -97,13 +103,33 @@ def convert(action: argparse.Action, value: Any, where: str) -> Any:
 
 
 
+def _has_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\0" in value
+    if isinstance(value, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(map(_has_nul, value))
+    return False
+
+
 def read_file(path: str, keys: Mapping[str, argparse.Action]) -> dict[str, tuple[Any, str]]:
     """key -> (value, source) from the TOML file at `path`."""
     from hybridkv.cli import UserError
 
     try:
-        with open(path, "rb") as f:
-            table = tomllib.load(f)
+        # O_NONBLOCK: a FIFO's open would wait for a writer; the descriptor is looked at before any read
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(fd, "rb") as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise UserError(f"--config {path}: not a regular file")
+            if st.st_size > MAX_CONFIG_BYTES:
+                raise UserError(f"--config {path}: {st.st_size} B; a settings file holds at most "
+                                f"{MAX_CONFIG_BYTES} B")
+            table = tomllib.loads(f.read(MAX_CONFIG_BYTES + 1).decode())  # bounded should it grow meanwhile
+    except UnicodeDecodeError as e:
+        raise UserError(f"--config {path}: not TOML: not UTF-8 ({e.reason} at byte {e.start})") from None
     except OSError as e:
         raise UserError(f"--config {path}: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:

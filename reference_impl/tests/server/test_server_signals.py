@@ -11,11 +11,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+import zmq
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerError
+from hybridkv.keys import chunk_keys
 from serverkit import Engine
 
 STOP_S = 5.0  # how long the server is stopped: longer than its --client-timeout
+BURST = 250  # requests each client pipelines before SIGTERM: more than the server answers before it comes
 
 
 def stats(client: CacheClient) -> dict:
@@ -173,3 +176,55 @@ def test_sigterm_answers_requests_that_come_while_the_l2_writes_finish(server_fa
         print(f"20 requests during the flush at exit answered in {time.monotonic() - st:.3f} s")
     assert running, "the server exited before the requests: nothing tested"
     assert srv.proc.wait(timeout=60) == 0
+
+
+def test_sigterm_behind_pipelined_requests_answers_each_and_lent_frames_keep_their_bytes(server_factory):
+    """Clients that pipelined a burst (raw Retrieves of lent 256 KiB objects, lookups, session ends, heartbeats)
+    the server is midway through when SIGTERM comes: every request is answered, its real answer or `shutting_down`,
+    each Retrieved frame (lent, sent after the stop began) carries the client's own bytes, and the server exits 0."""
+    from test_lent_frames import CT, LAYOUT, Dealer
+
+    srv = server_factory(l1_gib=0.05)
+    clients = []
+    for c in range(4):
+        d = Dealer(srv.endpoint)
+        d.sock.setsockopt(zmq.RCVHWM, 1000)
+        reg = d.call(P.Register(layout=LAYOUT, chunk_tokens=CT, salt=f"c{c}"))
+        keys = chunk_keys(reg.namespace, np.random.default_rng(c).integers(0, 50000, 4 * CT), CT)
+        prep = d.call(P.PrepareStore(engine=reg.engine, request="s", keys=keys, objects=[(k, 0) for k in range(4)]))
+        d.call(P.CommitStore(engine=reg.engine, reservation=prep.reservation, format="raw"),
+               [Engine.payload(keys[o.chunk], o.group, o.length) for o in prep.slots])
+        res = d.call(P.Lookup(engine=reg.engine, request="hold", keys=keys, policy="all"))
+        assert res.hit_chunks == 4
+        clients.append((d, reg.engine, keys, res))
+    sent: list[list[int]] = []
+    for d, eng, keys, res in clients:
+        burst = []
+        for i in range(BURST):
+            msg = [P.Retrieve(engine=eng, lease=res.lease, format="raw"), P.Heartbeat(engine=eng),
+                   P.Lookup(engine=eng, request=f"q{i}", keys=keys, policy="all"),
+                   P.EndSession(engine=eng, request=f"q{i - 1}")][min(i % 8, 3)]
+            burst.append(d.send(msg))
+        sent.append(burst)
+    first = clients[0][0]
+    while sent[0][20] not in first.early:  # the server is well into the bursts, lent frames unread
+        out = first.sock.recv_multipart()
+        first.early[P.decode_reply(out[0]).id] = P.decode_reply(out[0]), out[1:]
+    srv.proc.send_signal(signal.SIGTERM)
+    answers: dict[str, int] = {}
+    for (d, _, keys, _), burst in zip(clients, sent, strict=True):
+        for req_id in burst:
+            while req_id not in d.early:  # RCVTIMEO: a request never answered fails here, after 30 s
+                out = d.sock.recv_multipart()
+                d.early[P.decode_reply(out[0]).id] = P.decode_reply(out[0]), out[1:]
+            reply, frames = d.early.pop(req_id)
+            kind = reply.code if isinstance(reply, P.Error) else type(reply).__name__
+            answers[kind] = answers.get(kind, 0) + 1
+            if isinstance(reply, P.Retrieved):
+                assert all(np.array_equal(np.frombuffer(f, np.uint8), Engine.payload(keys[o.chunk], o.group, o.length))
+                           for o, f in zip(reply.objects, frames, strict=True))
+    print(f"SIGTERM behind {4 * BURST} pipelined requests: {answers}")
+    assert set(answers) <= {"Retrieved", "Done", "LookupResult", P.ErrorCode.SHUTTING_DOWN}, answers
+    assert srv.proc.wait(timeout=30) == 0
+    for d, *_ in clients:
+        d.close()

@@ -12,10 +12,11 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from hybridkv.server.front.cli import server_argv
 from hybridkv.settings_sources import ENV_PREFIX, OTHER_ENV
@@ -63,6 +64,19 @@ class ServerProcess:
                 f.close()
 
 
+def _log_file() -> tuple[int, TextIO]:
+    """The server's stderr when the caller reads it afterwards (the default, `stderr=PIPE`): an unlinked file the
+    server appends to, and a reader of it from the start (`proc.stderr.read()` returns what was written so far). A
+    pipe nobody read while the server ran filled at 64 KiB, and the server's next log line then blocked its loop
+    for good: a client that made it log (768 engines left silent until reclaimed) hung the server."""
+    fd, path = tempfile.mkstemp(prefix="hybridkv-server-", suffix=".log")
+    try:
+        writer = os.open(path, os.O_WRONLY | os.O_APPEND)  # the reader's position never moves the writes
+    finally:
+        os.unlink(path)
+    return writer, os.fdopen(fd, encoding="utf-8", errors="replace")
+
+
 def start_server(config: ServerConfig, *, log_level: str = "warning", log_format: str = "text",
                  metrics_port: int | None = None, headline_interval: float | None = None,
                  ready_timeout: float = 60.0, stderr=subprocess.PIPE, nofile: int = 0) -> ServerProcess:
@@ -82,7 +96,15 @@ def start_server(config: ServerConfig, *, log_level: str = "warning", log_format
     if not config.cuda_ipc:
         env["CUDA_VISIBLE_DEVICES"] = ""
     limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))) if nofile else None
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, preexec_fn=limit)
+    log = _log_file() if stderr is subprocess.PIPE else None
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log[0] if log else stderr, text=True, env=env,
+                                preexec_fn=limit)
+    finally:
+        if log:
+            os.close(log[0])  # the server holds its own descriptor
+    if log:
+        proc.stderr = log[1]
     deadline = time.monotonic() + ready_timeout
     line = ""
     out = proc.stdout

@@ -13,8 +13,10 @@ server had a thread and a file for every connection, for as long as the client k
 from __future__ import annotations
 
 import ipaddress
+import logging
 import math
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +30,8 @@ from prometheus_client.registry import Collector
 
 from hybridkv import __version__
 from hybridkv.server.books.telemetry import BUCKETS_S, Snapshot, Telemetry
+
+log = logging.getLogger("hybridkv.server")
 
 SCRAPE_WAIT_S = 1.0  # a loop busier than this answers a scrape with its last snapshot (see snapshot_age)
 MAX_CONNECTIONS = 16  # at once; within connections.FD_RESERVE, the files the engines' gate leaves to the server
@@ -222,6 +226,16 @@ class BoundedServer(ThreadingMixIn, WSGIServer):
         with self._lock:  # under the lock: service_actions never shuts a socket whose number was reused
             self._deadlines.pop(request, None)
             super().shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection that failed: a client that timed out or went away is a debug line. socketserver printed
+        a traceback to stderr for each, which any client could repeat at will, outside the log's format (a JSON
+        log got lines that are not JSON) and into a stderr pipe that, once full, blocks every thread that logs."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):  # TimeoutError, ConnectionResetError, BrokenPipeError, ...
+            log.debug("metrics connection from %s ended: %s", client_address[0], exc)
+        else:
+            log.error("metrics connection from %s failed", client_address[0], exc_info=exc)
 
     def service_actions(self) -> None:
         """Every poll of serve_forever (half a second): end the connections past their time."""

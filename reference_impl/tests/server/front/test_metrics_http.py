@@ -255,3 +255,32 @@ def test_idle_connections_to_the_metrics_port_never_lock_engines_out(sock_dir):
             assert Engine(c).id
     finally:
         s.close()
+
+
+def test_connections_that_time_out_leave_no_traceback_in_the_log(sock_dir, tmp_path):
+    """socketserver printed a traceback to stderr for every metrics connection that timed out: any client could
+    fill the log (a stderr pipe nobody reads then blocks the server) and a JSON log got lines that are not JSON."""
+    log_path = tmp_path / "server.log"
+    with log_path.open("w") as log:
+        s = start_server(ServerConfig(endpoint=f"ipc://{sock_dir}/m.sock", l1_bytes=int(0.02 * GIB)), metrics_port=0,
+                         log_format="json", stderr=log)
+    try:
+        assert s.metrics_url is not None
+        host, port = s.metrics_url.split("/")[2].rsplit(":", 1)
+        slow = [socket.create_connection((host, int(port)), timeout=5) for _ in range(3)]
+        for c in slow:
+            c.sendall(b"GET /metr")  # a request line it never finishes
+        deadline = time.monotonic() + CONNECTION_S + 10
+        waiting = list(slow)
+        while waiting and time.monotonic() < deadline:
+            readable, _, _ = select.select(waiting, [], [], 0.5)
+            waiting = [w for w in waiting if w not in readable]
+        assert not waiting, "the server kept a slow connection past CONNECTION_S"
+        assert scrape(s.metrics_url)[("hybridkv_engines", ())] == 0
+        for c in slow:
+            c.close()
+    finally:
+        assert s.stop() == 0
+    lines = log_path.read_text().splitlines()
+    bad = [line for line in lines if not line.startswith("{")]
+    assert not bad, f"{len(bad)} of {len(lines)} log lines are not JSON: {bad[:5]}"

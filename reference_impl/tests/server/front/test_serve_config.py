@@ -144,3 +144,27 @@ def test_a_launched_server_runs_its_config_alone(server_factory, monkeypatch):
     r = subprocess.run([sys.executable, "-m", "hybridkv.cli", "status", "--endpoint", server.endpoint],
                        capture_output=True, text=True, timeout=60)
     assert "engines 0 of 1,024 " in r.stdout, r
+
+
+def test_a_config_that_is_no_settings_file_is_refused_before_it_is_read(tmp_path):
+    """A FIFO (whose open waited for a writer forever), a device such as /dev/zero (read whole: it filled the RAM)
+    or a file of megabytes is one line, at once."""
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+    r = serve("--config", str(fifo), timeout=30)
+    assert r.returncode == 2 and r.stderr == f"hybridkv serve: error: --config {fifo}: not a regular file\n"
+    big = write(tmp_path, "# padding\n" * 200_000)
+    r = serve("--config", big, timeout=30)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "2000000 B; a settings file holds at most" in r.stderr
+
+
+@pytest.mark.parametrize("text, key", [
+    ('endpoint = "ipc:///tmp/hkv\\u0000.sock"\n', "endpoint"),  # libzmq would bind the path cut at the NUL
+    ('[l2-adapter]\ntype = "fs"\nbase_path = "/srv/l2\\u0000x"\n', "l2-adapter"),
+])
+def test_a_nul_character_in_a_file_value_is_one_line(tmp_path, text, key):
+    """No flag or variable can hold a NUL; a TOML string can, and the server's start ended in a traceback."""
+    path = write(tmp_path, text)
+    r = serve("--config", path, "--l1-gib", "0.01")
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+    assert f"{key} in {path} holds a NUL character" in r.stderr

@@ -10,6 +10,7 @@ import time
 
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
+from hybridkv.presets import preset_layout
 from hybridkv.server.books.config import GIB, ServerConfig
 from hybridkv.server.books.telemetry import HEADLINE_FIGURES
 from hybridkv.server.front.launch import start_server
@@ -72,3 +73,29 @@ def test_text_lines_carry_their_time_in_utc(sock_dir):
     assert m, r.stderr
     t = datetime.datetime.fromisoformat(m[1]).replace(tzinfo=datetime.UTC)
     assert before - datetime.timedelta(seconds=1) <= t <= after
+
+
+def test_a_server_whose_log_nobody_reads_while_it_runs_keeps_serving(sock_dir):
+    """start_server's default stderr was a pipe that nobody read until the server stopped: past 64 KiB of log the
+    server's next line blocked its loop for good. A client can make it log that much (768 engines left silent
+    until reclaimed, a warning each); the log is a file now, read afterwards as the pipe was."""
+    server = start_server(ServerConfig(endpoint=f"ipc://{sock_dir}/q.sock", l1_bytes=int(0.02 * GIB),
+                                       client_timeout_s=1.0, admin=True))
+    clients = [CacheClient(server.endpoint, timeout_s=10) for _ in range(12)]
+    try:
+        layout = preset_layout("tiny-hybrid")
+        for c in clients:
+            for _ in range(64):
+                c.call(P.Register(layout=layout, chunk_tokens=0, name="silent-" + "x" * 100))
+        with CacheClient(server.endpoint, timeout_s=10) as admin:
+            deadline = time.monotonic() + 60
+            while admin.call(P.Stats())[0].counters["engines_reclaimed"] < 12 * 64:
+                assert time.monotonic() < deadline, "the engines were not reclaimed"
+                time.sleep(0.1)
+            assert admin.call(P.Health())[0].status == "ok"
+    finally:
+        for c in clients:
+            c.close()
+        rc = server.stop()
+    assert rc == 0 and server.proc.stderr is not None
+    assert server.proc.stderr.read().count("silent for") == 12 * 64
