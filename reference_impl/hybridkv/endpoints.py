@@ -54,7 +54,10 @@ def why_unreachable(endpoint: str) -> str:
 
 
 def check_endpoint(endpoint: str) -> str:
-    """Accept ipc://PATH, or tcp on the loopback interface only (the protocol has no authentication)."""
+    """Accept ipc://PATH, or tcp on the loopback interface only (the protocol has no authentication); no control
+    characters (a newline or NUL in a path reaches log lines and the filesystem)."""
+    if any(ord(c) < 32 or ord(c) == 127 for c in endpoint):
+        raise ConfigError(f"endpoint must not hold control characters, got {endpoint!r}")
     if endpoint.startswith("ipc://"):
         if len(endpoint) <= len("ipc://"):
             raise ConfigError("ipc endpoint needs a path, e.g. ipc:///tmp/hybridkv-0/server.sock")

@@ -268,6 +268,7 @@ def test_one_connection_takes_only_its_share_of_the_engines(server_factory):
     (["--l2-adapter", "[" * 30000 + "]" * 30000], "nests too deeply"),
     (["--client-timeout", "nan"], "--client-timeout"),
     (["--client-timeout", "inf"], "--client-timeout"),
+    (["--client-timeout", "1e-300"], "--client-timeout"),
     (["--quarantine", "nan"], "--quarantine"),
 ])
 def test_impossible_serve_settings_are_one_line_errors(sock_dir, tmp_path, flags, named):
@@ -276,6 +277,18 @@ def test_impossible_serve_settings_are_one_line_errors(sock_dir, tmp_path, flags
                         "--l1-gib", "0.01", *flags], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr[-2000:]
     assert len(r.stderr.strip().splitlines()) == 1 and named in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("how, name", [("flag", "a\nb.sock"), ("flag", "a\x1b[2Jb.sock"), ("variable", "a\tb.sock")])
+def test_an_endpoint_with_control_characters_is_a_one_line_error(sock_dir, how, name):
+    """A newline or an escape sequence in the socket path would reach log lines and the filesystem as it is."""
+    endpoint = f"ipc://{sock_dir}/{name}"
+    args = ["--endpoint", endpoint] if how == "flag" else []
+    env = {"HYBRIDKV_ENDPOINT": endpoint} if how == "variable" else {}
+    r = subprocess.run([sys.executable, "-m", "hybridkv.cli", "serve", "--l1-gib", "0.01", *args],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert len(r.stderr.strip().splitlines()) == 1 and "control characters" in r.stderr, r.stderr[-2000:]
 
 
 def test_a_server_whose_parent_exits_stops_without_a_traceback(sock_dir, tmp_path):

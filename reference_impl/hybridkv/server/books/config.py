@@ -15,6 +15,7 @@ from hybridkv.endpoints import (  # noqa: F401 (re-exported: the server's settin
 from hybridkv.server.l2.specs import GIB, L2Spec  # noqa: F401 (GIB re-exported: sizes are given in GiB)
 
 EVICTION_POLICIES = ("lru", "fifo")
+MIN_CLIENT_TIMEOUT_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +59,11 @@ class ServerConfig:
             raise ConfigError(f"chunk tokens must be >= 0, got {self.chunk_tokens}")
         if self.eviction not in EVICTION_POLICIES:
             raise ConfigError(f"eviction policy must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
-        # `not` keeps nan out (every comparison with it is false); inf would never reclaim anything either
-        if not 0 < self.client_timeout_s < math.inf:
-            raise ConfigError(f"client timeout (--client-timeout) must be a positive number of seconds, "
-                              f"got {self.client_timeout_s!r}")
+        # `not` keeps nan out (every comparison with it is false); inf would never reclaim anything either, and a
+        # timeout shorter than a few loop ticks would judge every engine silent between two of its heartbeats
+        if not MIN_CLIENT_TIMEOUT_S <= self.client_timeout_s < math.inf:
+            raise ConfigError(f"client timeout (--client-timeout) must be at least {MIN_CLIENT_TIMEOUT_S} s and "
+                              f"finite, got {self.client_timeout_s!r}")
         if not 0 <= self.quarantine_s < math.inf:
             raise ConfigError(f"quarantine (--quarantine) must be 0 or more seconds, got {self.quarantine_s!r}")
         if self.parent_pid < 0:
