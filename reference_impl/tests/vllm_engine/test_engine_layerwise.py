@@ -88,8 +88,11 @@ def test_layerwise_warm_equals_cold_with_vllm_cache_zeroed(lw_llm, server, store
 def test_layerwise_partial_hit_of_a_stored_prefix(lw_llm, server, stored):
     """Prompts sharing part of a stored prompt resume from the last whole block they share, loaded in-step."""
     prompts, _ = stored
-    base = prompts[LENGTHS.index(1500)]
-    cases = [base[:700] + prompt(300, seed=800), base[:1030] + prompt(90, seed=801), base[:129] + prompt(60, 802)]
+    # each from another stored prompt: cases of one batch that shared a prefix could share vLLM's own blocks of it,
+    # which then hold the server's bytes before the next case's in-step load (what the probe checks they do not)
+    cases = [prompts[LENGTHS.index(1500)][:700] + prompt(300, seed=800),
+             prompts[LENGTHS.index(2049)][:1030] + prompt(90, seed=801),
+             prompts[LENGTHS.index(777)][:129] + prompt(60, 802)]
     forget_local(lw_llm)
     watch(lw_llm)
     warm = generate(lw_llm, cases)
