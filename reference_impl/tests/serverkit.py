@@ -29,6 +29,11 @@ def spawn_server(sock_dir: str, *args: str, name: str = "s", l1_gib: float = 0.0
                                f"--client-timeout={client_timeout}", *args, "--admin"]))
 
 
+def counters(client: CacheClient) -> dict:
+    """The server's counters (Stats)."""
+    return client.call(P.Stats())[0].counters
+
+
 def settled(client: CacheClient, timeout_s: float = 60.0) -> dict:
     """The server's counters once no worker job is in flight (spills and L2 reads are asynchronous: a test that
     looks at L2 or its counters after a store waits here for them), nothing is parked and no object is unready."""
@@ -140,3 +145,13 @@ def process_cpu_s(pid: int) -> float:
     """CPU seconds a process has used, user and system, all its threads."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def lookup_checked(eng: Engine, keys: list[bytes], want: int, policy: str = "all") -> P.LookupResult:
+    """Look up, assert the hit length, verify every byte handed out (every group with `all`), release the lease."""
+    res = eng.lookup(keys, policy=policy)
+    assert res.hit_chunks == want, (res.hit_chunks, want)
+    eng.check(keys, res)
+    if res.lease:
+        eng.client.call(P.Release(engine=eng.id, lease=res.lease))
+    return res

@@ -11,7 +11,7 @@ import pytest
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.engine.pending import ServerError
-from serverkit import Engine
+from serverkit import Engine, counters
 
 L1_BYTES = int(0.05 * 2**30)
 
@@ -22,9 +22,6 @@ def eng(server):
     with CacheClient(server.endpoint, timeout_s=10) as c:
         yield Engine(c)
 
-
-def counters(c: CacheClient) -> dict:
-    return c.call(P.Stats())[0].counters
 
 
 def prepare(eng: Engine, keys: list[bytes], request: str = "r") -> P.Prepared:

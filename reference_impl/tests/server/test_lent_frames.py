@@ -20,7 +20,7 @@ from hybridkv.baselines.codec import decode_tensor
 from hybridkv.engine.client import CacheClient
 from hybridkv.keys import chunk_keys
 from hybridkv.layout import GroupLayout, ModelLayout
-from serverkit import Engine
+from serverkit import Engine, counters
 
 CT = 256  # tokens a chunk: 16 blocks of 16 tokens of a 16 KiB page, one object of 256 KiB
 LAYOUT = ModelLayout(model="big", groups=(GroupLayout(kind="attention", layer_names=("l0",), page_bytes=16 << 10,
@@ -65,9 +65,6 @@ class Dealer:
     def close(self) -> None:
         self.sock.close(linger=0)
 
-
-def counters(admin: CacheClient) -> dict:
-    return admin.call(P.Stats())[0].counters
 
 
 def wait_for(admin: CacheClient, ok: Callable[[dict], bool], what: str, timeout_s: float = 60.0) -> dict:

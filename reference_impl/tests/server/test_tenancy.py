@@ -16,14 +16,11 @@ import pytest
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.server.l2.base import L2Error
-from serverkit import Engine, settled
+from serverkit import Engine, counters, settled
 
 MIB = 1 << 20
 TINY_L1 = 1 / 1024  # 1 MiB: 51 tiny-hybrid objects, under 13 chunks
 
-
-def counters(c: CacheClient) -> dict:
-    return c.call(P.Stats())[0].counters
 
 
 def every_object(eng: Engine, n: int) -> list[tuple[int, int]]:

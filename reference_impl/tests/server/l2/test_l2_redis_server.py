@@ -13,7 +13,7 @@ import pytest
 import rediskit
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
-from serverkit import Engine, settled
+from serverkit import Engine, counters, lookup_checked, settled
 
 pytestmark = pytest.mark.skipif(rediskit.skip_reason() is not None, reason=str(rediskit.skip_reason()))
 
@@ -32,18 +32,6 @@ def redis_flags(store, prefix: str = "hybridkv:", *extra: str) -> tuple[str, ...
     return ("--l2-adapter", json.dumps(spec), *extra)
 
 
-def counters(client: CacheClient) -> dict:
-    return client.call(P.Stats())[0].counters
-
-
-def lookup_checked(eng: Engine, keys: list[bytes], want: int, policy: str = "all") -> P.LookupResult:
-    """Look up, assert the hit length, verify every byte handed out (every group with `all`), release."""
-    res = eng.lookup(keys, policy=policy)
-    assert res.hit_chunks == want, (res.hit_chunks, want)
-    eng.check(keys, res)
-    if res.lease:
-        eng.client.call(P.Release(engine=eng.id, lease=res.lease))
-    return res
 
 
 def test_prefix_stored_on_host_a_hits_on_host_b(server_factory, store):

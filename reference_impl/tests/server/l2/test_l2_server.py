@@ -25,7 +25,7 @@ from hybridkv.engine.client import CacheClient
 from hybridkv.presets import preset_layout
 from hybridkv.server.l2.fs_files import DATA_OFFSET
 from hybridkv.server.l2.header import ObjectHeader
-from serverkit import ATTN, STATES, Engine, settled
+from serverkit import ATTN, STATES, Engine, counters, lookup_checked, settled
 
 TESTS = Path(__file__).parent
 MIB = 1 << 20
@@ -40,9 +40,6 @@ def gib(nbytes: int) -> str:
 def l2_flags(l2_dir: Path, l2_bytes: int = 256 * MIB, *extra: str) -> tuple[str, ...]:
     return ("--l2-dir", str(l2_dir), "--l2-gib", gib(l2_bytes), *extra)
 
-
-def counters(client: CacheClient) -> dict:
-    return client.call(P.Stats())[0].counters
 
 
 def obj_path(l2_dir: Path, key: bytes, group: int) -> Path:
@@ -100,15 +97,6 @@ def check_file(path: Path) -> None:
     assert zlib.crc32(payload) == hdr.payload_crc
     assert np.array_equal(payload, Engine.payload(hdr.key, hdr.group, hdr.payload_len)), path
 
-
-def lookup_checked(eng: Engine, keys: list[bytes], want: int, policy: str = "all") -> P.LookupResult:
-    """Look up, assert the hit length, verify every byte handed out, release the lease."""
-    res = eng.lookup(keys, policy=policy)
-    assert res.hit_chunks == want, (res.hit_chunks, want)
-    eng.check(keys, res)
-    if res.lease:
-        eng.client.call(P.Release(engine=eng.id, lease=res.lease))
-    return res
 
 
 def fill(eng: Engine, n_chunks: int, seed: int) -> list[bytes]:

@@ -19,6 +19,7 @@ from hybridkv.layout import GroupLayout, ModelLayout
 from hybridkv.server.front.cli import parse
 from hybridkv.server.front.launch import ServerProcess
 from hybridkv.server.l2.fs import FilesystemL2
+from serverkit import counters
 
 CT = 2
 LAYOUT = ModelLayout(model="clear", groups=(
@@ -65,9 +66,6 @@ def l2_files(directory: Path, ns: bytes, ks: list[bytes]) -> None:
             l2.put(k, g, ns, bytes(SIZE))
     l2.close()
 
-
-def counters(client: CacheClient) -> dict:
-    return client.call(P.Stats())[0].counters
 
 
 def settled(client: CacheClient) -> dict:
