@@ -55,8 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds of silence after which an engine's reservations and pins are reclaimed "
                         "(clients heartbeat at a third of it) (default: %(default)s)")
     p.add_argument("--quarantine", type=float, default=5.0,
-                   help="seconds a reclaimed slot stays unused, in case the vanished writer is still "
-                        "copying into it (default: %(default)s)")
+                   help="seconds a reclaimed engine's reserved slots stay unused and its leased objects stay "
+                        "pinned, in case the vanished writer is still copying or a reader still reading "
+                        "(default: %(default)s)")
     p.add_argument("--io-threads", type=int, default=4,
                    help="worker threads for L2 reads/writes and payload copies (default: %(default)s)")
     p.add_argument("--spill-watermark", type=float, default=0.1,
