@@ -109,6 +109,7 @@ def failing(sf: ScenarioFile, engines_as: str) -> ScenarioFile:
     return ScenarioFile(sf.path, sf.sha256, s)
 
 
+@pytest.mark.slow  # end to end: two bench runs, engine processes that import torch (53 s at load 20-40)
 def test_an_engine_process_that_raises_fails_the_case_with_its_error(tmp_path: Path):
     sf = scenario(tmp_path)
     # the same case with engines in threads fails the same way: the hit check is as strict in both
@@ -127,6 +128,7 @@ def test_an_engine_process_that_raises_fails_the_case_with_its_error(tmp_path: P
     assert not engine_processes()
 
 
+@pytest.mark.slow  # end to end: a bench run of engine processes killed midway (44 s at load 20-40)
 def test_a_killed_engine_process_fails_the_case_at_once(tmp_path: Path):
     sf = scenario(tmp_path, repeats=400)  # minutes of repeats: the kill lands while they run
     killed: list[tuple[int, float]] = []

@@ -7,9 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from benchkit import REPO
 
 
+@pytest.mark.slow  # end to end: the example in a fresh interpreter (torch) and its server (35 s at load 20-40)
 def test_quickstart_stores_retrieves_and_verifies():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(REPO / p) for p in ("reference_impl", "kernels",
                                                                                  "harness"))}

@@ -35,6 +35,7 @@ def test_bad_file_names_the_field(tmp_path):
         load_l2_bench(p)
 
 
+@pytest.mark.slow  # end to end: the workload with its disk ceiling probes (43 s at load 20-40)
 def test_disk_workload_reloads_every_byte_beside_the_disk_ceiling(tmp_path):
     r = run_l2_bench(load_l2_bench(_tiny(tmp_path, "fs")), tmp_path / "run")
     assert r["hit_chunks"] == r["expected_hit_chunks"] == 6 and r["corrupt_pages"] == 0
@@ -55,6 +56,7 @@ def test_disk_probe_refuses_a_request_size_o_direct_cannot_take(tmp_path):
         disk_ceiling(tmp_path, 1 << 20, block=1000)
 
 
+@pytest.mark.slow  # end to end: two servers and a Redis (24 s at load 20-40)
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 def test_redis_workload_is_a_cross_host_hit(tmp_path):
     r = run_l2_bench(load_l2_bench(_tiny(tmp_path, "redis")), tmp_path / "run")

@@ -20,7 +20,7 @@ from typing import Literal
 import msgspec
 
 from hybridkv_bench.gate.baseline import Baseline, BaselineCheck, BaselineError, OrderCheck
-from hybridkv_bench.metrics import case_metrics
+from hybridkv_bench.metrics import Number, case_metrics
 from hybridkv_bench.results.folder import CaseResult, Run
 from hybridkv_bench.scenario.spec import SERVER_HOLDS_CUDA_CONTEXT, SERVER_IMPORTS_TORCH
 
@@ -128,15 +128,26 @@ def invariant_checks(run: Run) -> list[GateCheck]:
 
 # ---- baseline checks ---------------------------------------------------------------------------------
 
-def repeat_values(run: Run, case: CaseResult, metric: str) -> list[float]:
-    """`metric` computed on each measured repeat of `case` alone (repeats where it is not a number left out)."""
+def repeat_metrics(run: Run, case: CaseResult) -> list[dict[str, Number]]:
+    """Every metric computed on each measured repeat of `case` alone, in repeat order."""
     rows = [r for r in run.rows_of(case) if r.repeat >= 0]
+    return [case_metrics([r for r in rows if r.repeat == rep], run.record.calibration, case.metrics)
+            for rep in sorted({r.repeat for r in rows})]
+
+
+def metric_values(per_repeat: list[dict[str, Number]], metric: str) -> list[float]:
+    """`metric` of each repeat's metrics (`repeat_metrics`), repeats where it is not a number left out."""
     values = []
-    for rep in sorted({r.repeat for r in rows}):
-        v = case_metrics([r for r in rows if r.repeat == rep], run.record.calibration, case.metrics).get(metric)
+    for m in per_repeat:
+        v = m.get(metric)
         if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
             values.append(float(v))
     return values
+
+
+def repeat_values(run: Run, case: CaseResult, metric: str) -> list[float]:
+    """`metric` computed on each measured repeat of `case` alone (repeats where it is not a number left out)."""
+    return metric_values(repeat_metrics(run, case), metric)
 
 
 def spread_of(values: list[float]) -> float | None:

@@ -3,7 +3,7 @@ figure's change against the first run, and which changes are regressions beyond 
 
 The comparison a team makes most is a run against its predecessor: the same scenario, the same paths. So no
 case stands for another: each (workload, case) gets one bar per run. Whether a change is a regression is
-`report.regression`'s rule, on the figure computed on each measured repeat alone (`gate.repeat_values`): enough
+`report.regression`'s rule, on the figure computed on each measured repeat alone (`gate.repeat_metrics`): enough
 repeats, a rank test and a minimum effect, so that two runs of one commit flag nothing.
 Writes compare.png, compare.md and a self-contained compare.html.
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from hybridkv_bench.gate.checks import repeat_values, spread_of
+from hybridkv_bench.gate.checks import metric_values, repeat_metrics, spread_of
 from hybridkv_bench.report import plots
 from hybridkv_bench.report.html import write_html
 from hybridkv_bench.report.markdown import case_table
@@ -109,12 +109,14 @@ def compare_figures(runs: list[Run]) -> list[Figure]:
     out = []
     for key in keys:
         path = next(str(ok[key]["wire_format"]) for _, ok, _ in tables if key in ok)
+        # each repeat's metrics once per case, every figure read from them (a figure at a time recomputed them all)
+        per_repeat = [repeat_metrics(run, results[key]) if key in results else [] for run, _, results in tables]
         for metric, _, _ in FIGURES:
             values, repeats = [], []
-            for run, ok, results in tables:
+            for (_, ok, _), mine in zip(tables, per_repeat, strict=True):
                 row = ok.get(key)
                 values.append(_number(row.get(metric)) if row is not None else None)
-                repeats.append(tuple(repeat_values(run, results[key], metric)) if key in results else ())
+                repeats.append(tuple(metric_values(mine, metric)))
             out.append(Figure(key[0], key[1], path, metric, tuple(values), tuple(repeats)))
     return with_typical_spreads(out, len(runs))
 

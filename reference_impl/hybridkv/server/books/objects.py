@@ -66,8 +66,12 @@ class ObjectStore:
     """L1 + L2 objects of every namespace."""
 
     def __init__(self, config: ServerConfig, arena: Arena, l2: L2Adapter | None, workers: Workers,
-                 counters: Counters):
+                 counters: Counters, clock: Callable[[], float] = time.monotonic):
         self.config = config
+        # the quarantine's clock: the server's running time (Sessions.now), as the client timeout's. By the wall
+        # clock, a server stopped longer than the quarantine freed a reclaimed engine's slots at its first tick
+        # after, though the engine had had no running time of the server's to finish its late copies.
+        self._clock = clock
         self.arena = arena
         self.l2 = l2
         self._workers = workers
@@ -184,7 +188,7 @@ class ObjectStore:
             if quarantine:
                 # A client we declared gone may still be DMA-ing into the slot: hide the entry now, reuse later.
                 self.l1.detach(e)
-                self._quarantine.append((time.monotonic() + self.config.quarantine_s, e.offset, e.length))
+                self._quarantine.append((self._clock() + self.config.quarantine_s, e.offset, e.length))
             else:
                 self.l1.drop(e)
 
@@ -193,12 +197,13 @@ class ObjectStore:
         may still read them through its mapping of the arena, so their slots are not written over meanwhile (the
         objects stay readable by everyone). `pins_out_of_quarantine` gives them back."""
         if entries:
-            self._held_pins.append((time.monotonic() + self.config.quarantine_s, entries))
+            self._held_pins.append((self._clock() + self.config.quarantine_s, entries))
 
-    def pins_out_of_quarantine(self, now: float) -> list[Entry]:
-        """The pins `quarantine_pins` kept whose time is up, for the caller to let go."""
+    def pins_out_of_quarantine(self, ran: float) -> list[Entry]:
+        """The pins `quarantine_pins` kept whose time is up at `ran` (the quarantine's clock), for the caller to
+        let go."""
         out: list[Entry] = []
-        while self._held_pins and self._held_pins[0][0] <= now:
+        while self._held_pins and self._held_pins[0][0] <= ran:
             out += self._held_pins.popleft()[1]
         return out
 
@@ -231,9 +236,10 @@ class ObjectStore:
                     n += 1
             yield n
 
-    def tick(self, now: float) -> None:
-        """Free quarantined slots whose time is up; retry L2 writes that failed a while ago."""
-        while self._quarantine and self._quarantine[0][0] <= now:
+    def tick(self, now: float, ran: float) -> None:
+        """Free quarantined slots whose time is up at `ran` (the quarantine's clock); retry L2 writes that failed a
+        while ago (`now`, monotonic)."""
+        while self._quarantine and self._quarantine[0][0] <= ran:
             _, offset, length = self._quarantine.popleft()
             self.l1.alloc.free(offset, length)
         if self.l1.retry_stuck(now - SPILL_RETRY_S):

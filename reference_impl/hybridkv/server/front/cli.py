@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import signal
 import sys
@@ -278,6 +279,10 @@ def run(args: argparse.Namespace) -> int:
     from hybridkv.server.front.logs import setup_logging
 
     setup_logging(args.log_level, args.log_format)
+    # A fatal signal leaves its cause on stderr (every thread's stack), not a bare exit: the arena's pages are
+    # allocated at start, so a SIGBUS means its file was truncated under the server (its uid can), and the
+    # server died in the copy that touched a page past the new end.
+    faulthandler.enable()
     import zmq
 
     from hybridkv.arena import ArenaError

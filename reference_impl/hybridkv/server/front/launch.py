@@ -6,17 +6,19 @@ separate process, as it is in production, so its VRAM, mapped libraries and CPU 
 
 from __future__ import annotations
 
+import io
 import os
 import resource
 import select
 import signal
 import subprocess
 import sys
-import tempfile
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import IO, TYPE_CHECKING, cast
 
 from hybridkv.server.front.cli import server_argv
 from hybridkv.settings_sources import ENV_PREFIX, OTHER_ENV
@@ -64,17 +66,70 @@ class ServerProcess:
                 f.close()
 
 
-def _log_file() -> tuple[int, TextIO]:
-    """The server's stderr when the caller reads it afterwards (the default, `stderr=PIPE`): an unlinked file the
-    server appends to, and a reader of it from the start (`proc.stderr.read()` returns what was written so far). A
-    pipe nobody read while the server ran filled at 64 KiB, and the server's next log line then blocked its loop
-    for good: a client that made it log (768 engines left silent until reclaimed) hung the server."""
-    fd, path = tempfile.mkstemp(prefix="hybridkv-server-", suffix=".log")
-    try:
-        writer = os.open(path, os.O_WRONLY | os.O_APPEND)  # the reader's position never moves the writes
-    finally:
-        os.unlink(path)
-    return writer, os.fdopen(fd, encoding="utf-8", errors="replace")
+# What start_server keeps of a server's stderr (the default, `stderr=PIPE`): its first lines (start-up, the first
+# failure) and its last, the middle left out with a count. The whole of it went to an unlinked file that grew for
+# as long as the server ran, and a client decides how much a server logs (a warning per engine it leaves silent).
+STDERR_HEAD_BYTES = 64 << 10
+STDERR_TAIL_BYTES = 1 << 20
+
+
+class StderrTail(io.TextIOBase):
+    """A server's stderr as start_server keeps it: a pipe a thread of ours drains as the server writes, so the server
+    never waits on it (a pipe nobody read until the server stopped filled at 64 KiB and blocked its loop for good),
+    into at most `head` + `tail` bytes. `read()` returns what arrived since the last read, as a file's would; once the
+    server has exited, everything it wrote."""
+
+    def __init__(self, fd: int, proc: subprocess.Popen):
+        super().__init__()
+        self._fd, self._proc, self._head_room, self._tail_room = fd, proc, STDERR_HEAD_BYTES, STDERR_TAIL_BYTES
+        self._head = bytearray()
+        self._tail: deque[bytes] = deque()
+        self._tail_bytes = 0
+        self._left_out = 0
+        self._lock = threading.Lock()
+        self._drain = threading.Thread(target=self._read_all, name=f"server-{proc.pid}-stderr", daemon=True)
+        self._drain.start()
+
+    def _read_all(self) -> None:
+        while chunk := os.read(self._fd, 1 << 16):
+            with self._lock:
+                room = self._head_room - len(self._head)
+                if room > 0:
+                    self._head += chunk[:room]
+                    chunk = chunk[room:]
+                self._tail.append(chunk)
+                self._tail_bytes += len(chunk)
+                excess = self._tail_bytes - self._tail_room
+                while excess > 0:  # the oldest bytes go, to the byte
+                    first = self._tail.popleft()
+                    if len(first) > excess:
+                        self._tail.appendleft(first[excess:])
+                    cut = min(len(first), excess)
+                    self._tail_bytes -= cut
+                    self._left_out += cut
+                    excess -= cut
+        os.close(self._fd)
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int | None = -1) -> str:
+        if self._proc.poll() is not None:
+            self._drain.join(timeout=10)  # the server is gone: what it wrote last is still in the pipe
+        with self._lock:
+            gap = f"\n[... {self._left_out} bytes of the server's stderr left out ...]\n" if self._left_out else ""
+            data = bytes(self._head) + gap.encode() + b"".join(self._tail)  # the gap on a line of its own
+            self._head_room -= len(self._head)
+            self._head.clear()
+            self._tail.clear()
+            self._tail_bytes = self._left_out = 0
+        return data.decode("utf-8", errors="replace")
+
+    def close(self) -> None:
+        """The pipe closes when the server has exited and the thread read it to the end."""
+        if self._proc.poll() is not None:
+            self._drain.join(timeout=10)
+        super().close()
 
 
 def start_server(config: ServerConfig, *, log_level: str = "warning", log_format: str = "text",
@@ -96,15 +151,19 @@ def start_server(config: ServerConfig, *, log_level: str = "warning", log_format
     if not config.cuda_ipc:
         env["CUDA_VISIBLE_DEVICES"] = ""
     limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))) if nofile else None
-    log = _log_file() if stderr is subprocess.PIPE else None
+    pipe = os.pipe() if stderr is subprocess.PIPE else None
     try:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log[0] if log else stderr, text=True, env=env,
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=pipe[1] if pipe else stderr, text=True, env=env,
                                 preexec_fn=limit)
+    except BaseException:
+        if pipe:
+            os.close(pipe[0])
+        raise
     finally:
-        if log:
-            os.close(log[0])  # the server holds its own descriptor
-    if log:
-        proc.stderr = log[1]
+        if pipe:
+            os.close(pipe[1])  # the server holds its own end
+    if pipe:
+        proc.stderr = cast(IO[str], StderrTail(pipe[0], proc))
     deadline = time.monotonic() + ready_timeout
     line = ""
     out = proc.stdout
@@ -122,9 +181,9 @@ def start_server(config: ServerConfig, *, log_level: str = "warning", log_format
         raise
     if "ready" not in line:
         proc.kill()
+        proc.wait()  # exited: its stderr is read to the end
         _remove_arenas_of(proc.pid, config.l1_dir)
         err = proc.stderr.read() if proc.stderr not in (None, subprocess.DEVNULL) else ""
-        proc.wait()
         raise ServerStartError(f"cache server did not start ({' '.join(cmd[3:])}): {line.strip()} {err.strip()}")
     arena = line.split("arena=")[1].split()[0]
     metrics = line.split("metrics=")[1].split()[0] if "metrics=" in line else None

@@ -75,10 +75,10 @@ class CacheServer:
             l2: L2Adapter | None = config.l2.open() if config.l2 is not None else None
             self.workers = Workers(config.io_threads)
             self.counters = Counters()
-            self.objects = ObjectStore(config, self.arena, l2, self.workers, self.counters)
             self.sessions = Sessions(SessionLimits(config.max_engines, config.max_engines_per_client,
                                                    config.max_leases, config.max_reservations),
                                      config.client_timeout_s, Fences(self.arena), self.counters)
+            self.objects = ObjectStore(config, self.arena, l2, self.workers, self.counters, self.sessions.now)
             self.ctx = Context(config, self.arena, self.sessions, self.objects, self.workers, self.counters,
                                Formats(self.objects.loans, config.cuda_ipc), self.started, self._send_later,
                                telemetry=telemetry or Telemetry())
@@ -380,9 +380,9 @@ class CacheServer:
         if self.sessions.silent(ran):
             self._receive_queued(RECLAIM_DRAIN_S)  # heartbeats queued behind other requests count first
             admin.reclaim_silent(self.ctx, ran)
-        if held := self.objects.pins_out_of_quarantine(now):
+        if held := self.objects.pins_out_of_quarantine(ran):
             let_go(self.ctx, held)
-        self.objects.tick(now)
+        self.objects.tick(now, ran)
         # The young generation, every tick: storing an object allocates one tracked tuple (its oid), evicting one frees
         # one, so the collector's count stays flat and its young collection comes when something else moves it,
         # walking every oid made since in one stop; a tick's worth is small.

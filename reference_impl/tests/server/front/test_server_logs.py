@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import stat
 import subprocess
 import sys
 import time
@@ -13,8 +16,9 @@ from hybridkv.engine.client import CacheClient
 from hybridkv.presets import preset_layout
 from hybridkv.server.books.config import GIB, ServerConfig
 from hybridkv.server.books.telemetry import HEADLINE_FIGURES
+from hybridkv.server.front import launch
 from hybridkv.server.front.launch import start_server
-from serverkit import Engine
+from serverkit import Engine, counters
 
 
 def test_json_lines_and_a_rate_limited_headline(sock_dir):
@@ -99,3 +103,36 @@ def test_a_server_whose_log_nobody_reads_while_it_runs_keeps_serving(sock_dir):
         rc = server.stop()
     assert rc == 0 and server.proc.stderr is not None
     assert server.proc.stderr.read().count("silent for") == 12 * 64
+
+
+def test_a_servers_stderr_is_kept_to_its_head_and_tail_however_much_a_client_makes_it_log(sock_dir, monkeypatch):
+    """start_server kept a server's whole stderr in an unlinked file: a client decides how much the server logs (a
+    warning per engine it leaves silent until reclaimed), so the file grew on the starter's disk for as long as the
+    server ran. The starter now drains a pipe into its first and last bytes (here 2 and 8 KiB), the middle counted."""
+    monkeypatch.setattr(launch, "STDERR_HEAD_BYTES", 2048, raising=False)
+    monkeypatch.setattr(launch, "STDERR_TAIL_BYTES", 8192, raising=False)
+    server = start_server(ServerConfig(endpoint=f"ipc://{sock_dir}/t.sock", l1_bytes=int(0.02 * GIB),
+                                       client_timeout_s=0.5, admin=True))
+    try:
+        layout = preset_layout("tiny-hybrid")
+        with CacheClient(server.endpoint, timeout_s=30) as c:
+            for i in range(64):  # ~200 bytes of warning each: 12 KiB and more
+                c.call(P.Register(layout=layout, chunk_tokens=0, name=f"silent-{i:02d}-" + "x" * 100))
+            with CacheClient(server.endpoint, timeout_s=30) as admin:
+                deadline = time.monotonic() + 60
+                while counters(admin)["engines_reclaimed"] < 64:
+                    assert time.monotonic() < deadline, "the engines were not reclaimed"
+                    time.sleep(0.05)
+            held = os.stat(f"/proc/{server.pid}/fd/2")
+            assert not stat.S_ISREG(held.st_mode) or held.st_size <= 2048 + 8192, held
+        assert server.stop() == 0
+        assert server.proc.stderr is not None
+        err = server.proc.stderr.read()
+    finally:
+        server.close()
+    gap = re.search(r"\n\[\.\.\. (\d+) bytes of the server's stderr left out \.\.\.\]\n", err)
+    assert gap, err
+    head, tail = err[:gap.start()], err[gap.end():]
+    assert len(head) == 2048 and len(tail) == 8192, (len(head), len(tail))
+    assert "silent-00-" in head and "silent-63-" in tail  # the first and the last
+    assert 0 < err.count("silent for") < 64
