@@ -73,7 +73,8 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
                         "variables (HYBRIDKV_L1_GIB=32) over the file")
     p.add_argument("--print-config", action="store_true",
                    help="print the settings the flags, variables and file make, with where each came from, as a "
-                        "TOML file (--config takes it back), and exit")
+                        "TOML file (--config takes it back), and exit; settings the command would refuse are "
+                        "refused here, in the same line (what only the machine can refuse comes at the start)")
 
 
 def convert(action: argparse.Action, value: Any, where: str) -> Any:
