@@ -30,6 +30,16 @@ OTHER_ENV = frozenset({"HYBRIDKV_CONNECTOR_CONFIG"} | {ENV_PREFIX + k.upper() fo
     "salt", "wire_format", "copy_engine", "streams", "commit", "store_policy", "retrieve_policy", "chunk_tokens",
     "lookup_timeout_s", "step_timeout_s", "l2_wait_s", "timeout_s", "retry_s", "expect_preset", "load_mode",
     "state_every_chunks")})
+# `hybridkv serve`'s variables, one per long flag (a test holds this list to its parser), which the connector leaves
+# alone: this module cannot ask the server's parser itself (the engine side never imports the server)
+SERVE_ENV = frozenset(ENV_PREFIX + k.upper() for k in (
+    "admin", "chunk_tokens", "client_timeout", "cuda_ipc", "endpoint", "eviction", "exit_with_parent", "flush_on_exit",
+    "headline_interval", "io_threads", "l1_dir", "l1_gib", "l2_adapter", "l2_dir", "l2_fsync", "l2_gib", "log_format",
+    "log_level", "max_clients", "max_engines", "max_engines_per_client", "max_frame_bytes", "max_keys", "max_leases",
+    "max_message_bytes", "max_pending", "max_prefetches", "max_queued_replies", "max_reservations", "metrics_host",
+    "metrics_port", "quarantine", "spill_watermark"))
+# Each HYBRIDKV_ variable some part reads; a part refuses any other (a typo would otherwise be a setting silently unset)
+EVERY_ENV = frozenset({CONFIG_ENV, *OTHER_ENV, *SERVE_ENV})
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 _UNSET = object()
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
@@ -135,18 +145,6 @@ def load_toml(path: str, what: str) -> dict[str, Any]:
         raise UserError(f"{what}: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"{what}: not TOML: {e}") from None
-
-
-def every_variable() -> frozenset[str]:
-    """Each HYBRIDKV_ environment variable some part reads: `hybridkv serve`'s flags, the connector's settings and
-    the two config files' names. A part refuses any other (a typo would otherwise be a setting silently unset)."""
-    import argparse
-
-    from hybridkv.server.front.cli import SEED_ALIASES, SEED_REPLACED, add_arguments
-
-    p = argparse.ArgumentParser(allow_abbrev=False)
-    add_arguments(p)
-    return frozenset({CONFIG_ENV, *OTHER_ENV, *map(env_name, keys_of(p, (*SEED_REPLACED, *SEED_ALIASES)))})
 
 
 def unknown_variable(environ: Mapping[str, str], known: Iterable[str]) -> str | None:

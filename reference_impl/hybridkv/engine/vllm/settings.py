@@ -92,9 +92,9 @@ class ConnectorSettings:
             raise ValueError(f"unknown kv_connector_extra_config keys {unknown}; known: {known}")
         hints = get_type_hints(cls)
         from_file = _config_file(str(path), known) if path else {}
-        from hybridkv.settings_sources import every_variable, unknown_variable
+        from hybridkv.settings_sources import EVERY_ENV, unknown_variable
 
-        if bad := unknown_variable(environ, every_variable()):  # as `hybridkv serve` refuses one
+        if bad := unknown_variable(environ, EVERY_ENV):  # as `hybridkv serve` refuses one
             raise ValueError(f"{bad}; the connector's are HYBRIDKV_<KEY> of kv_connector_extra_config's keys")
         for name in known:
             var = "HYBRIDKV_" + name.upper()

@@ -4,6 +4,7 @@ settings as a file that --config takes back."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -90,6 +91,16 @@ def test_a_bad_file_is_one_line(tmp_path, text, message):
 def test_a_bad_variable_is_one_line(env, message):
     r = serve("--print-config", env=env)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+
+
+def test_the_list_of_serves_variables_is_its_flags():
+    """The connector refuses a HYBRIDKV_ variable no part reads by settings_sources.SERVE_ENV: serve's flags."""
+    from hybridkv.server.front.cli import SEED_ALIASES, SEED_REPLACED, add_arguments
+    from hybridkv.settings_sources import SERVE_ENV, keys_of
+
+    p = argparse.ArgumentParser(allow_abbrev=False)
+    add_arguments(p)
+    assert set(map(env_name, keys_of(p, (*SEED_REPLACED, *SEED_ALIASES)))) == SERVE_ENV
 
 
 def test_variables_other_parts_read_are_left_alone():
@@ -211,7 +222,7 @@ def test_print_config_round_trips_every_key(tmp_path):
     from hybridkv.server.front.cli import SEED_ALIASES, SEED_REPLACED, add_arguments
     from hybridkv.settings_sources import keys_of
 
-    p = __import__("argparse").ArgumentParser(allow_abbrev=False)
+    p = argparse.ArgumentParser(allow_abbrev=False)
     add_arguments(p)
     keys = keys_of(p, (*SEED_REPLACED, *SEED_ALIASES))
     values = {k: _other_value(k, a) for k, a in keys.items()}
