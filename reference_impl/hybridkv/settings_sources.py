@@ -32,12 +32,12 @@ OTHER_ENV = frozenset({"HYBRIDKV_CONNECTOR_CONFIG"} | {ENV_PREFIX + k.upper() fo
     "state_every_chunks")})
 # `hybridkv serve`'s variables, one per long flag (a test holds this list to its parser), which the connector leaves
 # alone: this module cannot ask the server's parser itself (the engine side never imports the server)
-SERVE_ENV = frozenset(ENV_PREFIX + k.upper() for k in (
-    "admin", "chunk_tokens", "client_timeout", "cuda_ipc", "endpoint", "eviction", "exit_with_parent", "flush_on_exit",
-    "headline_interval", "io_threads", "l1_dir", "l1_gib", "l2_adapter", "l2_dir", "l2_fsync", "l2_gib", "log_format",
-    "log_level", "max_clients", "max_engines", "max_engines_per_client", "max_frame_bytes", "max_keys", "max_leases",
-    "max_message_bytes", "max_pending", "max_prefetches", "max_queued_replies", "max_reservations", "metrics_host",
-    "metrics_port", "quarantine", "spill_watermark"))
+SERVE_ENV = frozenset(ENV_PREFIX + k.upper().replace("-", "_") for k in (
+    "admin", "chunk-tokens", "client-timeout", "cuda-ipc", "endpoint", "eviction", "exit-with-parent", "flush-on-exit",
+    "headline-interval", "io-threads", "l1-dir", "l1-gib", "l2-adapter", "l2-dir", "l2-fsync", "l2-gib", "log-format",
+    "log-level", "max-clients", "max-engines", "max-engines-per-client", "max-frame-bytes", "max-keys", "max-leases",
+    "max-message-bytes", "max-pending", "max-prefetches", "max-queued-replies", "max-reservations", "metrics-host",
+    "metrics-port", "quarantine", "spill-watermark"))
 # Each HYBRIDKV_ variable some part reads; a part refuses any other (a typo would otherwise be a setting silently unset)
 EVERY_ENV = frozenset({CONFIG_ENV, *OTHER_ENV, *SERVE_ENV})
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
@@ -148,12 +148,14 @@ def load_toml(path: str, what: str) -> dict[str, Any]:
 
 
 def unknown_variable(environ: Mapping[str, str], known: Iterable[str]) -> str | None:
-    """One line naming the first HYBRIDKV_ variable of `environ` not in `known` (with the likeliest meant), or None."""
-    known = list(known)
+    """One line naming the first HYBRIDKV_ variable of `environ` not in `known`, with the likeliest meant of every
+    part's variables (EVERY_ENV: one the connector reads is said to be its), or None."""
+    known = set(known)
     for name in sorted(environ):
         if name.startswith(ENV_PREFIX) and name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
-            return f"unknown environment variable {name}" + (f" (did you mean {close[0]}?)" if close else "")
+            close = difflib.get_close_matches(name, sorted(known | EVERY_ENV), n=1)
+            whose = ", which the vLLM connector reads" if close and close[0] not in known else ""
+            return f"unknown environment variable {name}" + (f" (did you mean {close[0]}{whose}?)" if close else "")
     return None
 
 
@@ -178,7 +180,7 @@ def read_env(environ: Mapping[str, str], keys: Mapping[str, argparse.Action]) ->
     from hybridkv.cli import UserError
 
     names = {env_name(k): k for k in keys}
-    unknown = unknown_variable({k: v for k, v in environ.items() if k != CONFIG_ENV and k not in OTHER_ENV}, names)
+    unknown = unknown_variable({k: v for k, v in environ.items() if k not in OTHER_ENV}, {*names, CONFIG_ENV})
     if unknown:
         raise UserError(f"{unknown}; each long flag of --help is a variable {ENV_PREFIX}<FLAG>, e.g. "
                         f"{next(iter(names), ENV_PREFIX + 'X')}")

@@ -83,6 +83,9 @@ def test_a_bad_file_is_one_line(tmp_path, text, message):
 
 @pytest.mark.parametrize("env, message", [
     ({"HYBRIDKV_L1_GB": "4"}, "unknown environment variable HYBRIDKV_L1_GB (did you mean HYBRIDKV_L1_GIB?)"),
+    ({"HYBRIDKV_LOAD_MOD": "x"},
+     "HYBRIDKV_LOAD_MOD (did you mean HYBRIDKV_LOAD_MODE, which the vLLM connector reads?)"),
+    ({"HYBRIDKV_CONFG": "x"}, "unknown environment variable HYBRIDKV_CONFG (did you mean HYBRIDKV_CONFIG?)"),
     ({"HYBRIDKV_ADMIN": "maybe"}, "HYBRIDKV_ADMIN must be true or false, got 'maybe'"),
     ({"HYBRIDKV_MAX_LEASES": "lots"}, "HYBRIDKV_MAX_LEASES: invalid int value 'lots'"),
     ({"HYBRIDKV_L1_GIB": "-1"}, "L1 size (--l1-gib) must be above 0"),
