@@ -16,10 +16,11 @@ from hybridkv_bench.results.folder import load_run
 
 PLANTED = 0.25
 TRANSFERS = ("store_gbps", "load_gbps")
-# A 20% slowdown is beyond the rule's slack only where the repeats are tight: the slack is half the larger repeat
-# spread (or the metric's typical one) when over MIN_EFFECT, and 20% must clear it with the repeats' own scatter on
-# top. Past this spread the rule rightly says "within noise" (a CPU shared by many jobs: 60-240% at load 20-30).
-RESOLVABLE_SPREAD = 2 * MIN_EFFECT
+# A 20% slowdown is beyond the rule's slack only where the repeats are tight: the slack is MIN_EFFECT, or half the
+# larger repeat spread (or the metric's typical one) where more, and 20% must clear it with the repeats' own scatter
+# and the drift between two runs on top: with spreads up to MIN_EFFECT that leaves 10% for them. Past it the rule may
+# rightly say "within noise" (a CPU shared by many jobs: spreads of 40-240% at load 12-40).
+RESOLVABLE_SPREAD = MIN_EFFECT
 
 
 def bench(out: Path, *extra: str) -> Path:
@@ -78,7 +79,7 @@ def test_a_planted_slowdown_is_flagged_where_noise_allows(runs, tmp_path, capsys
     if not tight:
         spreads = {f"{f.case}/{f.metric}": [f"{s:.0%}" for s in f.spreads if s is not None] for f in transfers}
         pytest.skip(f"every transfer figure's repeats spread beyond {RESOLVABLE_SPREAD:.0%} on this machine now "
-                    f"({spreads}): a 20% change is within its noise, and the rule said so")
+                    f"({spreads}): a 20% change may be within its noise there, so its call is not asserted")
 
 
 @pytest.mark.parametrize("value", ["-0.1", "1.5", "nan"])
