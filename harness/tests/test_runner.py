@@ -53,6 +53,7 @@ SHIPPED = {
     "h200_hf_oracle": (0.05, "*"),  # a 27B-parameter model: skipped without CUDA
     "h200_hf_layerwise": (0.05, "*"),
     "h100_hf_layerwise": (0.05, "*"),  # the same on an 80 GB card (48 of 64 layers)
+    "compare_cpu": (0.3, "*"),  # whole in test_compare_real.py
     "vllm_connector": (1.0, "shm-*"),  # needs vLLM: runs in `nox -s vllm`, skipped elsewhere
 }
 

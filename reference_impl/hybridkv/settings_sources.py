@@ -30,6 +30,16 @@ OTHER_ENV = frozenset({"HYBRIDKV_CONNECTOR_CONFIG"} | {ENV_PREFIX + k.upper() fo
     "salt", "wire_format", "copy_engine", "streams", "commit", "store_policy", "retrieve_policy", "chunk_tokens",
     "lookup_timeout_s", "step_timeout_s", "l2_wait_s", "timeout_s", "retry_s", "expect_preset", "load_mode",
     "state_every_chunks")})
+# `hybridkv serve`'s variables, one per long flag (a test holds this list to its parser), which the connector leaves
+# alone: this module cannot ask the server's parser itself (the engine side never imports the server)
+SERVE_ENV = frozenset(ENV_PREFIX + k.upper().replace("-", "_") for k in (
+    "admin", "chunk-tokens", "client-timeout", "cuda-ipc", "endpoint", "eviction", "exit-with-parent", "flush-on-exit",
+    "headline-interval", "io-threads", "l1-dir", "l1-gib", "l2-adapter", "l2-dir", "l2-fsync", "l2-gib", "log-format",
+    "log-level", "max-clients", "max-engines", "max-engines-per-client", "max-frame-bytes", "max-keys", "max-leases",
+    "max-message-bytes", "max-pending", "max-prefetches", "max-queued-replies", "max-reservations", "metrics-host",
+    "metrics-port", "quarantine", "spill-watermark"))
+# Each HYBRIDKV_ variable some part reads; a part refuses any other (a typo would otherwise be a setting silently unset)
+EVERY_ENV = frozenset({CONFIG_ENV, *OTHER_ENV, *SERVE_ENV})
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 _UNSET = object()
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
@@ -73,7 +83,8 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
                         "variables (HYBRIDKV_L1_GIB=32) over the file")
     p.add_argument("--print-config", action="store_true",
                    help="print the settings the flags, variables and file make, with where each came from, as a "
-                        "TOML file (--config takes it back), and exit")
+                        "TOML file (--config takes it back), and exit; settings the command would refuse are "
+                        "refused here, in the same line (what only the machine can refuse comes at the start)")
 
 
 def convert(action: argparse.Action, value: Any, where: str) -> Any:
@@ -86,7 +97,7 @@ def convert(action: argparse.Action, value: Any, where: str) -> Any:
         if not isinstance(value, bool):
             raise UserError(f"{where} must be true or false, got {value!r}")
         return value if isinstance(action, argparse._StoreTrueAction) else not value
-    if _has_nul(value):  # no flag or variable can hold one; C below (libzmq, the OS) would cut the text at it
+    if has_nul(value):  # no flag or variable can hold one; C below (libzmq, the OS) would cut the text at it
         raise UserError(f"{where} holds a NUL character: {value!r}")
     if isinstance(value, dict | list) and action.metavar == "JSON":
         value = json.dumps(value)
@@ -103,18 +114,19 @@ def convert(action: argparse.Action, value: Any, where: str) -> Any:
 
 
 
-def _has_nul(value: Any) -> bool:
+def has_nul(value: Any) -> bool:
     if isinstance(value, str):
         return "\0" in value
     if isinstance(value, dict):
-        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+        return any(has_nul(k) or has_nul(v) for k, v in value.items())
     if isinstance(value, list):
-        return any(map(_has_nul, value))
+        return any(map(has_nul, value))
     return False
 
 
-def read_file(path: str, keys: Mapping[str, argparse.Action]) -> dict[str, tuple[Any, str]]:
-    """key -> (value, source) from the TOML file at `path`."""
+def load_toml(path: str, what: str) -> dict[str, Any]:
+    """The table of the TOML settings file at `path`, or UserError in one line starting with `what` (the flag or the
+    setting that named the file): not a regular file, too large for a settings file, not UTF-8, not TOML."""
     from hybridkv.cli import UserError
 
     try:
@@ -123,17 +135,35 @@ def read_file(path: str, keys: Mapping[str, argparse.Action]) -> dict[str, tuple
         with open(fd, "rb") as f:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise UserError(f"--config {path}: not a regular file")
+                raise UserError(f"{what}: not a regular file")
             if st.st_size > MAX_CONFIG_BYTES:
-                raise UserError(f"--config {path}: {st.st_size} B; a settings file holds at most "
-                                f"{MAX_CONFIG_BYTES} B")
-            table = tomllib.loads(f.read(MAX_CONFIG_BYTES + 1).decode())  # bounded should it grow meanwhile
+                raise UserError(f"{what}: {st.st_size} B; a settings file holds at most {MAX_CONFIG_BYTES} B")
+            return tomllib.loads(f.read(MAX_CONFIG_BYTES + 1).decode())  # bounded should it grow meanwhile
     except UnicodeDecodeError as e:
-        raise UserError(f"--config {path}: not TOML: not UTF-8 ({e.reason} at byte {e.start})") from None
+        raise UserError(f"{what}: not TOML: not UTF-8 ({e.reason} at byte {e.start})") from None
     except OSError as e:
-        raise UserError(f"--config {path}: {e.strerror or e}") from None
+        raise UserError(f"{what}: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
-        raise UserError(f"--config {path}: not TOML: {e}") from None
+        raise UserError(f"{what}: not TOML: {e}") from None
+
+
+def unknown_variable(environ: Mapping[str, str], known: Iterable[str]) -> str | None:
+    """One line naming the first HYBRIDKV_ variable of `environ` not in `known`, with the likeliest meant of every
+    part's variables (EVERY_ENV: one the connector reads is said to be its), or None."""
+    known = set(known)
+    for name in sorted(environ):
+        if name.startswith(ENV_PREFIX) and name not in known:
+            close = difflib.get_close_matches(name, sorted(known | EVERY_ENV), n=1)
+            whose = ", which the vLLM connector reads" if close and close[0] not in known else ""
+            return f"unknown environment variable {name}" + (f" (did you mean {close[0]}{whose}?)" if close else "")
+    return None
+
+
+def read_file(path: str, keys: Mapping[str, argparse.Action]) -> dict[str, tuple[Any, str]]:
+    """key -> (value, source) from the TOML file at `path`."""
+    from hybridkv.cli import UserError
+
+    table = load_toml(path, f"--config {path}")
     out = {}
     for raw_key, value in table.items():
         key = raw_key.replace("_", "-")
@@ -150,17 +180,12 @@ def read_env(environ: Mapping[str, str], keys: Mapping[str, argparse.Action]) ->
     from hybridkv.cli import UserError
 
     names = {env_name(k): k for k in keys}
-    out = {}
-    for name, value in sorted(environ.items()):
-        if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV or name in OTHER_ENV:
-            continue
-        if name not in names:
-            close = difflib.get_close_matches(name, list(names), n=1)
-            raise UserError(f"unknown environment variable {name}" + (f" (did you mean {close[0]}?)" if close else "")
-                            + f"; each long flag of --help is a variable {ENV_PREFIX}<FLAG>, e.g. "
-                            f"{next(iter(names), ENV_PREFIX + 'X')}")
-        out[names[name]] = (convert(keys[names[name]], value, name), name)
-    return out
+    unknown = unknown_variable({k: v for k, v in environ.items() if k not in OTHER_ENV}, {*names, CONFIG_ENV})
+    if unknown:
+        raise UserError(f"{unknown}; each long flag of --help is a variable {ENV_PREFIX}<FLAG>, e.g. "
+                        f"{next(iter(names), ENV_PREFIX + 'X')}")
+    return {names[name]: (convert(keys[names[name]], value, name), name)
+            for name, value in sorted(environ.items()) if name in names}
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str], environ: Mapping[str, str] | None = None,

@@ -28,6 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
                         help="where the engine's KV pools live (default: the scenario's)")
     parser.add_argument("--no-report", action="store_true", help="skip report.md and the plots")
+    parser.add_argument("--planted-slowdown", type=float, default=0.0, metavar="FRACTION",
+                        help="for testing `report --compare` only: each timed store and load of the sim engine "
+                             "waits this fraction of its own time more (0.25: rates at 1/1.25, 20%% slower); "
+                             "recorded in run.json and on the report's first line (default: none)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         if args.quick is not None:
             sf = sf.scaled(args.quick)
         options = BenchOptions(out=Path(args.out) if args.out else None, server=args.server, cases=args.cases,
-                               device=args.device)
+                               device=args.device, planted_slowdown=args.planted_slowdown)
         outcome = run_bench(sf, options)
     except (ScenarioError, BenchError) as e:
         raise UserError(str(e)) from None

@@ -127,6 +127,7 @@ class EngineSite:
     pools: Callable[[], EnginePools]
     client: Callable[[], CacheClient]
     before_retrieve: Callable[[Hit], None] | None = None
+    planted_slowdown: float = 0.0  # BenchOptions.planted_slowdown (the sim engine's transfers only)
     shared: dict[str, Any] = field(default_factory=dict)  # per run: what a kind builds once (a model)
 
 

@@ -110,12 +110,20 @@ class StoreTiming:
     store_span_s: float   # prepare submitted -> committed (the prepare's round trip, hidden or not, included)
 
 
+def planted_wait(t0: float, fraction: float) -> None:
+    """The planted slowdown (BenchOptions.planted_slowdown, a test of `report --compare` only): wait `fraction` of
+    the time since `t0` more, so that a timed span ending after it is 1 + fraction as long as it was."""
+    if fraction > 0:
+        time.sleep(fraction * (time.perf_counter() - t0))
+
+
 def timed_store(kv: KVTransfer, request_id: str, tokens: np.ndarray, blocks: Sequence[Sequence[int]],
-                timeout_s: float, prepared: PreparedStore | None = None) -> StoreTiming:
+                timeout_s: float, prepared: PreparedStore | None = None, planted: float = 0.0) -> StoreTiming:
     """Store every full chunk of `tokens` from `blocks` (with the reservation `prepared` made earlier, if
-    given), wait until committed, end the session; timed."""
+    given), wait until committed, end the session; timed (`planted`: see planted_wait)."""
     t0 = time.perf_counter()
     sh = kv.store(request_id, tokens, blocks, prepared=prepared).wait_committed(timeout_s)
+    planted_wait(t0, planted)
     t1 = time.perf_counter()
     kv.end_session(request_id)
     if not sh.nbytes:
@@ -129,7 +137,8 @@ class SimEngine:
     """One engine rank: its pools, its KVTransfer, and the request life described in the module doc."""
 
     def __init__(self, kv: KVTransfer, pools: EnginePools, prefill: Callable[[int, int], float],
-                 timeout_s: float = 600.0, before_retrieve: Callable[[Hit], None] | None = None):
+                 timeout_s: float = 600.0, before_retrieve: Callable[[Hit], None] | None = None,
+                 planted_slowdown: float = 0.0):
         self.kv = kv
         self.pools = pools
         self.layout = pools.layout
@@ -137,6 +146,7 @@ class SimEngine:
         self.prefill = prefill
         self.timeout_s = timeout_s
         self.before_retrieve = before_retrieve  # a test hook: runs between lookup and retrieve
+        self.planted_slowdown = planted_slowdown  # a test of `report --compare`: see planted_wait
         self._cuda = pools.device.type == "cuda"
 
     @property
@@ -230,6 +240,7 @@ class SimEngine:
             if hit.hit_chunks:
                 t0 = load_start = time.perf_counter()
                 h = kv.retrieve(hit, blocks).wait(self.timeout_s)
+                planted_wait(t0, self.planted_slowdown)
                 load_s, load_copy_s, loaded = time.perf_counter() - t0, h.copy_s, h.nbytes
                 verified, corrupt = self.verify(hit, blocks)
             self._prefill_pages(blocks, keys, tail_key, hit.hit_chunks)
@@ -237,7 +248,7 @@ class SimEngine:
             self._sync()  # the store starts after the "prefill" writes, not racing them
             if gate is not None:
                 gate("store")
-            stored = timed_store(kv, request_id, tokens, blocks, self.timeout_s, prepared)
+            stored = timed_store(kv, request_id, tokens, blocks, self.timeout_s, prepared, self.planted_slowdown)
         finally:
             for ids in blocks:
                 self.pools.allocator.free(ids)
@@ -255,7 +266,8 @@ def build(site: EngineSite) -> SimEngine:
     pools = site.pools()
     kv = sim_transfer(site.endpoint, site.layout, pools.pages, site.transfer, site.chunk, site.rank, site.salt,
                       site.name, client)
-    return SimEngine(kv, pools, site.prefill, timeout_s=site.timeout_s, before_retrieve=site.before_retrieve)
+    return SimEngine(kv, pools, site.prefill, timeout_s=site.timeout_s, before_retrieve=site.before_retrieve,
+                     planted_slowdown=site.planted_slowdown)
 
 
 def sim_transfer(endpoint: str, layout: ModelLayout, pages, transfer: TransferConfig, chunk: int, rank: int,

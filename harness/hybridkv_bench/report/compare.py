@@ -169,6 +169,9 @@ def render_markdown(runs: list[Run], labels: list[str], figures: list[Figure], p
         [lab, str(r.folder), r.scenario_name, str(r.record.context.get("git_sha", "?"))[:12],
          str(r.record.calibration.get("device", "?")), r.record.context.get("started_at", "?")]
         for lab, r in zip(labels, runs, strict=True)]), ""]
+    lines += [f"> **{lab}: planted slowdown {r.record.context['planted_slowdown']:g}** (a test of this rule: each "
+              "timed store and load waited that fraction of its own time more)\n"
+              for lab, r in zip(labels, runs, strict=True) if r.record.context.get("planted_slowdown")]
     tested = sum(1 for f in figures for i in range(1, len(labels)) if f.verdict(i) not in ("n/a", "too few repeats"))
     lines += [f"Changes are against **{labels[0]}**. {rule_text()} *Repeat spread*: (max - min) / median over each "
               f"run's repeats. {tested} figures had enough repeats for a verdict.", ""]

@@ -143,6 +143,9 @@ def render_markdown(run: Run, df: pd.DataFrame, findings: list[str], figures: li
     if not run.complete:
         lines += ["> **INCOMPLETE RUN.** " + run.incomplete_detail() + ". The figures below cover only the "
                   "cases that finished; do not compare them with a complete run.", ""]
+    if ctx.get("planted_slowdown"):
+        lines += [f"> **PLANTED SLOWDOWN** (a test of `report --compare`): every timed store and load waited "
+                  f"{ctx['planted_slowdown']:g} of its own time more. These figures are not the code's.", ""]
     lines += verdict_lines(run, df, baseline)
     lines += ["## Run", ""]
     lines += [f"{sc.get('description', '')}", "",

@@ -42,6 +42,10 @@ class BenchOptions:
     progress: TextIO = field(default_factory=lambda: sys.stderr)
     # Test hook, run between lookup and retrieve with the hit and the case's server (None: --server).
     before_retrieve: Callable[[Hit, ServerProcess | None], None] | None = None
+    # A test of `report --compare` only: each timed store and retrieve of the sim engine waits this fraction of its
+    # own time more inside its timing (0.25: the transfer rates at 1/1.25, a 20% slowdown). run.json's context
+    # records it, and `report` says so on its first line.
+    planted_slowdown: float = 0.0
 
 
 @dataclass(slots=True)

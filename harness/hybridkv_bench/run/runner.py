@@ -77,6 +77,9 @@ class Runner:
         if not self.selected:
             raise BenchError(f"--cases {options.cases!r} matches no case of {scenario.name} "
                              f"(cases: {', '.join(c.name for c in self.cases)})")
+        if not 0 <= options.planted_slowdown <= 1 or (options.planted_slowdown and scenario.engine != "sim"):
+            raise BenchError(f"a planted slowdown is a fraction in 0..1 of the sim engine's transfers, got "
+                             f"{options.planted_slowdown:g} with engine {scenario.engine!r}")
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         self.folder = Path(options.out or Path("results", "runs", f"{scenario.name}-{stamp}"))
         self.status = Status()
@@ -185,9 +188,9 @@ class Runner:
             clients.append(control)
             before, _ = control.call(P.Stats())
             if self.scenario.engines_in_processes(self.device.type, len(plan.ranks)):
-                if self.opt.before_retrieve:
-                    raise BenchError("the before_retrieve hook runs in the runner's process, not in engine "
-                                     "processes: set engines_as = 'threads' to use it")
+                if self.opt.before_retrieve or self.opt.planted_slowdown:
+                    raise BenchError("the before_retrieve hook and a planted slowdown act in the runner's process, "
+                                     "not in engine processes: set engines_as = 'threads' to use them")
                 procs = EngineProcs(self._engine_specs(workload, case, endpoint, salt),
                                     server.alive if server is not None else None)
                 procs.start()  # the engines build themselves (pools, arena registration) before any repeat
@@ -276,7 +279,8 @@ class Runner:
                               device=devices[e], run_device=self.device, max_tokens=plan.max_tokens(e),
                               timeout_s=CLIENT_TIMEOUT_S, prefill=self._prefill,
                               pools=functools.partial(self._pools_for, e, devices[e]), client=client,
-                              before_retrieve=(lambda hit: hook(hit, server)) if hook else None, shared=self._shared)
+                              before_retrieve=(lambda hit: hook(hit, server)) if hook else None, shared=self._shared,
+                              planted_slowdown=self.opt.planted_slowdown)
             engines.append(build(site))
 
     def _engine_specs(self, workload: Workload, case: Case, endpoint: str, salt: str) -> list[EngineSpec]:
@@ -312,6 +316,8 @@ class Runner:
         record = self.sf.record()
         context = collect_context()
         context["cases_glob"] = self.opt.cases
+        if self.opt.planted_slowdown:
+            context["planted_slowdown"] = self.opt.planted_slowdown
         try:
             writer = RunWriter(self.folder, record, context)
         except Exception as e:

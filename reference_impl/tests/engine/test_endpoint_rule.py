@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from hybridkv.endpoints import default_endpoint
 from hybridkv.engine.vllm.settings import ConnectorSettings, no_server_at_start
 
@@ -66,7 +67,7 @@ def test_connector_settings_from_a_file_beneath_variables_and_extra_config(tmp_p
     s = ConnectorSettings.from_extra({"config": str(f), "salt": "from-extra"}, {"HYBRIDKV_RETRY_S": "4"})
     assert (s.timeout_s, s.load_mode, s.salt, s.retry_s) == (7.0, "layerwise", "from-extra", 4.0)
     assert ConnectorSettings.from_extra({}, {"HYBRIDKV_CONNECTOR_CONFIG": str(f)}).salt == "from-file"
-    for text, message in (("nonsense = 1\n", "unknown keys ['nonsense']"), ("timeout_s = [", "is not TOML"),
+    for text, message in (("nonsense = 1\n", "unknown keys ['nonsense']"), ("timeout_s = [", ": not TOML: "),
                           ('load_mode = "eager"\n', "load_mode must be one of")):
         f.write_text(text)
         try:
@@ -101,3 +102,28 @@ def test_a_connector_without_a_server_says_where_it_looked(sock_dir):
     s = ConnectorSettings.from_extra({}, {"HYBRIDKV_ENDPOINT": f"ipc://{sock_dir}/x.sock"})
     line = no_server_at_start(s, TimeoutError("no reply in 1 s"))
     assert f"the socket file {sock_dir}/x.sock does not exist" in line and "HYBRIDKV_ENDPOINT" in line
+
+
+def test_the_connector_reads_its_file_and_variables_by_the_servers_rules(tmp_path):
+    """As `hybridkv serve` does: a file that is no settings file (a FIFO, whose open waited for a writer forever),
+    bytes that are not UTF-8 and a NUL character are one line naming the file; a HYBRIDKV_ variable no part reads
+    (a typo) is refused, naming the likeliest meant, where it was silently no setting."""
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+    f = tmp_path / "c.toml"
+    for path, text, message in ((fifo, None, f"connector config file {fifo}: not a regular file"),
+                                (f, b"salt = '\xff'\n", f"connector config file {f}: not TOML: not UTF-8"),
+                                (f, b'endpoint = "ipc:///tmp/x\\u0000.sock"\n',
+                                 f"connector config file {f}: endpoint holds a NUL character")):
+        if text is not None:
+            path.write_bytes(text)
+        with pytest.raises(ValueError) as e:
+            ConnectorSettings.from_extra({"config": str(path)}, {})
+        assert str(e.value).startswith(message) and "\n" not in str(e.value), e.value
+    with pytest.raises(ValueError, match=r"^unknown environment variable HYBRIDKV_LOAD_MOD \(did you mean "
+                                         r"HYBRIDKV_LOAD_MODE\?\); the connector's"):
+        ConnectorSettings.from_extra({}, {"HYBRIDKV_LOAD_MOD": "layerwise"})
+    # the server's variables, and both files' names, are some part's: the connector leaves them alone
+    s = ConnectorSettings.from_extra({}, {"HYBRIDKV_L1_GIB": "8", "HYBRIDKV_CONFIG": "/srv/hkv.toml",
+                                          "HYBRIDKV_SALT": "t"})
+    assert s.salt == "t"

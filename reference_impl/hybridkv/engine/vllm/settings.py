@@ -92,6 +92,10 @@ class ConnectorSettings:
             raise ValueError(f"unknown kv_connector_extra_config keys {unknown}; known: {known}")
         hints = get_type_hints(cls)
         from_file = _config_file(str(path), known) if path else {}
+        from hybridkv.settings_sources import EVERY_ENV, unknown_variable
+
+        if bad := unknown_variable(environ, EVERY_ENV):  # as `hybridkv serve` refuses one
+            raise ValueError(f"{bad}; the connector's are HYBRIDKV_<KEY> of kv_connector_extra_config's keys")
         for name in known:
             var = "HYBRIDKV_" + name.upper()
             if name not in extra and not environ.get(var) and name in from_file:
@@ -118,21 +122,21 @@ CONFIG_ENV = "HYBRIDKV_CONNECTOR_CONFIG"  # a TOML file of connector settings, b
 
 
 def _config_file(path: str, known: list[str]) -> dict[str, Any]:
-    """The settings of TOML file `path` (the extra-config keys, `-` or `_` alike); an unreadable file, bad TOML or
-    an unknown key is an error naming the file."""
-    import tomllib
+    """The settings of TOML file `path` (the extra-config keys, `-` or `_` alike), read as `hybridkv serve --config`
+    reads its file; an unreadable file, bad TOML, an unknown key or a NUL character is an error naming the file."""
+    from hybridkv.cli import UserError
+    from hybridkv.settings_sources import has_nul, load_toml
 
     try:
-        with open(path, "rb") as f:
-            table = tomllib.load(f)
-    except OSError as e:
-        raise ValueError(f"connector config file {path}: {e.strerror or e}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"connector config file {path} is not TOML: {e}") from None
+        table = load_toml(path, f"connector config file {path}")
+    except UserError as e:
+        raise ValueError(str(e)) from None
     out = {k.replace("-", "_"): v for k, v in table.items()}
     unknown = sorted(set(out) - set(known))
     if unknown:
         raise ValueError(f"connector config file {path}: unknown keys {unknown}; known: {known}")
+    if nul := sorted(k for k, v in out.items() if has_nul(v)):
+        raise ValueError(f"connector config file {path}: {nul[0]} holds a NUL character")
     return out
 
 

@@ -177,6 +177,10 @@ def apply_seed(args: argparse.Namespace) -> None:
         if not 0 < args.port < 65536:
             raise UserError(f"--port must be in 1..65535, got {args.port}")
         args.endpoint = f"tcp://127.0.0.1:{args.port}"
+        if settings:  # --print-config says where the endpoint came from
+            import dataclasses
+
+            settings["endpoint"] = dataclasses.replace(settings["endpoint"], source="flag --port")
 
 
 def l2_spec(args: argparse.Namespace) -> L2Spec | None:
@@ -217,6 +221,23 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(endpoint=args.endpoint, l1_bytes=int(args.l1_gib * GIB), l2=l2_spec(args),
                         parent_pid=os.getppid() if args.exit_with_parent else 0,
                         **{FIELD_OF.get(flag, _dest(flag)): getattr(args, _dest(flag)) for flag in FIELD_FLAGS})
+
+
+def checked_config(args: argparse.Namespace) -> ServerConfig:
+    """Every refusal of the settings themselves, for `serve` and `serve --print-config` alike (what only the machine
+    can refuse: the arena's room, the L2 directory, the endpoint's socket, comes when the server starts)."""
+    from hybridkv.cli import UserError
+    from hybridkv.server.front.metrics_http import MetricsError, check_metrics_address
+
+    try:
+        cfg = server_config(args)
+        if args.metrics_port is not None:
+            check_metrics_address(args.metrics_host, args.metrics_port)
+        if not args.headline_interval >= 0:
+            raise ConfigError(f"--headline-interval must be 0 (never) or more seconds, got {args.headline_interval:g}")
+    except (ConfigError, MetricsError) as e:
+        raise UserError(str(e)) from None
+    return cfg
 
 
 def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> argparse.Namespace:
@@ -264,13 +285,9 @@ def server_argv(config: ServerConfig) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     if args.print_config:
-        from hybridkv.cli import UserError
         from hybridkv.settings_sources import describe
 
-        try:
-            server_config(args)  # what would not start is refused here too
-        except ConfigError as e:
-            raise UserError(str(e)) from None
+        checked_config(args)  # what serve refuses is refused here too, in the same line
         print(describe(args, "hybridkv serve"))
         return 0
     if not args.cuda_ipc:
@@ -291,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
     from hybridkv.server.front.connections import raise_fd_limit
     from hybridkv.server.front.lifecycle import EndpointInUse
     from hybridkv.server.front.loop import CacheServer
-    from hybridkv.server.front.metrics_http import MetricsEndpoint, MetricsError, check_metrics_address
+    from hybridkv.server.front.metrics_http import MetricsEndpoint, MetricsError
     from hybridkv.server.l2.base import L2Error
 
     # Until the server exists, SIGTERM must still unwind through the finally below (not kill us mid-start
@@ -304,11 +321,7 @@ def run(args: argparse.Namespace) -> int:
     metrics: MetricsEndpoint | None = None
     raise_fd_limit()  # libzmq cannot survive EMFILE: take every descriptor the hard limit allows
     try:
-        cfg = server_config(args)
-        if args.metrics_port is not None:
-            check_metrics_address(args.metrics_host, args.metrics_port)  # before an arena is made
-        if not args.headline_interval >= 0:
-            raise ConfigError(f"--headline-interval must be 0 (never) or more seconds, got {args.headline_interval:g}")
+        cfg = checked_config(args)  # before an arena is made
         server = CacheServer(cfg, telemetry=Telemetry(args.headline_interval))
         try:
             endpoint = server.bind()

@@ -4,6 +4,7 @@ settings as a file that --config takes back."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -82,6 +83,9 @@ def test_a_bad_file_is_one_line(tmp_path, text, message):
 
 @pytest.mark.parametrize("env, message", [
     ({"HYBRIDKV_L1_GB": "4"}, "unknown environment variable HYBRIDKV_L1_GB (did you mean HYBRIDKV_L1_GIB?)"),
+    ({"HYBRIDKV_LOAD_MOD": "x"},
+     "HYBRIDKV_LOAD_MOD (did you mean HYBRIDKV_LOAD_MODE, which the vLLM connector reads?)"),
+    ({"HYBRIDKV_CONFG": "x"}, "unknown environment variable HYBRIDKV_CONFG (did you mean HYBRIDKV_CONFIG?)"),
     ({"HYBRIDKV_ADMIN": "maybe"}, "HYBRIDKV_ADMIN must be true or false, got 'maybe'"),
     ({"HYBRIDKV_MAX_LEASES": "lots"}, "HYBRIDKV_MAX_LEASES: invalid int value 'lots'"),
     ({"HYBRIDKV_L1_GIB": "-1"}, "L1 size (--l1-gib) must be above 0"),
@@ -90,6 +94,16 @@ def test_a_bad_file_is_one_line(tmp_path, text, message):
 def test_a_bad_variable_is_one_line(env, message):
     r = serve("--print-config", env=env)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+
+
+def test_the_list_of_serves_variables_is_its_flags():
+    """The connector refuses a HYBRIDKV_ variable no part reads by settings_sources.SERVE_ENV: serve's flags."""
+    from hybridkv.server.front.cli import SEED_ALIASES, SEED_REPLACED, add_arguments
+    from hybridkv.settings_sources import SERVE_ENV, keys_of
+
+    p = argparse.ArgumentParser(allow_abbrev=False)
+    add_arguments(p)
+    assert set(map(env_name, keys_of(p, (*SEED_REPLACED, *SEED_ALIASES)))) == SERVE_ENV
 
 
 def test_variables_other_parts_read_are_left_alone():
@@ -168,3 +182,62 @@ def test_a_nul_character_in_a_file_value_is_one_line(tmp_path, text, key):
     r = serve("--config", path, "--l1-gib", "0.01")
     assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
     assert f"{key} in {path} holds a NUL character" in r.stderr
+
+
+@pytest.mark.parametrize("argv", [
+    ("--metrics-port", "70000"),
+    ("--metrics-host", "999.1.1.1", "--metrics-port", "0"),
+    ("--headline-interval", "-1"),
+    ("--headline-interval", "nan"),
+    ("--l1-gib", "inf"),
+    ("--l2-gib", "1"),
+    ("--io-threads", "0"),
+    ("--endpoint", "tcp://0.0.0.0:5555"),
+    ("--port", "5555", "--endpoint", "tcp://127.0.0.1:5556"),
+    ("--host", "0.0.0.0"),
+    ("--l2-adapter", '{"type":"s3"}'),
+])
+def test_print_config_refuses_what_serve_refuses(argv):
+    """One check for both: `--print-config` is no way to write a file that `serve` then refuses (a metrics address,
+    a headline interval were checked by serve alone)."""
+    served, printed = serve(*argv), serve(*argv, "--print-config")
+    assert served.returncode == printed.returncode == 2 and printed.stdout == ""
+    assert printed.stderr == served.stderr and printed.stderr.count("\n") == 1, (served.stderr, printed.stderr)
+
+
+def _other_value(key: str, action):
+    """A value of `key` that is not its default and that serve takes, for the round trip of every key."""
+    given = {"endpoint": "tcp://127.0.0.1:6123", "l1-dir": "/tmp/arena dir", "l2-dir": None, "l2-gib": None,
+             "metrics-host": "::1", "metrics-port": 9411, "max-clients": 77, "chunk-tokens": 96,
+             "l2-adapter": '{"type": "fs", "base_path": "/srv/l2 \\"q\\"", "max_capacity_gb": 1.5, "fsync": true}'}
+    if key in given:
+        return given[key]
+    if action.choices:
+        return next(c for c in action.choices if c != action.default)
+    if action.type is None and isinstance(action.default, bool):
+        return not action.default
+    return action.type(action.default) + 3 if action.type is int else action.default * 1.5 + 0.25
+
+
+def test_print_config_round_trips_every_key(tmp_path):
+    """Every key set away from its default (by variables), printed, and read back by --config: the same value
+    for each key, each now from the file (a new flag is in this test by itself: `keys_of`)."""
+    from hybridkv.server.front.cli import SEED_ALIASES, SEED_REPLACED, add_arguments
+    from hybridkv.settings_sources import keys_of
+
+    p = argparse.ArgumentParser(allow_abbrev=False)
+    add_arguments(p)
+    keys = keys_of(p, (*SEED_REPLACED, *SEED_ALIASES))
+    values = {k: _other_value(k, a) for k, a in keys.items()}
+    env = {env_name(k): str(v).lower() if isinstance(v, bool) else str(v) for k, v in values.items() if v is not None}
+    r = serve("--print-config", env=env)
+    assert r.returncode == 0, r.stderr
+    printed = tmp_path / "printed.toml"
+    printed.write_text(r.stdout)
+    first, again = parse_args([], env), parse_args(["--config", str(printed)])
+    for key, action in keys.items():
+        assert getattr(again, action.dest) == getattr(first, action.dest), key
+        # a default is printed too (the file pins it); a key without a value is a comment
+        assert again.settings[key].source == (f"--config {printed}" if getattr(first, action.dest) is not None
+                                              else "default"), key
+    assert server_config(first) == server_config(again)
