@@ -19,9 +19,10 @@ STREAM_MODES: tuple[Streams, ...] = get_args(Streams)
 CommitMode = Literal["fenced", "after_copies"]
 COMMIT_MODES: tuple[CommitMode, ...] = get_args(CommitMode)
 # What copies at the full link cost the most memory-bound compute beside them (decode attention), per direction,
-# as a share of its rate alone; the cost falls in proportion as the copies are paced (the compute_beside curve,
-# results/h100/2026-12-07-pm/README.md section 4): loads write into the HBM the model reads, stores only read it.
-COMPUTE_COST_AT_FULL_LINK = {"load": 0.066, "store": 0.016}
+# as a share of its rate alone; the cost falls in proportion as the copies are paced (the compute_beside curves in
+# results/h100/2026-12-07-pm/ and results/h100/2026-12-07-night/, the higher of the two kept): loads write into the
+# HBM the model reads, stores only read it.
+COMPUTE_COST_AT_FULL_LINK = {"load": 0.07, "store": 0.017}
 MIN_LINK_FRACTION = 0.05  # the slowest pace: below it a long load would outlast the client's timeouts
 
 
