@@ -173,3 +173,51 @@ def test_a_prepare_answered_while_a_load_is_queued_binds_after_it(server_factory
 @pytest.mark.cuda
 def test_a_prepare_answered_while_a_load_is_queued_binds_after_it_on_cuda(server_factory, monkeypatch):
     _answer_during_load("cuda", server_factory(l1_gib=1.0), monkeypatch)
+
+
+def test_a_bind_deferred_by_a_load_that_fails_to_queue_still_comes(server_factory, monkeypatch):
+    """A load whose copies fail to queue has no load worker step to run the bind its queueing deferred: the bind
+    runs once the failure is delivered, so the prepared store's answer resolves (bound) and its store goes on."""
+    srv = server_factory()
+    layout = preset_layout("tiny-hybrid", 1)
+    pools = vllm_pools(layout, NUM_BLOCKS, "cpu")
+    fill_random(pools, 12)
+    alloc = BlockAllocator(NUM_BLOCKS)
+    with KVTransfer(srv.endpoint, layout, pools, TransferConfig(salt="bind-beside-failed-load")) as kv:
+        monkeypatch.setattr(kv.route, "_in_caller", True)
+        ct = kv.chunk_tokens
+        src, dst = ([alloc.allocate(ct // g.block_tokens) for g in layout.groups] for _ in range(2))
+        stored = np.random.default_rng(3).integers(0, 150_000, ct)
+        kv.store("s", stored, dst).wait_committed(30)
+        kv.end_session("s")
+        tokens = np.random.default_rng(4).integers(0, 150_000, ct)
+        raw: list = []
+        real_submit, prepared = kv.client.submit, []
+
+        def submit(msg, *a, **k):
+            fut = real_submit(msg, *a, **k)
+            if type(msg).__name__ == "PrepareStore":
+                raw.append(fut)
+            return fut
+
+        def issue(h, direction, *a, **k):
+            prepared.append(kv.prepare_store("p", tokens, block_ids=src))
+            answered = threading.Event()
+            raw[-1].add_done_callback(lambda f: answered.set())
+            assert answered.wait(30)
+            assert not prepared[0].reply.done()  # its bind waits for this load's queueing
+            raise RuntimeError("queueing failed")
+
+        monkeypatch.setattr(kv.client, "submit", submit)
+        monkeypatch.setattr(kv.copies, "issue", issue)
+        hit = kv.lookup("l", stored)
+        with pytest.raises(RuntimeError, match="queueing failed"):
+            kv.retrieve(hit, dst).wait(30)
+        kv.end_session("l")
+        monkeypatch.undo()
+        prep = prepared[0]
+        prep.wait(30)
+        assert prep.bound is not None
+        kv.store("p", tokens, src, prepared=prep).wait_committed(30)
+        kv.end_session("p")
+        assert _pages_equal(kv, pools, alloc, tokens, src)
