@@ -38,6 +38,7 @@ from typing import Literal
 import msgspec
 import torch
 from hybridkv_kernels import COPY_ENGINES, choose_impl
+from hybridkv_kernels.pace import Pace
 
 from hybridkv_bench.calibration.copies import calibrate
 from hybridkv_bench.microbench.compute_load import (
@@ -95,6 +96,10 @@ class BenchConfig:
     # the copy loop beside the compute paced to these fractions of its own rate alone (1.0: unpaced): the curve of
     # compute_ratio against the link's share that a deployment's cap (`max_link_fraction`) would pick a point on
     link_fractions: tuple[float, ...] = (1.0,)
+    # host: the copy loop waits before queueing each plan (bursts of whole plans); library: the transfer
+    # library's pacing (hybridkv_kernels.pace: slices and gaps queued on the copy stream, what TransferConfig's
+    # max_link_fraction / max_compute_cost run)
+    pacer: str = "host"
 
     def __post_init__(self) -> None:
         for name, values, allowed in (("impls", self.impls, COPY_ENGINES),
@@ -111,6 +116,8 @@ class BenchConfig:
                self.attn_head_dim, self.windows) < 1 or self.window_s <= 0 or self.transfer_alone_s <= 0 \
                 or self.measure_s <= 0:
             raise ValueError(f"sizes, windows and times must be positive: {self}")
+        if self.pacer not in ("host", "library") or (self.pacer == "library" and self.device != "cuda"):
+            raise ValueError(f"pacer must be host, or library on CUDA, got {self.pacer!r} on {self.device}")
         if not self.link_fractions or any(not 0 < f <= 1 for f in self.link_fractions):
             raise ValueError(f"link_fractions must be in (0, 1], got {self.link_fractions!r}")
         if any(self.plan_bytes < LAYERS * p for p in self.pages):
@@ -158,7 +165,10 @@ def run_case(cfg: BenchConfig, load: ComputeLoad, setup: CopySetup, impl: str, d
         graph = capture(load, steps, stream) if cfg.launch == "graph" and stream is not None else None
         for frac in cfg.link_fractions:
             alone = compute_windows(load, steps, cfg.windows, device, stream, graph, cfg.measure_s)
-            with CopyLoop(setup, impl, device, rate_gbps=0.0 if frac >= 1 else frac * alone_gbps) as loop:
+            paced = frac < 1
+            library = Pace(frac, alone_gbps) if paced and cfg.pacer == "library" else None
+            rate = frac * alone_gbps if paced and library is None else 0.0
+            with CopyLoop(setup, impl, device, rate_gbps=rate, pace=library) as loop:
                 during = compute_windows(load, steps, cfg.windows, device, stream, graph, cfg.measure_s)
             runs.append((frac, alone, during, loop.gbps))
     ok = verify(setup, impl, direction)
@@ -317,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="graph: each window one CUDA graph replay (CUDA only)")
     ap.add_argument("--link-fractions", type=float, nargs="+", default=[1.0],
                     help="pace the copies to these fractions of their rate alone (1.0: unpaced)")
+    ap.add_argument("--pacer", choices=["host", "library"], default="host",
+                    help="how copies are paced below 1.0: the loop waits between plans (host), or the library's "
+                         "slices and gaps on the copy stream (library)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: the code path, not a measurement")
     ap.add_argument("--plot", type=Path, default=None, metavar="DIR", help="instead: plot DIR/run.json")
     args = ap.parse_args(argv)
@@ -334,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = BenchConfig(device=args.device, pages=pages, impls=impls, computes=tuple(args.computes),
                           directions=tuple(args.directions), priorities=tuple(args.priorities), launch=args.launch,
-                          link_fractions=tuple(args.link_fractions), **sizes)
+                          link_fractions=tuple(args.link_fractions), pacer=args.pacer, **sizes)
     except ValueError as e:
         ap.error(str(e))
     run = run_matrix(cfg, args.out)

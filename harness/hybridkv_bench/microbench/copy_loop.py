@@ -10,6 +10,7 @@ from typing import Literal
 
 import torch
 from hybridkv_kernels import PagedLayers, build_plan, run_plan
+from hybridkv_kernels.pace import Pace, Pacer
 from hybridkv_kernels.plan import PageCopyPlan
 
 from hybridkv_bench.microbench.compute_load import Timer
@@ -51,12 +52,15 @@ class CopyLoop:
     earlier than k plans' bytes at that rate after the start, so the copy engines run at full speed in bursts
     with idle gaps between them (a duty cycle, as an offload capped to a fraction of the link would run)."""
 
-    def __init__(self, setup: CopySetup, impl: str, device: torch.device, rate_gbps: float = 0.0):
+    def __init__(self, setup: CopySetup, impl: str, device: torch.device, rate_gbps: float = 0.0,
+                 pace: Pace | None = None):
         if rate_gbps < 0:
             raise ValueError(f"rate_gbps must be >= 0 (0: unpaced), got {rate_gbps}")
         self.setup, self.impl, self.device = setup, impl, device
         self.rate_gbps = rate_gbps
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # `pace`: the library's pacing instead (slices and gaps queued on the GPU, hybridkv_kernels.pace)
+        self.pacer = Pacer(self.stream, pace) if pace is not None and self.stream is not None else None
         self.first_done = threading.Event()
         self._stop = threading.Event()
         self.bytes = 0
@@ -96,7 +100,10 @@ class CopyLoop:
                     due = t0 + done * self.setup.nbytes / (self.rate_gbps * 1e9)
                     if (gap := due - time.perf_counter()) > 0 and self._stop.wait(gap):
                         break
-                run_plan(self.setup.plan, self.impl, self.stream)
+                if self.pacer is not None:
+                    self.pacer.run(self.setup.plan, self.impl)
+                else:
+                    run_plan(self.setup.plan, self.impl, self.stream)
                 done += 1
                 if self.stream is not None:
                     ev = torch.cuda.Event()

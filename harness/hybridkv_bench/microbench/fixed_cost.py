@@ -8,7 +8,9 @@ Each step is timed on its own (p50 over `rounds`), then the whole call as an eng
 - `store`: `store()` submitted -> committed, no prepare issued before (every step on the critical path);
 - `store_prepared`: `store(prepared=...)` submitted -> committed, the prepare issued earlier and answered
   (what is left on the critical path when the engine prepares at schedule time);
-- `load`: `lookup` + `retrieve()` submitted -> pages written.
+- `load`: `lookup` + `retrieve()` submitted -> pages written;
+- `load_beside_prepare`: `retrieve()` -> pages written, the request's store prepared right after the lookup (as an
+  engine prepares at schedule time), beside `load_retrieve`, the same span without it.
 
 A whole store and a whole load are split into steps by their handle's timestamps (`STORE_STEPS`,
 `LOAD_STEPS` below): hand-offs between threads, binding the plan and queueing the copies, waiting for
@@ -151,8 +153,12 @@ def _whole_stores(kv: KVTransfer, src: list[list[int]], tokens: Callable[[], np.
     return out
 
 
-def _loads(kv: KVTransfer, stored: np.ndarray, dst: list[list[int]], rounds: int) -> dict[str, float]:
-    """p50 microseconds of a lookup, a whole load and each of its LOAD_STEPS, for `stored` (already stored)."""
+def _loads(kv: KVTransfer, stored: np.ndarray, dst: list[list[int]], rounds: int,
+           src: list[list[int]] | None = None, tail: Callable[[], np.ndarray] | None = None) -> dict[str, float]:
+    """p50 microseconds of a lookup, a whole load and each of its LOAD_STEPS, for `stored` (already stored).
+    With `src` and `tail`: also `load_beside_prepare`, the load's `retrieve()` -> pages written when the request's
+    store (`stored` + `tail()`'s tokens, from blocks `src`) was prepared right after the lookup, as an engine
+    prepares it at schedule time: its answer comes while the load's copies are being queued."""
     out: dict[str, float] = {}
     lookups: list[float] = []
     loads: list[float] = []
@@ -172,6 +178,21 @@ def _loads(kv: KVTransfer, stored: np.ndarray, dst: list[list[int]], rounds: int
     out["load"] = statistics.median(loads) * 1e6
     for i, part in enumerate(LOAD_STEPS):
         out[f"load.{part}"] = statistics.median(s[i] for s in load_steps) * 1e6
+    if src is None or tail is None:
+        return out
+    for name, beside in (("load_retrieve", False), ("load_beside_prepare", True)):
+        spans, issues = [], []
+        for _ in range(rounds):  # the prepared store aborted by the session's end (untimed)
+            hit = kv.lookup("b", stored)
+            if beside:
+                kv.prepare_store("b", np.concatenate([stored, tail()]), block_ids=src)
+            t1 = time.perf_counter()
+            h = kv.retrieve(hit, dst).wait(30)
+            spans.append(time.perf_counter() - t1)
+            issues.append(h.t_copy_issued - h.t_copy_start)
+            kv.end_session("b")
+        out[name] = statistics.median(spans) * 1e6
+        out[f"{name}.issue"] = statistics.median(issues) * 1e6
     return out
 
 
@@ -200,10 +221,10 @@ def profile(endpoint: str, layout: ModelLayout, chunks: int, rounds: int, device
 
         out, objects = _step_costs(kv, layout, src, tokens(), rounds, device)
         out.update(_whole_stores(kv, src, tokens, fresh, objects, rounds))
-        stored = tokens()
+        stored = tokens()[:-1]  # whole chunks: the prepare beside a load adds one more
         kv.store("L", stored, src).wait_committed(30)
         kv.end_session("L")
-        out.update(_loads(kv, stored, dst, rounds))
+        out.update(_loads(kv, stored, dst, rounds, src, lambda: rng.integers(0, 150_000, ct + 1)))
     return out
 
 

@@ -18,6 +18,12 @@ STREAM_MODES: tuple[Streams, ...] = get_args(Streams)
 # after the copies were waited for (always so for a payload wire and for kernel copies on CUDA).
 CommitMode = Literal["fenced", "after_copies"]
 COMMIT_MODES: tuple[CommitMode, ...] = get_args(CommitMode)
+# What copies at the full link cost the most memory-bound compute beside them (decode attention), per direction,
+# as a share of its rate alone; the cost falls in proportion as the copies are paced (the compute_beside curves in
+# results/h100/2026-12-07-pm/ and results/h100/2026-12-07-night/, the higher of the two kept): loads write into the
+# HBM the model reads, stores only read it.
+COMPUTE_COST_AT_FULL_LINK = {"load": 0.07, "store": 0.017}
+MIN_LINK_FRACTION = 0.05  # the slowest pace: below it a long load would outlast the client's timeouts
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +45,13 @@ class TransferConfig:
     timeout_s: float = 60.0
     name: str = ""
     commit: CommitMode = "fenced"  # after_copies: the classic round trip once the copies are done
+    # Pacing (CUDA): the copies move at most this share of the link on average, in slices at full speed with
+    # gaps between them (hybridkv_kernels.pace); 1: unpaced
+    max_link_fraction: float = 1.0
+    # ... or at most this cost to memory-bound compute beside them (0: no cap): each direction is paced to the
+    # share of the link that costs this (COMPUTE_COST_AT_FULL_LINK); with both set, the lower share holds
+    max_compute_cost: float = 0.0
+    link_gbps: float = 0.0  # the link's rate the pace is a share of; 0: measured once when a pace applies
 
     def __post_init__(self) -> None:
         for fld, allowed in (("wire_format", FORMATS), ("copy_engine", COPY_ENGINES),
@@ -49,3 +62,21 @@ class TransferConfig:
         check_policy(self.store_policy)
         if self.chunk_tokens < 0 or self.timeout_s <= 0:
             raise ValueError(f"chunk_tokens must be >= 0 and timeout_s > 0, got {self.chunk_tokens}, {self.timeout_s}")
+        if not MIN_LINK_FRACTION <= self.max_link_fraction <= 1:
+            raise ValueError(f"max_link_fraction must lie in [{MIN_LINK_FRACTION}, 1], got {self.max_link_fraction!r}")
+        if not 0 <= self.max_compute_cost < 1:
+            raise ValueError(f"max_compute_cost must lie in [0, 1) (0: no cap), got {self.max_compute_cost!r}")
+        if self.max_compute_cost and (low := min(self.max_compute_cost / c for c in COMPUTE_COST_AT_FULL_LINK.values())
+                                      ) < MIN_LINK_FRACTION:
+            raise ValueError(f"max_compute_cost {self.max_compute_cost!r} would pace copies to {low:.3f} of the "
+                             f"link, below the slowest pace {MIN_LINK_FRACTION}")
+        if not 0 <= self.link_gbps < float("inf"):
+            raise ValueError(f"link_gbps must be a finite rate >= 0 (0: measured), got {self.link_gbps!r}")
+
+    def link_fraction(self, kind: Literal["store", "load"]) -> float:
+        """The share of the link `kind`'s copies may move: `max_link_fraction`, lowered to what keeps their cost
+        to compute beside them within `max_compute_cost` where that is set."""
+        fraction = self.max_link_fraction
+        if self.max_compute_cost:
+            fraction = min(fraction, self.max_compute_cost / COMPUTE_COST_AT_FULL_LINK[kind])
+        return fraction

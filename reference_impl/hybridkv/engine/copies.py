@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from hybridkv_kernels import PagedLayers, build_plan, plan_pages, run_plan
 from hybridkv_kernels.copy_dma import dma_runs
+from hybridkv_kernels.pace import Pace, Pacer, measure_link_gbps
 
 from hybridkv import protocol as P
 from hybridkv.engine.handles import TransferHandle
@@ -56,13 +57,21 @@ def layer_steps(layout: ModelLayout) -> LayerSteps:
 class PageCopies:
     """Plans and queues one engine's page copies; stores and loads each have their own streams."""
 
-    def __init__(self, groups: Sequence[PagedLayers], impl: str, n_streams: int):
+    def __init__(self, groups: Sequence[PagedLayers], impl: str, n_streams: int,
+                 link_fractions: dict[str, float] | None = None, link_gbps: float = 0.0):
         self.groups = groups
         self.impl = impl
         self.device = device = groups[0].device
         self.streams: dict[str, list[torch.cuda.Stream | None]] = {
             k: [torch.cuda.Stream(device) for _ in range(n_streams)] if device.type == "cuda" else [None]
             for k in ("store", "load")}
+        # per kind, its streams' pacers where `link_fractions` (TransferConfig.link_fraction) caps it below 1 (CUDA
+        # only: CPU copies are synchronous); the link's rate measured once per direction unless `link_gbps` is given
+        self.pacers: dict[str, list[Pacer]] = {}
+        for kind, fraction in (link_fractions or {}).items():
+            if fraction < 1 and device.type == "cuda":
+                rate = link_gbps or measure_link_gbps(device, "gather" if kind == "store" else "scatter")
+                self.pacers[kind] = [Pacer(s, Pace(fraction, rate)) for s in self.streams[kind] if s is not None]
         self._fence_src: torch.Tensor | None = None  # the device words fences are copied from (`fence`)
         self._fence_next = 0
 
@@ -116,14 +125,20 @@ class PageCopies:
         if steps is not None and self.device.type == "cuda":
             issued = self._issue_steps(h, [(streams[i], plan, groups) for i, plan, groups, _ in plans], steps)
         else:
-            issued = [(self._run(plan, streams[i], runs), plan) for i, plan, _, runs in plans]
+            pacers = self.pacers.get(h.kind)
+            issued = [(self._run(plan, streams[i], runs, pacers[i] if pacers else None), plan)
+                      for i, plan, _, runs in plans]
         h.t_copy_issued = time.perf_counter()
         return issued
 
-    def _run(self, plan: Any, s: torch.cuda.Stream | None, runs: Any = None) -> torch.cuda.Event | None:
-        """Queue `plan` on `s` (`runs`: its `dma_runs`, if made); the event recorded after it (None on a CPU: the
-        copies are done)."""
-        run_plan(plan, self.impl, s, runs)
+    def _run(self, plan: Any, s: torch.cuda.Stream | None, runs: Any = None,
+             pacer: Pacer | None = None) -> torch.cuda.Event | None:
+        """Queue `plan` on `s` (`runs`: its `dma_runs`, if made; `pacer`: `s`'s, where its kind is paced); the
+        event recorded after it (None on a CPU: the copies are done)."""
+        if pacer is not None:
+            pacer.run(plan, self.impl, runs)
+        else:
+            run_plan(plan, self.impl, s, runs)
         if s is None:
             return None
         ev = torch.cuda.Event()
@@ -147,11 +162,12 @@ class PageCopies:
             parts.append((s, plan, order, np.searchsorted(step[order], np.arange(len(steps) + 1))))
         ready: dict[str, list[Any]] = {}
         issued: Issued = []
+        pacers = dict(zip(self.streams[h.kind], self.pacers.get(h.kind, ()), strict=False))
         for k, (names, _) in enumerate(steps):
             for s, plan, order, bounds in parts:
                 if bounds[k + 1] > bounds[k]:
                     part = plan.take(order[bounds[k]:bounds[k + 1]])
-                    ev = self._run(part, s)
+                    ev = self._run(part, s, pacer=pacers.get(s))
                     issued.append((ev, part))
                     for name in names:
                         ready.setdefault(name, []).append(ev)

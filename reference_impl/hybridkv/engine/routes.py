@@ -245,9 +245,18 @@ class DirectRoute(Route):
         # CPU the copies are synchronous: the fence is written and the commit sent once they are done (the
         # same protocol, nothing to overlap)
         self.fenced = fenced and wire.fences and (not self._in_caller or copies.impl == "dma")
+        # A bind is a few hundred microseconds of Python under the GIL: one that ran on the I/O thread while the
+        # caller queued a load's copies (an engine prepares a request's store right before loading its hit)
+        # delayed that load by as much. Answers that come while a load is being queued leave their bind here,
+        # and it runs once the load's copies are queued (on the load worker, while the copies run) or when a
+        # store or drain needs it, whichever comes first.
+        self._issuing = 0  # loads whose copies a caller is queueing now
+        self._deferred: list[Callable[[], None]] = []
+        self._defer_lock = threading.Lock()
 
     def prebind(self, prep: PreparedStore) -> None:
-        """Bind a CUDA store's plans (and DMA runs) on the thread that receives the prepare's answer; `prep.reply`
+        """Bind a CUDA store's plans (and DMA runs) when the prepare is answered: on the thread that receives the
+        answer, or, if a load's copies are being queued then, once they are (`_bind_deferred`). `prep.reply`
         resolves once bound, so a store never binds beside a binding. On failure `bound` stays None (store binds)."""
         if not self._in_caller or prep.pages is None or prep.jobs is None:
             return
@@ -262,10 +271,32 @@ class DirectRoute(Route):
                 pass
             relay(reply, answered)
 
-        prep.reply.add_done_callback(bind)
+        def answer(reply: Future) -> None:
+            with self._defer_lock:
+                if self._issuing:
+                    self._deferred.append(lambda: bind(reply))
+                    return
+            bind(reply)
+
+        prep.reply.add_done_callback(answer)
         prep.reply = answered
 
+    def _bind_deferred(self, even_while_issuing: bool = False) -> None:
+        """Run the binds deferred while loads were queued (each once, on this thread); unless
+        `even_while_issuing`, only when no load is being queued now (they would delay it)."""
+        with self._defer_lock:
+            if not self._deferred or (self._issuing and not even_while_issuing):
+                return
+            binds, self._deferred = self._deferred, []
+        for bind in binds:
+            bind()
+
+    def drain(self) -> None:
+        self._bind_deferred(even_while_issuing=True)  # their answers resolve the prepared stores' replies
+        super().drain()
+
     def store(self, h, prepared, jobs, pages, ready) -> None:
+        self._bind_deferred(even_while_issuing=True)  # this store's own bind may be among them
         reply = prepared.reply
         if self._in_caller and reply.done() and reply.exception() is None:
             answer = reply.result()[0]
@@ -303,14 +334,28 @@ class DirectRoute(Route):
             else:
                 self._load_q.put(item)
             return
+        with self._defer_lock:
+            self._issuing += 1
+        issued: Issued | None
         try:
             h.proceed()
             issued = self.copies.issue(h, "scatter", self.wire.slots(jobs), ready, steps=steps)
         except BaseException as e:
             self._fail(h, e)
             self._release(hit.lease, wait=False)
+            issued = None
+        with self._defer_lock:
+            self._issuing -= 1
+        if issued is None:
+            self._bind_deferred()  # no load worker step follows to run them
             return
-        self._load_q.put((h, self._do_load, (hit, lambda: self.copies.wait(h, issued))))
+        self._load_q.put((h, self._do_load, (hit, lambda: self._wait_load(h, issued))))
+
+    def _wait_load(self, h: TransferHandle, issued: Issued) -> None:
+        """The load worker's wait for a load's copies: first the binds deferred while they were queued (the copies
+        run meanwhile, and the thread that queued them is no longer held up by them)."""
+        self._bind_deferred()
+        self.copies.wait(h, issued)
 
     def _do_store(self, h: TransferHandle, prep: PreparedStore, jobs: list[ObjectJob], pages: PlannedPages | None,
                   ready: torch.cuda.Event | None) -> None:

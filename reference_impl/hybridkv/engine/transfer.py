@@ -64,7 +64,8 @@ class KVTransfer:
         self.wire = WIRES[config.wire_format](WireContext(
             client=self.client, engine_id=self.engine_id, device=self.device, groups=self.groups,
             dtypes=[g.dtype for g in layout.groups], arena_path=reg.arena_path, arena_bytes=reg.arena_bytes))
-        self.copies = PageCopies(self.groups, self.impl, len(self.groups) if config.streams == "per_group" else 1)
+        self.copies = PageCopies(self.groups, self.impl, len(self.groups) if config.streams == "per_group" else 1,
+                                 {k: config.link_fraction(k) for k in ("store", "load")}, config.link_gbps)
         self._layer_steps = layer_steps(layout)
         # the format's route, chosen once: a direct wire's copies reach the arena, a payload wire sends frames
         self.route = open_route(self.wire, self.client, self.engine_id, self.copies, config.timeout_s,
