@@ -165,10 +165,13 @@ class LookupOp(TurnedOp):
         self.pins = pins
         locs: list[P.ObjectLoc] = []
         absent = False
+        # Under an endless clock the hit rule was asked in this same turn, and an object it met in L1 under another
+        # namespace was a miss to it: every object of the prefix that L1 holds is of this namespace.
+        same_turn = clock.endless
         for pairs in resume_slices(eng.layout, msg.policy, n, msg.skip_chunks, eng.chunk_tokens, SLICE_OBJECTS):
             es = get_many([(keys[c], g) for c, g in pairs])
             if None not in es and list(map(_state, es)).count(ready) == len(es) \
-                    and list(map(_ns, es)).count(ns) == len(es):  # the common case: one piece pinned in C
+                    and (same_turn or list(map(_ns, es)).count(ns) == len(es)):  # common: one piece pinned in C
                 full = cast(list[Entry], es)
                 objects.pin_all(full)
                 pins += full
