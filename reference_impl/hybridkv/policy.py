@@ -70,7 +70,7 @@ def resume_slices(layout: ModelLayout, policy: str, n: int, skip: int, chunk_tok
                   objects: int) -> Iterator[list[tuple[int, int]]]:
     """`resume_objects(layout, policy, n, skip, chunk_tokens)` in pieces of whole chunks, about `objects` objects
     each (the boundary states, when they are needed, last): the pieces joined are its list. A large lookup pins
-    a piece at a time (server/ops/lookup_turns.py)."""
+    a piece at a time (server/ops/lookup.py)."""
     starts = _resume_starts(layout, policy, n, chunk_tokens)
     step = max(1, objects // max(1, len(layout.groups)))
     for lo in range(min(skip, n), n, step):

@@ -13,24 +13,43 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 WireFormat = Literal["shm", "raw", "pickle", "torch_save", "cuda_ipc"]
+# How a format's bytes move between the engine's pages and the arena; every other trait follows from it.
+#   arena:   the engine's copies read and write the arena's slots; only metadata crosses the socket (direct)
+#   frames:  the bytes cross the socket as frames, copied to and from the slots as they are
+#   tensors: the frames hold the seed's serialized tensors, which the server rebuilds (it imports torch)
+#   cuda:    the server maps the engine's GPU pages and copies itself (a CUDA context and VRAM of its own)
+Moves = Literal["arena", "frames", "tensors", "cuda"]
 
 
 @dataclass(frozen=True)
 class FormatTraits:
-    direct: bool                 # the engine reaches the arena's slots; only metadata crosses the socket
-    server_imports_torch: bool   # the server rebuilds tensors (its process maps torch's libraries)
-    server_holds_cuda: bool      # the server opens a CUDA context of its own (VRAM on the server's side)
-    label: str                   # how reports and plots name it
+    moves: Moves
+    label: str  # how reports and plots name it
+
+    @property
+    def direct(self) -> bool:
+        """The engine reaches the arena's slots; only metadata crosses the socket."""
+        return self.moves == "arena"
+
+    @property
+    def server_imports_torch(self) -> bool:
+        """The server rebuilds tensors (its process maps torch's libraries)."""
+        return self.moves in ("tensors", "cuda")
+
+    @property
+    def server_holds_cuda(self) -> bool:
+        """The server opens a CUDA context of its own (VRAM on the server's side)."""
+        return self.moves == "cuda"
 
 
+# The one table of what each format is: the engine's route (engine/routes.open_route), its wire's kind
+# (engine/wire.WIRES, checked against it), the server's strategy (server/books/formats.Formats) and the harness read it.
 TRAITS: dict[WireFormat, FormatTraits] = {
-    "shm": FormatTraits(direct=True, server_imports_torch=False, server_holds_cuda=False, label="hybridkv shm"),
-    "raw": FormatTraits(direct=False, server_imports_torch=False, server_holds_cuda=False, label="raw frames"),
-    "pickle": FormatTraits(direct=False, server_imports_torch=True, server_holds_cuda=False, label="pickle (seed)"),
-    "torch_save": FormatTraits(direct=False, server_imports_torch=True, server_holds_cuda=False,
-                               label="torch.save (seed)"),
-    "cuda_ipc": FormatTraits(direct=False, server_imports_torch=True, server_holds_cuda=True,
-                             label="CUDA-IPC server"),
+    "shm": FormatTraits("arena", "hybridkv shm"),
+    "raw": FormatTraits("frames", "raw frames"),
+    "pickle": FormatTraits("tensors", "pickle (seed)"),
+    "torch_save": FormatTraits("tensors", "torch.save (seed)"),
+    "cuda_ipc": FormatTraits("cuda", "CUDA-IPC server"),
 }
 FORMATS: tuple[WireFormat, ...] = get_args(WireFormat)
 DEFAULT_FORMAT: WireFormat = "shm"          # an engine's format unless told otherwise: the direct one

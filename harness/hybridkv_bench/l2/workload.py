@@ -186,7 +186,7 @@ def _l2_target(b: L2Bench, work: Path, total: int, object_bytes: int, adapter_co
         result["l2_where"] = " ".join(df)
         result.update(_disk_ceilings(l2_dir, b.probe_mib * MIB, object_bytes))
         from hybridkv.server.l2.fs import FilesystemL2
-        from hybridkv.server.l2.specs import FsL2Spec
+        from hybridkv.server.l2.fs_spec import FsL2Spec
 
         with FilesystemL2(work / "adapter", 4 * adapter_count * object_bytes + GIB, fsync=b.fsync) as fs:
             result.update(adapter_rates(fs, object_bytes, adapter_count, b.io_threads))
@@ -200,11 +200,12 @@ def _l2_target(b: L2Bench, work: Path, total: int, object_bytes: int, adapter_co
     spec = {"type": "redis", "url": target.url, "prefix": target.prefix, "chunk_mb": b.redis_chunk_mib,
             "timeout_s": 60.0, "meta_timeout_s": 1.0}
     from hybridkv.server.l2.redis import RedisL2
-    from hybridkv.server.l2.specs import RedisL2Spec, parse_l2_adapter
+    from hybridkv.server.l2.redis_spec import RedisL2Spec
+    from hybridkv.server.l2.specs import parse_l2_adapter
 
-    target.spec = parse_l2_adapter(json.dumps(spec))
+    target.spec = parse_l2_adapter(json.dumps(spec), {})
 
-    rspec = parse_l2_adapter(json.dumps({**spec, "prefix": target.prefix + "adapter:"}))
+    rspec = parse_l2_adapter(json.dumps({**spec, "prefix": target.prefix + "adapter:"}), {})
     assert isinstance(rspec, RedisL2Spec)
     with RedisL2(rspec) as rl2:
         result.update(adapter_rates(rl2, object_bytes, adapter_count, b.io_threads))

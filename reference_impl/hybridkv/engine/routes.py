@@ -443,8 +443,8 @@ class PayloadRoute(Route):
 
 def open_route(wire: DirectWire | PayloadWire, client: CacheClient, engine_id: int, copies: PageCopies,
                timeout_s: float, fenced: bool = False) -> Route:
-    """The route its format's traits name (`hybridkv.wire_formats.TRAITS`: direct or not; `engine.wire` checks
-    that each format's strategy is of that kind). `fenced`: a direct route's stores send their commit with the
+    """The route the format's row of `hybridkv.wire_formats.TRAITS` names (direct or not; `engine.wire` checks
+    that each format's wire is of that kind). `fenced`: a direct route's stores send their commit with the
     copies where it can (`DirectRoute.fenced`)."""
     if traits(wire.format).direct:
         assert isinstance(wire, DirectWire)

@@ -7,7 +7,8 @@ import subprocess
 import sys
 
 import pytest
-from hybridkv.server.l2.specs import L2ConfigError, RedisL2Spec
+from hybridkv.server.l2.redis_spec import RedisL2Spec
+from hybridkv.server.l2.specs import L2ConfigError
 
 SECRET = "hunter2"
 BAD_URLS = [

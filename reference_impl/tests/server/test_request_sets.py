@@ -1,6 +1,6 @@
-"""The hit rule with a large request's sets in segments (table.SegmentedSet, lookup_turns and the turned prefetch)
-answers what it answers with plain sets (the one-turn paths): the same length and the same objects of another
-namespace collected, with the misses in many segments. A server in this process, its handlers called directly."""
+"""The hit rule with a large request's sets in segments (table.SegmentedSet, a Lookup's and a Prefetch's) answers
+what it answers with plain sets: the same length and the same objects of another namespace collected, with the
+misses in many segments. A server in this process, its handlers called directly."""
 
 from __future__ import annotations
 

@@ -144,7 +144,7 @@ def two_adapters(request, tmp_path):
     if rediskit.skip_reason() is not None:
         pytest.skip(str(rediskit.skip_reason()))
     from hybridkv.server.l2.redis import RedisL2
-    from hybridkv.server.l2.specs import RedisL2Spec
+    from hybridkv.server.l2.redis_spec import RedisL2Spec
 
     store = rediskit.RedisProcess()
     a, b = RedisL2(RedisL2Spec(url=store.url)), RedisL2(RedisL2Spec(url=store.url))

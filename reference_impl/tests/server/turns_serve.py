@@ -2,9 +2,10 @@
 
     python turns_serve.py [--one-turn] [--turn-s S] [--slice N] -- SERVE-ARGS...
 
---one-turn: every Lookup and Prefetch takes the one-turn path whatever its size (the reference a large one's
-answer is compared with); --turn-s and --slice: a shorter share of the loop and fewer objects between clock
-reads, so that a large request takes thousands of turns and another request surely lands between two of them.
+--one-turn: every Lookup and Prefetch runs under a clock that never ends its turn, whatever its size (the
+reference a large one's answer is compared with); --turn-s and --slice: a shorter share of the loop and fewer
+objects between clock reads, so that a large request takes thousands of turns and another request surely lands
+between two of them.
 Everything else is the real server, started and ready as `hybridkv serve` is (launch.start_server's ready line).
 """
 
@@ -23,7 +24,7 @@ from hybridkv.server.front.cli import server_argv
 from hybridkv.server.front.launch import ServerProcess
 
 # store binds turns.TURN_S as it is imported: imported first, a PrepareStore keeps its 5 ms turns
-from hybridkv.server.ops import hitrule, lookup, lookup_turns, prefetch, store, turns  # noqa: F401
+from hybridkv.server.ops import hitrule, lookup, prefetch, store, turns  # noqa: F401
 
 
 def start(config: ServerConfig, *, one_turn: bool = False, turn_s: float | None = None,
@@ -57,7 +58,7 @@ def main() -> int:
     if a.turn_s is not None:
         turns.TURN_S = a.turn_s
     if a.slice is not None:
-        for m in (hitrule, lookup_turns, prefetch, turns):
+        for m in (hitrule, lookup, prefetch, turns):
             m.SLICE_OBJECTS = a.slice  # type: ignore[attr-defined]
     from hybridkv.cli import main as cli
 

@@ -1,9 +1,9 @@
 """The server half of each wire format: how a commit's bytes reach the arena and how a retrieve's leave it.
 
 One strategy per format, in one table keyed by the format's name (`hybridkv.wire_formats.WireFormat`), each
-chosen by what the format is (its `TRAITS`). A strategy validates on the loop thread (raising RequestError) and
-returns the copy work as a job for a worker thread, or None when no byte has to move (a direct format: the
-engine wrote the arena itself).
+chosen by how the format's bytes move (its `TRAITS[fmt].moves`). A strategy validates on the loop thread (raising
+RequestError) and returns the copy work as a job for a worker thread, or None when no byte has to move (a direct
+format: the engine wrote the arena itself).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from hybridkv.baselines.codec import bytes_to_tensor, copy_tensor_into, decode_t
 from hybridkv.server.books.errors import RequestError
 from hybridkv.server.books.loans import Loans
 from hybridkv.server.books.records import Engine, Lease, Reservation
-from hybridkv.wire_formats import FORMATS, TRAITS, WireFormat
+from hybridkv.wire_formats import FORMATS, TRAITS, Moves, WireFormat
 
 if TYPE_CHECKING:
     from hybridkv.baselines.cuda_ipc import MappedEngine
@@ -201,14 +201,14 @@ class Formats:
                                                         for fmt in FORMATS}
 
     def _strategy(self, arena: Arena, loans: Loans, fmt: WireFormat) -> FormatStrategy:
-        t = TRAITS[fmt]
-        if t.direct:
-            return ShmFormat()
-        if t.server_holds_cuda:
-            return self.cuda  # the server maps the engine's GPU pages and copies itself
-        if t.server_imports_torch:
-            return LegacyFormat(arena, loans, fmt)  # the server rebuilds the seed's tensors
-        return RawFormat(arena, loans, fmt)
+        """The strategy for how `fmt`'s bytes move (`TRAITS[fmt].moves`)."""
+        make: dict[Moves, Callable[[], FormatStrategy]] = {
+            "arena": ShmFormat,  # the engine's copies wrote the arena: nothing moves here
+            "frames": lambda: RawFormat(arena, loans, fmt),
+            "tensors": lambda: LegacyFormat(arena, loans, fmt),  # the server rebuilds the seed's tensors
+            "cuda": lambda: self.cuda,  # the server maps the engine's GPU pages and copies itself
+        }
+        return make[TRAITS[fmt].moves]()
 
     def __getitem__(self, fmt: WireFormat) -> FormatStrategy:
         return self.table[fmt]

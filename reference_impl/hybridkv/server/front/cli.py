@@ -183,18 +183,20 @@ def apply_seed(args: argparse.Namespace) -> None:
             settings["endpoint"] = dataclasses.replace(settings["endpoint"], source="flag --port")
 
 
-def l2_spec(args: argparse.Namespace) -> L2Spec | None:
-    """The L2 that --l2-adapter, or --l2-dir / --l2-gib / --l2-fsync, ask for; None without L2."""
+def l2_spec(args: argparse.Namespace, env: Mapping[str, str]) -> L2Spec | None:
+    """The L2 that --l2-adapter, or --l2-dir / --l2-gib / --l2-fsync, ask for; None without L2. `env`: where a
+    Redis password_env is looked up (read here, at the edge: the L2 below is given the password)."""
     import dataclasses
 
     from hybridkv.cli import UserError
-    from hybridkv.server.l2.specs import FsL2Spec, L2ConfigError, parse_l2_adapter
+    from hybridkv.server.l2.fs_spec import FsL2Spec
+    from hybridkv.server.l2.specs import L2ConfigError, parse_l2_adapter
 
     if args.l2_adapter is not None:
         if args.l2_dir is not None:
             raise UserError(f"--l2-adapter and --l2-dir {args.l2_dir}: give one")
         try:
-            spec = parse_l2_adapter(args.l2_adapter)
+            spec = parse_l2_adapter(args.l2_adapter, env)
         except L2ConfigError as e:
             raise UserError(str(e)) from None
         if isinstance(spec, FsL2Spec):
@@ -210,15 +212,17 @@ def l2_spec(args: argparse.Namespace) -> L2Spec | None:
     return FsL2Spec(args.l2_dir, l2_bytes, args.l2_fsync) if args.l2_dir else None
 
 
-def server_config(args: argparse.Namespace) -> ServerConfig:
-    """The configuration `hybridkv serve` runs with these arguments; UserError / ConfigError name the flag."""
+def server_config(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> ServerConfig:
+    """The configuration `hybridkv serve` runs with these arguments; UserError / ConfigError name the flag. `env`:
+    the variables an L2's secrets are read from (default: this process's)."""
     apply_seed(args)
     # say it in the unit it was given in, not in the bytes it becomes
     if not 0 < args.l1_gib < MAX_GIB:
         raise ConfigError(f"L1 size (--l1-gib) must be above 0 and below {MAX_GIB:.0f} GiB, got {args.l1_gib:g}")
     if not 0 <= args.l2_gib < MAX_GIB:
         raise ConfigError(f"L2 size (--l2-gib) must be 0 or more and below {MAX_GIB:.0f} GiB, got {args.l2_gib:g}")
-    return ServerConfig(endpoint=args.endpoint, l1_bytes=int(args.l1_gib * GIB), l2=l2_spec(args),
+    l2 = l2_spec(args, os.environ if env is None else env)
+    return ServerConfig(endpoint=args.endpoint, l1_bytes=int(args.l1_gib * GIB), l2=l2,
                         parent_pid=os.getppid() if args.exit_with_parent else 0,
                         **{FIELD_OF.get(flag, _dest(flag)): getattr(args, _dest(flag)) for flag in FIELD_FLAGS})
 

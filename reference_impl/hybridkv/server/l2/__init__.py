@@ -2,13 +2,15 @@
 
     base.py        the `L2Adapter` interface the server's worker threads call, `L2Error`, the key checks
     header.py      the checksummed object header every adapter stores in front of a payload; `crc32`
-    specs.py       one spec per kind of L2 (`FsL2Spec`, `RedisL2Spec`), the registry of kinds, the seed's
-                   `--l2-adapter` JSON; `spec.open()` builds the spec's adapter
+    specs.py       the registry of kinds (`register_spec`, imported when named), the seed's `--l2-adapter` JSON
+                   parsed into a kind's spec; `spec.open()` builds the spec's adapter
+    fs_spec.py     `FsL2Spec`: a directory, its capacity, fsync
     fs.py          `FilesystemL2`: one file per object in a local directory
     fs_files.py    that directory's syscalls, through directory fds, never following a symlink
+    redis_spec.py  `RedisL2Spec`: where the store is, its keys, timeouts and secrets
     redis.py       `RedisL2`: objects in a Redis/Valkey shared between hosts
     redis_meta.py  its key names and meta values;  redis_link.py: its clients and the store's health
     redis_cluster.py  its routing on a Redis Cluster (slots, MOVED / ASK, a node down)
 
-A new kind of L2 is its adapter's module and its spec in specs.py (one line in `SPEC_KINDS`).
+A new kind of L2 is its adapter's module and its spec's module beside it, with one `register_spec` line in specs.py.
 """

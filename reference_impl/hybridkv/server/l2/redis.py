@@ -36,7 +36,7 @@ from hybridkv.server.l2.redis_meta import Forged, MetaCodec
 from hybridkv.server.machinery.lru import Indexed, LruIndex
 
 if TYPE_CHECKING:
-    from hybridkv.server.l2.specs import RedisL2Spec
+    from hybridkv.server.l2.redis_spec import RedisL2Spec
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from redis.exceptions import AskError, ClusterDownError, MovedError, TryAgainErr
 from hybridkv.server.l2.redis_link import NodeDown, StoreHealth, redis_client
 
 if TYPE_CHECKING:
-    from hybridkv.server.l2.specs import RedisL2Spec
+    from hybridkv.server.l2.redis_spec import RedisL2Spec
 
 log = logging.getLogger("hybridkv.server.l2.redis")
 

@@ -13,10 +13,9 @@ A set of READY keys (one per namespace and group) is asked "does it hold all of 
 sharded set would turn into a question per shard. So it is kept whole up to KEYSET_SEGMENT keys, which is all an
 honest layout's group ever holds (a 1 TiB L1 holds 43,000 objects of a group of Qwen3.6-27B TP8 ranks), and
 grows in further segments past it: a set of 1.4M keys resized in one step of ~60 ms. The same SegmentedSet holds
-what a request in turns collects per object (lookup_turns' misses, objects of another namespace): nothing in a
-request's size bounds those across its passes, and a set of (key, group) pairs grown to 1.4M in one piece of a
-turn stopped the loop 51-55 ms (700k: 26 ms), in segments 4-8 ms. The one-turn paths keep plain sets: at most
-turns.BIG_OBJECTS objects.
+what a Lookup or Prefetch collects per object (its misses, objects of another namespace): nothing in a
+request's size bounds those across its passes, and a set of (key, group) pairs grown large in one piece of a turn
+stops the loop far past a turn, where in segments each piece is short.
 """
 
 from __future__ import annotations
@@ -117,7 +116,7 @@ class ObjectTable(Generic[E]):
 
 class SegmentedSet(Generic[K]):
     """A set in segments of at most KEYSET_SEGMENT keys, which answers as one set: the keys of a namespace's group
-    that are READY in L1 (`KeySet`), and what a large request collects per object (`lookup_turns`'s misses and
+    that are READY in L1 (`KeySet`), and what a large request collects per object (a lookup's misses and
     objects of another namespace). Below KEYSET_SEGMENT keys it is one plain set (`view`: asked in C).
 
     Sets, which the cycle collector tracks (a full collection walks every key: ~50 ms per million), where dicts of
@@ -181,4 +180,4 @@ class SegmentedSet(Generic[K]):
 KeySet = SegmentedSet[bytes]  # the keys of a namespace's group that are READY in L1
 ObjectKeys = set[ObjectKey] | SegmentedSet[ObjectKey]
 """Objects a request collects (misses, objects of another namespace): a plain set where the request's size bounds
-it (the one-turn paths, at most turns.BIG_OBJECTS objects), a SegmentedSet where it does not (requests in turns)."""
+it (the hit rule asked once, as in tests), a SegmentedSet where it does not (a Lookup's or a Prefetch's)."""

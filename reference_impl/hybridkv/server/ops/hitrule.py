@@ -27,15 +27,14 @@ def hit_length(ctx: Context, eng: Engine, keys: list[bytes], policy: str, missin
     raise AssertionError("a turn ended under a clock that never ends one")
 
 
-_NEVER = Clock()
-_NEVER.until = float("inf")
+_NEVER = Clock(endless=True)
 
 
 def hit_length_turns(ctx: Context, eng: Engine, keys: list[bytes], policy: str, missing: ObjectKeys,
                      foreign: ObjectKeys, clock: Clock) -> Steps[int]:
     """The hit rule (`hit_length`), its questions asked in pieces with a turn between them when the clock says
     so. The pieces are answered at different times: what a later turn finds gone is a miss when the lookup
-    pins it, and the rule is asked again (lookup_turns.py)."""
+    pins it, and the rule is asked again (lookup.py)."""
     layout, ns = eng.layout, eng.ns
     every = policy == "all"
     groups = [g for g, grp in enumerate(layout.groups)

@@ -1,17 +1,50 @@
-"""Lookup: the hit rule, pins for the hit's objects, and L2 -> L1 prefetch of those not in L1."""
+"""Lookup: the hit rule, pins for the hit's objects, and L2 -> L1 reads of those not in L1; one op for every size.
+
+A large lookup (more than BIG_OBJECTS keys x groups) works in turns of TURN_S (turns.py), so that every other
+client's request is answered between its turns; a small one runs the same op under a clock that never ends its
+turn, and answers in the turn it came in unless it waits for L2 reads or spills.
+
+What another request may change between two turns (or while it waits for workers), and what the lookup does:
+- an object it has pinned stays as it is (a pinned READY object is never evicted, dropped or written over), so
+  every object is pinned as it is counted; a LOADING one whose L2 read fails is gone, and the lookup starts over;
+- an object the hit rule found in an earlier turn may be gone, held under another namespace, or being re-stored
+  when the lookup comes to pin it: it is a miss, and the hit rule is asked again without it (as when L1 has no
+  room for a read);
+- its engine unregistered or reclaimed: answered `unknown_engine`, its pins let go (in turns);
+- an EndSession of its request sent after it: this lookup answers first and its lease is released at once,
+  counted in that EndSession's answer, which follows (retrieve.end_session): the order of one turn;
+- the server shutting down: answered `shutting_down` like every parked request.
+"""
 
 from __future__ import annotations
 
+from operator import attrgetter
+from typing import Any, cast
+
 from hybridkv import protocol as P
-from hybridkv.policy import resume_bytes, resume_objects
+from hybridkv.policy import resume_bytes, resume_slices
 from hybridkv.server.books.l1 import Entry, NoSlot, ObjectKey, State
 from hybridkv.server.books.records import Engine
+from hybridkv.server.machinery.table import SegmentedSet
 from hybridkv.server.ops.context import Answer, Context, Frames, RequestError, check_keys, no_frames
-from hybridkv.server.ops.hitrule import count_foreign, count_hit, hit_length
-from hybridkv.server.ops.lookup_turns import TurnedLookupOp
-from hybridkv.server.ops.turns import BIG_OBJECTS
+from hybridkv.server.ops.hitrule import count_foreign, count_hit, hit_length_turns
+from hybridkv.server.ops.turns import (
+    BIG_OBJECTS,
+    SLICE_OBJECTS,
+    TURN,
+    WAIT,
+    Clock,
+    Steps,
+    TurnedOp,
+    Work,
+    encoded_locs,
+    probe_l2,
+    unpin,
+)
 
 E = P.ErrorCode
+_state, _ns, _offset, _length = (attrgetter(a) for a in ("state", "ns", "offset", "length"))
+Pinned = tuple[list[Entry], list[P.ObjectLoc], bool]  # the answer's entries and places, and whether it is complete
 
 
 def resume_request(ctx: Context, ident: bytes, msg: P.Lookup | P.Prefetch,
@@ -26,143 +59,196 @@ def resume_request(ctx: Context, ident: bytes, msg: P.Lookup | P.Prefetch,
     return eng, keys
 
 
+def op_clock(eng: Engine, keys: list[bytes]) -> Clock:
+    """The clock of a request that resumes a prefix: one that ends its turn every TURN_S when it names more than
+    BIG_OBJECTS objects (other clients are answered between its turns), else one that never does."""
+    return Clock(endless=len(keys) * len(eng.layout.groups) <= BIG_OBJECTS)
+
+
 def lookup(ctx: Context, ident: bytes, msg: P.Lookup, frames: Frames) -> Answer:
     eng, keys = resume_request(ctx, ident, msg, frames)
     ctx.counters.lookups += 1
     ctx.counters.lookup_chunks += len(keys)
     ctx.counters.lookup_tokens += len(keys) * eng.chunk_tokens
-    if len(keys) * len(eng.layout.groups) > BIG_OBJECTS:  # in turns: other clients are answered meanwhile
-        if msg.pin:
-            ctx.sessions.lease_room(eng)
-        big = TurnedLookupOp(ctx, ident, msg, eng, keys)
-        if not big.step():
-            ctx.park(big)
-        return None
-    ctx.objects.probe_l2(keys, len(eng.layout.groups))
-    if not msg.pin:
-        foreign: set[ObjectKey] = set()
-        n = hit_length(ctx, eng, keys, msg.policy, set(), foreign)
-        count_hit(ctx, eng, n, 0, probe=True)
-        count_foreign(ctx, foreign)
-        return P.LookupResult(hit_chunks=n, lease=0, objects=[]), []
-    ctx.sessions.lease_room(eng)
-    op = LookupOp(ctx, ident, msg, eng, keys)
+    if msg.pin:
+        ctx.sessions.lease_room(eng)
+    op = LookupOp(ctx, ident, msg, eng, keys, op_clock(eng, keys))
     if not op.step():
         ctx.park(op)
     return None
 
 
-class LookupOp:
-    """A lookup that may wait for L2 prefetches; it pins what it needs as soon as it is in L1."""
+class LookupOp(TurnedOp):
+    """A lookup, pinned or not: a generator (`_run`) that yields WAIT while it waits for L2 reads or spills, and
+    TURN when its share of a loop turn is spent (turns.py; never for a small one, whose clock never ends a turn)."""
 
-    ends_with_session = True  # while parked, an EndSession of its request waits for it (retrieve.end_session)
-    answered = False  # it leaves the parked list as it answers
-    ended_by: tuple | list = ()  # the EndSession answers waiting for it (retrieve.end_session sets it)
+    ends_with_session = True  # an EndSession of its request waits for it (retrieve.end_session)
 
-    def __init__(self, ctx: Context, ident: bytes, msg: P.Lookup, eng: Engine, keys: list[bytes]):
+    kind = "lookup"
+
+    def __init__(self, ctx: Context, ident: bytes, msg: P.Lookup, eng: Engine, keys: list[bytes], clock: Clock):
         self.ctx, self.ident, self.req_id, self.msg, self.eng, self.keys = ctx, ident, msg.id, msg, eng, keys
-        self.pinned: dict[ObjectKey, Entry] = {}
-        self.missing: set[ObjectKey] = set()
-        self.foreign: set[ObjectKey] = set()  # objects of another namespace under its keys (counted once)
-        self.loading: list[Entry] = []  # prefetches this op waits for
-        self.waited = False  # counted once in lookup_l2_waits
-        self.from_l2: set[int] = set()  # chunks with an object this lookup waited on an L2 read for (tier l2)
+        # Its pins, as lists (a dict of half a million objects would stop the loop for tens of ms as it grows):
+        # `pins` those of the pass under way, one per object of its answer in order; `stale` those of the passes
+        # before it (a pass pins afresh what an earlier pass had pinned too), let go once a pass has finished.
+        self.pins: list[Entry] = []
+        self.stale: list[Entry] = []
+        # What it collects per object over all its passes, in segments (table.SegmentedSet): its size bounds neither
+        self.missing: SegmentedSet[ObjectKey] = SegmentedSet()
+        self.foreign: SegmentedSet[ObjectKey] = SegmentedSet()  # objects of another namespace (counted once)
+        self.loading: list[Entry] = []
+        self.waited = False
+        self.from_l2: set[int] = set()
+        self.answered = False
+        self.ended_by: list[Any] = []  # EndSession answers waiting for this one (retrieve.EndSessionWait)
+        self.clock = clock
+        self._work: Work = self._run()
 
-    def _pin(self, e: Entry) -> None:
-        old = self.pinned.get(e.oid)
-        if old is e:
+    def _drop_all(self) -> None:
+        self.ctx.objects.unpin_all(self.pins + self.stale)
+        self.pins, self.stale = [], []
+        self._finished(False)
+
+    def _finished(self, released: bool) -> None:
+        for w in self.ended_by:
+            w.finished(self, released)
+        self.ended_by = []
+
+    def _let_go(self) -> Work:
+        entries, self.pins, self.stale = self.pins + self.stale, [], []
+        yield from unpin(self.ctx.objects, entries, self.clock)
+        self._finished(False)
+
+    def _run(self) -> Work:
+        ctx, eng, keys, msg, clock = self.ctx, self.eng, self.keys, self.msg, self.clock
+        yield from probe_l2(ctx.objects, keys, len(eng.layout.groups), clock)
+        if not msg.pin:
+            n = yield from hit_length_turns(ctx, eng, keys, msg.policy, set(), self.foreign, clock)
+            count_hit(ctx, eng, n, 0, probe=True)
+            count_foreign(ctx, self.foreign)
+            self.answered = True
+            ctx.send(self.ident, self.req_id, P.LookupResult(hit_chunks=n, lease=0, objects=[]), ())
+            self._finished(False)
             return
-        if old is not None:
-            self.ctx.objects.unpin(old)  # dropped when its prefetch failed; the object is back in another slot
-        self.ctx.objects.pin(e)
-        self.pinned[e.oid] = e
-
-    def step(self) -> bool:
-        ctx, eng, keys, msg = self.ctx, self.eng, self.keys, self.msg
-        if ctx.sessions.engines.get(eng.id) is not eng:
-            self._unpin(set())
-            ctx.fail(self.ident, self.req_id, E.UNKNOWN_ENGINE, f"engine {eng.id} was unregistered or reclaimed "
-                     "while this lookup waited")
-            for w in self.ended_by:
-                w.finished(self, False)
-            return True
-        # Cheap while prefetches are still running: re-running the hit rule per completion would cost
-        # O(keys) for every finished read, O(keys^2) for a large lookup.
-        while self.loading and (self.loading[-1].state is not State.LOADING or self.loading[-1].gone):
-            self.loading.pop()
-        if self.loading:
-            return False
-        objects = ctx.objects
-        n = hit_length(ctx, eng, keys, msg.policy, self.missing, self.foreign)
-        needed = resume_objects(eng.layout, msg.policy, n, msg.skip_chunks, eng.chunk_tokens)
-        if not self.pinned and not self.missing:
-            # the common case, every needed object READY in L1: pin them all and answer in one pass
-            ready = objects.ready([(keys[c], g) for c, g in needed])
-            if ready is not None:
-                objects.pin_all(ready)
-                self._answer(n, needed, ready)
-                return True
         while True:
-            restart = False
-            # Pin what is already in L1 before any prefetch allocates: a prefetch for this lookup must
-            # never evict an object this same lookup needs further down its list.
-            for c, g in needed:
-                e = objects.get((keys[c], g))
-                if e is not None and e.state is not State.RESERVED:
-                    self._pin(e)
-            for c, g in needed:
-                oid = (keys[c], g)
-                e = objects.get(oid)
-                if e is None:
-                    r = objects.prefetch(oid, eng.ns, eng.object_bytes[g])
-                    if isinstance(r, NoSlot):
-                        if r is NoSlot.FULL:  # no room to bring it in: treat as a miss at this length
-                            self.missing.add(oid)
-                            restart = True
-                            break
-                        continue  # spills will free room: this op is stepped again when they finish
-                    self._pin(r)
-                    self.loading.append(r)
-                    self.from_l2.add(c)
-                    continue
-                if e.state is State.LOADING:
-                    self.loading.append(e)
-                    self.from_l2.add(c)
-            if not restart:
-                break
-            n = hit_length(ctx, eng, keys, msg.policy, self.missing, self.foreign)  # a miss: the hit is shorter
-            needed = resume_objects(eng.layout, msg.policy, n, msg.skip_chunks, eng.chunk_tokens)
-        if self.loading or any((keys[c], g) not in self.pinned for c, g in needed):
+            n = yield from hit_length_turns(ctx, eng, keys, msg.policy, self.missing, self.foreign, clock)
+            got = yield from self._pin_prefix(n)
+            if got is None:
+                continue  # a miss: the hit is shorter
+            entries, locs, complete = got
             if self.loading and not self.waited:
                 self.waited = True
                 ctx.counters.lookup_l2_waits += 1
-            return False
-        wanted = {(keys[c], g) for c, g in needed}
-        self._unpin(wanted)
-        self._answer(n, needed, [self.pinned[(keys[c], g)] for c, g in needed])
-        return True
+            waited = bool(self.loading)
+            while self.loading:
+                while self.loading and (self.loading[-1].state is not State.LOADING or self.loading[-1].gone):
+                    self.loading.pop()
+                if self.loading:
+                    yield WAIT
+            if complete and not waited:
+                yield from self._answer(n, entries, locs)
+                return
+            if not waited:
+                yield WAIT  # reads wait for spills to free room: asked again when a worker finishes
+            # After its reads the hit rule is asked again: meanwhile a read may have failed (its object gone) and
+            # another engine may have stored what was missing; the next pass pins the reads' objects READY.
 
-    def _answer(self, n: int, needed: list[tuple[int, int]], entries: list[Entry]) -> None:
-        """Lease the pinned `entries` (one per needed object; they move to the young end of LRU when
-        released) and answer with their places in the arena."""
-        locs = [P.ObjectLoc(c, g, e.offset, e.length) for (c, g), e in zip(needed, entries, strict=True)]
-        lid = 0
-        if entries:
-            lid = self.ctx.sessions.add_lease(self.eng, self.msg.request, entries, locs).id
-        eng = self.eng
-        count_hit(self.ctx, eng, n, sum(1 for c in self.from_l2 if c < n), probe=False)
-        count_foreign(self.ctx, self.foreign)
-        self.ctx.counters.bytes_leased += resume_bytes(eng.layout, self.msg.policy, n, self.msg.skip_chunks,
-                                                       eng.object_bytes, eng.chunk_tokens)
-        self.ctx.send(self.ident, self.req_id, P.LookupResult(hit_chunks=n, lease=lid, objects=locs), ())
-        if self.ended_by:  # parked, and its session ended after it was asked: the lease is released at once
-            if lid:
-                lease = self.ctx.sessions.leases[lid]
-                self.ctx.sessions.close_lease(lease)
-                self.ctx.objects.unpin_all(lease.entries)
-            for w in self.ended_by:
-                w.finished(self, bool(lid))
+    def _pin_prefix(self, n: int) -> Steps[Pinned | None]:
+        """Pin the objects a resume at n needs, in retrieve order, reading from L2 those L1 lacks; None at the
+        first one that is no longer there for this engine (a miss). First what L1 holds, then the reads: a read
+        for this lookup must never evict an object this same lookup needs further down its list."""
+        eng, keys, msg, clock, objects = self.eng, self.keys, self.msg, self.clock, self.ctx.objects
+        get, get_many, ns, lengths, loc = objects.get, objects.l1.get_many, eng.ns, eng.object_bytes, P.ObjectLoc
+        ready, reserved, loading = State.READY, State.RESERVED, State.LOADING
+        self.stale += self.pins
+        pins: list[Entry] = []
+        self.pins = pins
+        locs: list[P.ObjectLoc] = []
+        absent = False
+        # Under an endless clock the hit rule was asked in this same turn, and an object it met in L1 under another
+        # namespace was a miss to it: every object of the prefix that L1 holds is of this namespace.
+        same_turn = clock.endless
+        for pairs in resume_slices(eng.layout, msg.policy, n, msg.skip_chunks, eng.chunk_tokens, SLICE_OBJECTS):
+            es = get_many([(keys[c], g) for c, g in pairs])
+            if None not in es and list(map(_state, es)).count(ready) == len(es) \
+                    and (same_turn or list(map(_ns, es)).count(ns) == len(es)):  # common: one piece pinned in C
+                full = cast(list[Entry], es)
+                objects.pin_all(full)
+                pins += full
+                locs += map(loc, [c for c, _ in pairs], [g for _, g in pairs], map(_offset, full), map(_length, full))
+            else:
+                for (c, g), e in zip(pairs, es, strict=True):
+                    if e is None:
+                        absent = True
+                        continue
+                    if e.ns != ns or e.length != lengths[g] or e.state is reserved:
+                        self.missing.add((keys[c], g))
+                        return None
+                    objects.pin(e)
+                    pins.append(e)
+                    if e.state is loading:
+                        self.loading.append(e)
+                        self.from_l2.add(c)
+                    locs.append(loc(c, g, e.offset, e.length))
+            if clock.over():
+                yield TURN
+        if not absent:
+            return pins, locs, True
+        self.stale += pins  # held until this pass has pinned them again
+        pins = []
+        self.pins = pins
+        locs = []
+        complete = True
+        l2 = objects.l2
+        for pairs in resume_slices(eng.layout, msg.policy, n, msg.skip_chunks, eng.chunk_tokens, SLICE_OBJECTS):
+            for c, g in pairs:
+                oid = (keys[c], g)
+                e = get(oid)
+                if e is None:
+                    if l2 is None or l2.length(keys[c], g, ns) != lengths[g]:
+                        self.missing.add(oid)  # evicted since the hit rule saw it, and not in L2
+                        return None
+                    r = objects.prefetch(oid, ns, lengths[g])
+                    if isinstance(r, NoSlot):
+                        if r is NoSlot.FULL:  # no room to bring it in: a miss at this length
+                            self.missing.add(oid)
+                            return None
+                        complete = False  # spills will free room
+                        continue
+                    e = r
+                    self.loading.append(e)
+                    self.from_l2.add(c)
+                elif e.ns != ns or e.length != lengths[g] or e.state is reserved:
+                    self.missing.add(oid)
+                    return None
+                elif e.state is loading:
+                    self.loading.append(e)
+                    self.from_l2.add(c)
+                objects.pin(e)
+                pins.append(e)
+                locs.append(loc(c, g, e.offset, e.length))
+            if clock.over():
+                yield TURN
+        return pins, locs, complete
 
-    def _unpin(self, keep: set[ObjectKey]) -> None:
-        for oid in [o for o in self.pinned if o not in keep]:
-            self.ctx.objects.unpin(self.pinned.pop(oid))
+    def _answer(self, n: int, entries: list[Entry], locs: list[P.ObjectLoc]) -> Work:
+        """Let go of what earlier passes pinned, lease `entries` (this pass's pins, every one READY) and answer."""
+        ctx, eng, msg, clock, objects = self.ctx, self.eng, self.msg, self.clock, self.ctx.objects
+        stale, self.stale = self.stale, []
+        yield from unpin(objects, stale, clock)  # what earlier passes pinned (each object pinned again since)
+        # in turns, the places are encoded in pieces (in the reply's one piece they would hold the loop); in one
+        # turn they go into the reply as they are, which is cheaper
+        raw = locs if clock.endless else (yield from encoded_locs(locs, clock))
+        lease = ctx.sessions.add_lease(eng, msg.request, entries, locs) if entries else None
+        self.pins = []  # the lease holds them now
+        count_hit(ctx, eng, n, sum(1 for c in self.from_l2 if c < n), probe=False)
+        count_foreign(ctx, self.foreign)
+        ctx.counters.bytes_leased += resume_bytes(eng.layout, msg.policy, n, msg.skip_chunks, eng.object_bytes,
+                                                  eng.chunk_tokens)
+        self.answered = True
+        ctx.send(self.ident, self.req_id, P.LookupResult(hit_chunks=n, lease=lease.id if lease else 0,
+                                                         objects=cast(Any, raw)), ())
+        if self.ended_by and lease is not None:  # its session ended after it was asked: released at once
+            ctx.sessions.close_lease(lease)
+            yield from unpin(objects, entries, clock)
+        self._finished(lease is not None)

@@ -1,10 +1,11 @@
 """Work in turns: a large request does at most TURN_S of work in one loop turn, then lets every other client's
 request through before its next turn (docs/protocol.md, Limits: how long one request holds the loop).
 
-A large Lookup or Prefetch is a generator: it yields TURN when its share of the turn is spent (the loop steps it
+A Lookup or Prefetch is a generator: it yields TURN when its share of the turn is spent (the loop steps it
 again after its next poll, which then does not wait) and WAIT when it waits for workers (L2 reads, spills);
-`drive` runs it for one turn. Its pieces are SLICE_OBJECTS objects between two clock reads. A PrepareStore works
-in turns the same way with its own loop (store.py).
+`drive` runs it for one turn. A small one runs under an endless clock: the same op, that never yields TURN.
+Its pieces are SLICE_OBJECTS objects between two clock reads. A PrepareStore works in turns the same way with its
+own loop (store.py).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ log = logging.getLogger("hybridkv.server")
 TURN_S = 0.005  # the time a large request works in one loop turn
 SLICE_OBJECTS = 1024  # objects between two clock reads
 # A Lookup or Prefetch of more objects than this (keys x groups) works in turns; below it, one turn does it all
-# (a few ms at most) on the one-turn path, which costs nothing more than before (the latency case: 71 keys).
+# (a few ms at most) under an endless clock, which never reads the time twice for nothing (the latency case).
 BIG_OBJECTS = 4096
 
 TURN = "turn"
@@ -42,19 +43,27 @@ _encoder = msgspec.msgpack.Encoder()
 
 
 class Clock:
-    """When this turn's share ends (perf_counter)."""
-    __slots__ = ("until",)
+    """When this turn's share ends (perf_counter). An `endless` clock never ends a turn: a small request runs the
+    op a large one runs in turns, and does it all in one."""
+    __slots__ = ("until", "endless")
 
-    def __init__(self) -> None:
-        self.until = 0.0
+    def __init__(self, endless: bool = False) -> None:
+        self.endless = endless
+        self.until = float("inf") if endless else 0.0
+
+    def start(self) -> None:
+        """A new turn: its share is TURN_S from now."""
+        if not self.endless:
+            self.until = time.perf_counter() + TURN_S
 
     def over(self) -> bool:
         return time.perf_counter() > self.until
 
 
 def drive(ctx: Context, work: Work, clock: Clock) -> bool:
-    """Run `work` for one turn of TURN_S; True once it has finished."""
-    clock.until = time.perf_counter() + TURN_S
+    """Run `work` for one turn of TURN_S (all of it under an endless clock, unless it waits); True once it has
+    finished."""
+    clock.start()
     try:
         why = next(work)
     except StopIteration:
@@ -158,7 +167,7 @@ def encoded_locs(locs: list[P.ObjectLoc], clock: Clock) -> Steps[msgspec.Raw]:
 
 
 class TurnedOp:
-    """What a large request working in turns shares (TurnedLookupOp, TurnedPrefetchOp): `_run` until it
+    """What a request working in turns shares (LookupOp, PrefetchOp): `_run` until it
     answered, then `_let_go` of what it holds; an engine that vanished meanwhile is answered unknown_engine and
     its pins are let go in turns. Subclasses name their `kind` and say what an internal error must drop."""
 

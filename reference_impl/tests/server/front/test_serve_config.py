@@ -16,7 +16,7 @@ import pytest
 from hybridkv.cli import UserError
 from hybridkv.server.books.config import GIB
 from hybridkv.server.front.cli import parse_args, server_config
-from hybridkv.server.l2.specs import FsL2Spec
+from hybridkv.server.l2.fs_spec import FsL2Spec
 from hybridkv.settings_sources import OTHER_ENV, env_name
 
 

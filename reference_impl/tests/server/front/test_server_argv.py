@@ -7,7 +7,9 @@ import os
 import pytest
 from hybridkv.server.books.config import GIB, ConfigError, ServerConfig
 from hybridkv.server.front.cli import parse, server_argv
-from hybridkv.server.l2.specs import FsL2Spec, L2ConfigError, RedisL2Spec
+from hybridkv.server.l2.fs_spec import FsL2Spec
+from hybridkv.server.l2.redis_spec import RedisL2Spec
+from hybridkv.server.l2.specs import L2ConfigError
 
 MIB = 1 << 20
 TINY = 1 / 1024

@@ -192,7 +192,8 @@ def test_damage_at_the_edges_of_the_direct_part_is_a_miss_and_removed(tmp_path, 
 def test_an_l2_larger_than_its_disk_is_warned_of_at_start(tmp_path: Path, caplog):
     """A capacity the disk cannot hold serves on (failed writes are counted, their objects stay in L1), but the
     operator hears of it when the server starts, not when the disk fills."""
-    from hybridkv.server.l2.specs import GIB, FsL2Spec
+    from hybridkv.server.l2.fs_spec import FsL2Spec
+    from hybridkv.server.l2.specs import GIB
 
     free = shutil.disk_usage(tmp_path).free
     with caplog.at_level(logging.WARNING, logger="hybridkv.server.l2.specs"):

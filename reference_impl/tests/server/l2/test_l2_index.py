@@ -257,7 +257,7 @@ def test_redis_known_lengths_forget_the_oldest_across_segments(small_segments, m
     """RedisL2 keeps at most _MAX_INDEX known lengths (here 10, in segments of 4) and forgets the oldest; stats
     count the objects known to be held and their bytes without walking the index; a clear forgets all."""
     from hybridkv.server.l2 import redis as redis_l2
-    from hybridkv.server.l2.specs import RedisL2Spec
+    from hybridkv.server.l2.redis_spec import RedisL2Spec
 
     monkeypatch.setattr(redis_l2, "_MAX_INDEX", 10)
     store = rediskit.RedisProcess()

@@ -10,8 +10,10 @@ import time
 import pytest
 import rediskit
 from hybridkv.server.l2.base import L2Error
+from hybridkv.server.l2.fs_spec import FsL2Spec
 from hybridkv.server.l2.header import HEADER_BYTES
-from hybridkv.server.l2.specs import FsL2Spec, L2ConfigError, RedisL2Spec, parse_l2_adapter
+from hybridkv.server.l2.redis_spec import RedisL2Spec
+from hybridkv.server.l2.specs import L2ConfigError, parse_l2_adapter
 from rediskit import key_of, payload, read_back
 
 pytestmark = pytest.mark.skipif(rediskit.skip_reason() is not None, reason=str(rediskit.skip_reason()))
@@ -293,13 +295,13 @@ def test_closed_adapter_raises(store):
 ])
 def test_l2_adapter_json_errors_name_the_value(text, error):
     with pytest.raises(L2ConfigError, match=error):
-        parse_l2_adapter(text)
+        parse_l2_adapter(text, {})
 
 
 def test_l2_adapter_json_specs():
-    assert parse_l2_adapter('{"type":"fs","base_path":"/d","max_capacity_gb":2}') == FsL2Spec("/d", 2 << 30)
+    assert parse_l2_adapter('{"type":"fs","base_path":"/d","max_capacity_gb":2}', {}) == FsL2Spec("/d", 2 << 30)
     spec = parse_l2_adapter('{"type":"valkey","url":"redis://10.0.0.1:6379/2","prefix":"t1:","chunk_mb":4,'
-                            '"max_capacity_gb":100}')
+                            '"max_capacity_gb":100}', {})
     assert spec == RedisL2Spec(url="redis://10.0.0.1:6379/2", prefix="t1:", chunk_bytes=4 << 20)
 
 

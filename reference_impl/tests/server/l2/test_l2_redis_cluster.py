@@ -16,7 +16,8 @@ from hybridkv.server.l2.base import L2Error
 from hybridkv.server.l2.header import HEADER_BYTES, ObjectHeader
 from hybridkv.server.l2.redis_cluster import key_slot
 from hybridkv.server.l2.redis_meta import MetaCodec
-from hybridkv.server.l2.specs import L2ConfigError, RedisL2Spec, parse_l2_adapter
+from hybridkv.server.l2.redis_spec import RedisL2Spec
+from hybridkv.server.l2.specs import L2ConfigError, parse_l2_adapter
 from rediskit import key_of, payload, read_back
 
 NS_A = b"namespace-a-0001"
@@ -85,12 +86,12 @@ def test_every_key_of_an_object_shares_its_slot():
 ])
 def test_cluster_url_errors_name_the_value(url, extra, says):
     with pytest.raises(L2ConfigError, match=says) as ei:
-        parse_l2_adapter(json.dumps({"type": "redis", "url": url, **extra}))
+        parse_l2_adapter(json.dumps({"type": "redis", "url": url, **extra}), {})
     assert "\n" not in str(ei.value) and "s3cret" not in str(ei.value)
 
 
 def test_cluster_url_seeds():
-    spec = parse_l2_adapter('{"type":"valkey","url":"valkeys+cluster://10.0.0.1:7000,[::1]:7001,h3/0"}')
+    spec = parse_l2_adapter('{"type":"valkey","url":"valkeys+cluster://10.0.0.1:7000,[::1]:7001,h3/0"}', {})
     assert spec.cluster and spec.tls and spec.seeds == (("10.0.0.1", 7000), ("::1", 7001), ("h3", 6379))
     assert not RedisL2Spec("redis://h:1/0").cluster
     assert RedisL2Spec("redis+cluster://h:1").describe().startswith("redis cluster ")
@@ -391,12 +392,12 @@ def test_auth_on_the_cluster(tmp_path):
         spec = {"type": "redis", "url": c.url, "chunk_mb": CHUNK / (1 << 20)}
         from hybridkv.server.l2.redis import RedisL2
 
-        with RedisL2(parse_l2_adapter(json.dumps({**spec, "password_file": str(pw)}))) as l2:
+        with RedisL2(parse_l2_adapter(json.dumps({**spec, "password_file": str(pw)}), {})) as l2:
             for i in range(30):
                 l2.put(key_of(i), 0, NS_A, payload(i, SIZE))
             assert all(read_back(l2, key_of(i), 0) == payload(i, SIZE) for i in range(30))
             assert all(len(our_keys(r)) > 0 for r in c.nodes)
-        with RedisL2(parse_l2_adapter(json.dumps(spec))) as stranger:
+        with RedisL2(parse_l2_adapter(json.dumps(spec), {})) as stranger:
             assert read_back(stranger, key_of(1), 0) is None
             with pytest.raises(L2Error):
                 stranger.put(key_of(100), 0, NS_A, b"x" * 100)
@@ -420,12 +421,12 @@ def test_tls_on_the_cluster(tmp_path):
         tls = {"tls_ca_file": f"{certs}/ca.crt", "tls_cert_file": f"{certs}/client.crt",
                "tls_key_file": f"{certs}/client.key"}
         spec = {"type": "redis", "url": c.url, "chunk_mb": CHUNK / (1 << 20)}
-        with RedisL2(parse_l2_adapter(json.dumps({**spec, **tls}))) as l2:
+        with RedisL2(parse_l2_adapter(json.dumps({**spec, **tls}), {})) as l2:
             for i in range(30):
                 l2.put(key_of(i), 0, NS_A, payload(i, SIZE))
             assert all(read_back(l2, key_of(i), 0) == payload(i, SIZE) for i in range(30))
             assert all(len(our_keys(r)) > 0 for r in c.nodes)
-        with RedisL2(parse_l2_adapter(json.dumps({**spec, "tls_ca_file": tls["tls_ca_file"]}))) as no_cert:
+        with RedisL2(parse_l2_adapter(json.dumps({**spec, "tls_ca_file": tls["tls_ca_file"]}), {})) as no_cert:
             assert read_back(no_cert, key_of(1), 0) is None
             assert no_cert.stats()["store_up"] == 0
     finally:

@@ -16,7 +16,7 @@ import tracemalloc
 import pytest
 import rediskit
 from hybridkv.server.l2.header import HEADER_BYTES, ObjectHeader
-from hybridkv.server.l2.specs import RedisL2Spec
+from hybridkv.server.l2.redis_spec import RedisL2Spec
 from rediskit import key_of, payload
 
 pytestmark = pytest.mark.skipif(rediskit.skip_reason() is not None, reason=str(rediskit.skip_reason()))
@@ -155,7 +155,7 @@ def plant(client, key: bytes, ns: bytes, chunks: int, cb: int, prefix: str = "hy
 _CLEAR = r"""
 import json, resource, sys, time
 from hybridkv.server.l2.redis import RedisL2
-from hybridkv.server.l2.specs import RedisL2Spec
+from hybridkv.server.l2.redis_spec import RedisL2Spec
 
 def hwm():
     for line in open("/proc/self/status"):

@@ -28,12 +28,12 @@ def secret_file(tmp_path, name: str, data: bytes, mode: int = 0o600) -> str:
     return str(path)
 
 
-def adapter(url: str, **extra: object):
+def adapter(url: str, env: dict[str, str] | None = None, **extra: object):
     import json
 
     from hybridkv.server.l2.redis import RedisL2
 
-    return RedisL2(parse_l2_adapter(json.dumps({"type": "redis", "url": url, "chunk_mb": 0.25, **extra})))
+    return RedisL2(parse_l2_adapter(json.dumps({"type": "redis", "url": url, "chunk_mb": 0.25, **extra}), env or {}))
 
 
 def read_back(l2, key: bytes, n: int) -> bytes | None:
@@ -48,14 +48,14 @@ def locked_store():
     r.close()
 
 
-def test_auth_takes_the_password_from_a_file_or_an_environment_variable(locked_store, tmp_path, monkeypatch):
+def test_auth_takes_the_password_from_a_file_or_an_environment_variable(locked_store, tmp_path):
     data = random.Random(1).randbytes(300_000)
     pw = secret_file(tmp_path, "pw", b"s3cret-for-the-test\n")
     with adapter(locked_store.url, password_file=pw) as l2:
         l2.put(KEY, 0, NS, data)
         assert read_back(l2, KEY, len(data)) == data
-    monkeypatch.setenv("HKV_TEST_REDIS_PW", "s3cret-for-the-test")
-    with adapter(locked_store.url, password_env="HKV_TEST_REDIS_PW") as l2:
+    env = {"HKV_TEST_REDIS_PW": "s3cret-for-the-test"}  # the environment the edge passes down
+    with adapter(locked_store.url, env, password_env="HKV_TEST_REDIS_PW") as l2:
         assert read_back(l2, KEY, len(data)) == data
         assert "s3cret" not in repr(l2.spec)
     with adapter(locked_store.url) as stranger:  # no password: the store refuses it, which is misses
@@ -80,7 +80,7 @@ def test_secrets_on_the_command_line_or_open_to_others_are_refused(tmp_path, ext
     spec = {"type": "redis", "url": "redis://127.0.0.1:6379/0", **extra}
     text = json.dumps(spec).replace("{tmp}", str(tmp_path))
     with pytest.raises(L2ConfigError, match=says) as ei:
-        parse_l2_adapter(text)
+        parse_l2_adapter(text, {})
     assert "s3cret" not in str(ei.value)
 
 

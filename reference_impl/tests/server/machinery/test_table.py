@@ -82,7 +82,7 @@ def test_keyset_answers_as_one_set(monkeypatch, segment):
 @pytest.mark.parametrize("segment", [3, 1 << 17])
 def test_a_request_set_answers_as_one_set(monkeypatch, segment):
     # what a large request collects per object (misses, objects of another namespace): added again and again, as a
-    # set's add (lookup_turns' passes find the same objects again), asked `in` through its view
+    # set's add (a lookup's passes find the same objects again), asked `in` through its view
     monkeypatch.setattr(table, "KEYSET_SEGMENT", segment)
     rng = random.Random(segment + 1)
     oids = [(rng.randbytes(8), g) for _ in range(30) for g in range(3)]
