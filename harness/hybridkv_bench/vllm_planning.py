@@ -8,7 +8,6 @@ vLLM's scheduler on the result.
 from __future__ import annotations
 
 import copy
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,9 +114,8 @@ def write_config(shape: HybridShape, directory: str | Path, weights_seed: int | 
 
 
 def model_config(model_dir: str | Path, max_model_len: int = 65536):
-    """vLLM's ModelConfig of a local config directory (slow: vLLM inspects the architecture in a subprocess)."""
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    """vLLM's ModelConfig of a local config directory (slow: vLLM inspects the architecture in a subprocess). The
+    caller's edge sets VLLM_TARGET_DEVICE=cpu and HF_HUB_OFFLINE=1 (the `vllm` engine kind's `env`)."""
     from vllm.config import ModelConfig
 
     return ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_model_len)

@@ -147,10 +147,13 @@ def upward_imports() -> list[tuple[str, str]]:
 
 
 def env_reads_below_the_edge() -> list[str]:
-    """Server modules below the front door and kernel modules that read os.environ / os.getenv."""
+    """Server modules below the front door, kernel modules and harness modules below its CLI that read os.environ /
+    os.getenv."""
     out = []
     for name, path in modules().items():
-        below = (name.startswith("hybridkv.server.") and server_layer(name) != 0) or name.startswith("hybridkv_kernels")
+        below = ((name.startswith("hybridkv.server.") and server_layer(name) != 0)
+                 or name.startswith("hybridkv_kernels")
+                 or (name.startswith("hybridkv_bench.") and not name.startswith("hybridkv_bench.cli")))
         if below and any(isinstance(n, ast.Attribute) and n.attr in ("environ", "getenv", "environb")
                          for n in ast.walk(ast.parse(path.read_text()))):
             out.append(name)

@@ -20,12 +20,16 @@ class KindInfo:
     build: str                   # "module:function" of its build(site) -> Engine
     processes: bool = False      # its engines can run as a process each (engines.procs)
     sends_prefetch: bool = True  # it sends a multi_turn's prefetch hints
+    # environment defaults its library reads when imported, set by the CLI (the edge) before a run, never below
+    env: tuple[tuple[str, str], ...] = ()
 
 
 ENGINE_KINDS: dict[EngineKind, KindInfo] = {
     "sim": KindInfo("hybridkv_bench.engines.sim:build", processes=True),
     "transformers": KindInfo("hybridkv_bench.engines.hf.engine:build"),
-    "vllm": KindInfo("hybridkv_bench.engines.vllm:build", sends_prefetch=False),
+    # vLLM's planner only plans here (no model is built): its CPU platform, and no download of the config it wrote
+    "vllm": KindInfo("hybridkv_bench.engines.vllm:build", sends_prefetch=False,
+                     env=(("VLLM_TARGET_DEVICE", "cpu"), ("HF_HUB_OFFLINE", "1"))),
 }
 
 
