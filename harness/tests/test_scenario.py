@@ -6,7 +6,8 @@ from pathlib import Path
 import msgspec
 import pytest
 from benchkit import SCENARIOS
-from hybridkv.presets import HybridModelConfig, preset_layout
+from hybridkv.presets import preset_layout
+from hybridkv.presets.gated_deltanet import HybridModelConfig
 from hybridkv_bench.scenario.load import decode_scenario, find_scenarios, load_scenario
 from hybridkv_bench.scenario.sizes import prefix_bytes, request_prefix_tokens, scaled, working_set_bytes
 from hybridkv_bench.scenario.spec import AXES, ModelOverrides, ScenarioError, expand_matrix

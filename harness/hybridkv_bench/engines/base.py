@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from hybridkv.engine.config import TransferConfig
     from hybridkv.engine.transfer import Hit, KVTransfer
     from hybridkv.layout import ModelLayout
-    from hybridkv.presets import HybridModelConfig
+    from hybridkv.presets.gated_deltanet import HybridModelConfig
 
     from hybridkv_bench.engines.sim import EnginePools
     from hybridkv_bench.scenario.spec import Scenario

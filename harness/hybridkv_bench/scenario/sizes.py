@@ -8,7 +8,6 @@ import math
 
 import msgspec
 from hybridkv.layout import LayoutError, ModelLayout
-from hybridkv.presets import hybrid_layout
 
 from hybridkv_bench.engines.hf.spec import transformers_problem
 from hybridkv_bench.scenario.spec import GIB, RooflinePrefill, Scenario, ScenarioError, expand_matrix
@@ -48,7 +47,7 @@ def validate(scenario: Scenario, source: str = "<scenario>") -> None:
 
     try:
         cfg = scenario.model.config()
-        layout = hybrid_layout(cfg, scenario.model.tp)
+        layout = cfg.layout(scenario.model.tp)
     except (LayoutError, TypeError) as e:
         raise fail(f"model: {e}") from None
     chunk = scenario.model.chunk_tokens

@@ -18,7 +18,8 @@ import msgspec
 from hybridkv.engine.config import CommitMode, Streams
 from hybridkv.layout import ModelLayout
 from hybridkv.policy import Policy
-from hybridkv.presets import HybridModelConfig, hybrid_layout, model_config
+from hybridkv.presets import model_config
+from hybridkv.presets.gated_deltanet import HybridModelConfig
 from hybridkv.wire_formats import DEFAULT_FORMAT, TRAITS, WireFormat
 from hybridkv_kernels.engines import CopyEngine
 
@@ -87,7 +88,7 @@ class ModelSpec(Strict, frozen=True):
 
     def layout(self) -> ModelLayout:
         """The layout of one tensor-parallel rank."""
-        return hybrid_layout(self.config(), self.tp)
+        return self.config().layout(self.tp)
 
     def resolved_chunk_tokens(self, layout: ModelLayout | None = None) -> int:
         layout = layout or self.layout()

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
-from hybridkv.presets import HybridModelConfig
+from hybridkv.presets.gated_deltanet import HybridModelConfig
 
 Arch = Literal["qwen3_5", "qwen3_next"]
 WeightDtype = Literal["float32", "bfloat16"]
