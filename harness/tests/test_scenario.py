@@ -8,9 +8,10 @@ import pytest
 from benchkit import SCENARIOS
 from hybridkv.presets import preset_layout
 from hybridkv.presets.gated_deltanet import HybridModelConfig
+from hybridkv_bench.model_shape import Overrides as ModelOverrides
 from hybridkv_bench.scenario.load import decode_scenario, find_scenarios, load_scenario
 from hybridkv_bench.scenario.sizes import prefix_bytes, request_prefix_tokens, scaled, working_set_bytes
-from hybridkv_bench.scenario.spec import AXES, ModelOverrides, ScenarioError, expand_matrix
+from hybridkv_bench.scenario.spec import AXES, ScenarioError, expand_matrix
 from hybridkv_bench.workloads.l1_pressure import L1Pressure
 from hybridkv_bench.workloads.multi_turn import MultiTurn
 

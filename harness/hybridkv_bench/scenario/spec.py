@@ -9,7 +9,6 @@ into the list of cases a runner executes; `scenario.sizes.scaled` shrinks a scen
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import re
 from typing import TYPE_CHECKING, Literal
@@ -25,6 +24,7 @@ from hybridkv_kernels.engines import CopyEngine
 
 from hybridkv_bench.engines.hf.spec import TransformersSpec
 from hybridkv_bench.engines.registry import ENGINE_KINDS, EngineKind
+from hybridkv_bench.model_shape import Overrides, apply
 from hybridkv_bench.scenario.strict import Strict
 from hybridkv_bench.workloads.registry import Workload
 
@@ -53,38 +53,17 @@ class ScenarioError(ValueError):
     """A scenario file that cannot be run as written; the message names the file and the value."""
 
 
-class ModelOverrides(Strict, frozen=True, omit_defaults=True):
-    """Optional replacements for fields of the preset's HybridModelConfig (None keeps the preset's)."""
-
-    num_layers: int | None = None
-    full_attention_interval: int | None = None
-    num_kv_heads: int | None = None
-    head_dim: int | None = None
-    linear_num_key_heads: int | None = None
-    linear_num_value_heads: int | None = None
-    linear_key_head_dim: int | None = None
-    linear_value_head_dim: int | None = None
-    linear_conv_kernel_dim: int | None = None
-    num_attention_heads: int | None = None
-    hidden_size: int | None = None
-    kv_dtype: str | None = None
-    conv_dtype: str | None = None
-    ssm_dtype: str | None = None
-    active_params: float | None = None
-
-
 class ModelSpec(Strict, frozen=True):
     """Which model's cache to move: a preset, its tensor-parallel size, the chunk size."""
 
     preset: str
     tp: int = 1
     chunk_tokens: int = 0  # 0: the layout's unified block size
-    overrides: ModelOverrides = ModelOverrides()
+    overrides: Overrides = Overrides()
 
     def config(self) -> HybridModelConfig:
         """The preset's config with the overrides applied (raises LayoutError on a bad preset/value)."""
-        changes = {k: v for k, v in msgspec.structs.asdict(self.overrides).items() if v is not None}
-        return dataclasses.replace(model_config(self.preset), **changes)
+        return apply(model_config(self.preset), self.overrides)
 
     def layout(self) -> ModelLayout:
         """The layout of one tensor-parallel rank."""

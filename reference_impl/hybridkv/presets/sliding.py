@@ -79,4 +79,10 @@ GPT_OSS_120B = SlidingWindowConfig(
     name="openai/gpt-oss-120b", pattern="SF" * 18, num_kv_heads=8, head_dim=64, sliding_window=128,
     num_attention_heads=64, hidden_size=2880, active_params=5.1e9,
 )
-PRESETS: dict[str, SlidingWindowConfig] = {"gemma-3-27b": GEMMA3_27B, "gpt-oss-120b": GPT_OSS_120B}
+# Three sliding layers (a window of 100 tokens) and a full one, pages of 2 KiB: the CPU tests of vLLM's planner.
+TINY_SLIDING = SlidingWindowConfig(
+    name="hybridkv/tiny-sliding", pattern="SSSF", num_kv_heads=2, head_dim=16, sliding_window=100,
+    num_attention_heads=4, hidden_size=256,
+)
+PRESETS: dict[str, SlidingWindowConfig] = {"gemma-3-27b": GEMMA3_27B, "gpt-oss-120b": GPT_OSS_120B,
+                                           "tiny-sliding": TINY_SLIDING}
