@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 from hybridkv import presets
@@ -18,6 +18,10 @@ from hybridkv.presets.gated_deltanet import HybridModelConfig
 from hybridkv.presets.sliding import SlidingWindowConfig
 
 from hybridkv_bench.model_shape import transformers_config
+
+if TYPE_CHECKING:
+    from hybridkv.presets.mamba1 import Mamba1HybridConfig
+    from hybridkv.presets.mamba2 import Mamba2HybridConfig
 
 # GDN layers of Qwen3.5/3.6 and Qwen3-Next share one state-shape rule; vLLM's Qwen3.5 module also imports a
 # vision tower that needs torchvision, which has no CPU build for this torch on PyPI, so the planner reads
@@ -77,9 +81,10 @@ def model_config(model_dir: str | Path, max_model_len: int = 65536):
     return ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_model_len)
 
 
-def vllm_config(mc, shape: HybridModelConfig | SlidingWindowConfig, *, tp: int = 1, max_num_batched_tokens: int = 8192,
-                max_num_seqs: int = 8, kv_transfer: dict[str, Any] | None = None,
-                retention_interval: int | None = 0, max_loras: int = 0, kv_events: dict[str, Any] | None = None):
+def vllm_config(mc, shape: HybridModelConfig | Mamba2HybridConfig | Mamba1HybridConfig | SlidingWindowConfig, *,
+                tp: int = 1, max_num_batched_tokens: int = 8192, max_num_seqs: int = 8,
+                kv_transfer: dict[str, Any] | None = None, retention_interval: int | None = 0, max_loras: int = 0,
+                kv_events: dict[str, Any] | None = None):
     """A VllmConfig as `vllm serve` builds it around ModelConfig `mc` (copied), with the hybrid block size aligned
     for FlashAttention. `retention_interval`: vLLM keeps (and offers the connector) a GDN state every that many
     tokens; 0 keeps only the prompt's last boundary and shared-prefix junctions. `max_loras` > 0: as
@@ -91,7 +96,7 @@ def vllm_config(mc, shape: HybridModelConfig | SlidingWindowConfig, *, tp: int =
 
     mc = copy.deepcopy(mc)
     # a sliding-window model keeps no recurrent state: CacheConfig's default SSM dtype
-    ssm_dtype = shape.ssm_dtype if isinstance(shape, HybridModelConfig) else "float32"
+    ssm_dtype = "float32" if isinstance(shape, SlidingWindowConfig) else shape.ssm_dtype
     # prefix caching alone selects the GDN "align" mode, as under `vllm serve --enable-prefix-caching`
     cc = vcfg.CacheConfig(enable_prefix_caching=True, mamba_ssm_cache_dtype=ssm_dtype, block_size=16,
                           prefix_cache_retention_interval=retention_interval)
