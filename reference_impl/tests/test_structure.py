@@ -199,6 +199,14 @@ def test_no_import_cycles_in_the_library_type_only_imports_included():
     assert [c for c in cycles if not all(m.startswith("hybridkv.server.l2.") for m in c)] == []
 
 
+def test_no_import_cycles_in_the_harness_and_kernels_type_only_imports_included():
+    """The harness's scenario.spec <-> engines <-> workloads loop and microbench's compute_beside <-> compute_load <->
+    copy_loop were such cycles: registries name their kinds by "module:attr" strings, a workload's checks get the
+    server and the engine kind's traits rather than the scenario, and the compute load types the sizes it reads."""
+    assert [c for c in import_cycles(typing=True)
+            if any(m.startswith(("hybridkv_bench.", "hybridkv_kernels.")) for m in c)] == []
+
+
 def test_the_server_is_only_layer_folders():
     loose = sorted(p.name for p in PACKAGES["hybridkv"].joinpath("server").glob("*.py") if p.name != "__init__.py")
     assert loose == []
