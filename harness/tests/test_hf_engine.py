@@ -21,7 +21,7 @@ from hybridkv_bench.engines.hf.engine import HFEngine  # noqa: E402
 from hybridkv_bench.engines.hf.model import HFModelError, build_model  # noqa: E402
 from hybridkv_bench.engines.hf.oracle import CONTROLS, judge  # noqa: E402
 from hybridkv_bench.engines.hf.spec import TransformersSpec  # noqa: E402
-from hybridkv_bench.engines.sim import EnginePools  # noqa: E402
+from hybridkv_bench.engines.pools import EnginePools  # noqa: E402
 from hybridkv_bench.scenario.load import decode_scenario
 from hybridkv_bench.scenario.spec import ScenarioError  # noqa: E402
 

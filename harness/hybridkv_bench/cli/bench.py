@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hybridkv_bench.engines.registry import ENGINE_KINDS
+    from hybridkv_bench.engines.registry import engine_kind
     from hybridkv_bench.report.markdown import write_report
     from hybridkv_bench.run.options import BenchError, BenchOptions
     from hybridkv_bench.run.runner import run_bench
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         sf = load_scenario(args.scenario)
         if args.quick is not None:
             sf = sf.scaled(args.quick)
-        for name, value in ENGINE_KINDS[sf.scenario.engine].env:
+        for name, value in engine_kind(sf.scenario.engine).env:
             os.environ.setdefault(name, value)  # the engine kind's library reads these as it is imported
         options = BenchOptions(out=Path(args.out) if args.out else None, server=args.server, cases=args.cases,
                                device=args.device)

@@ -23,15 +23,20 @@ from hybridkv.wire_formats import DEFAULT_FORMAT, TRAITS, WireFormat
 from hybridkv_kernels.engines import CopyEngine
 
 from hybridkv_bench.engines.hf.spec import TransformersSpec
-from hybridkv_bench.engines.registry import ENGINE_KINDS, EngineKind
+from hybridkv_bench.engines.registry import engine_kind
 from hybridkv_bench.model_shape import Overrides, apply
+from hybridkv_bench.scenario.server import ServerSpec
 from hybridkv_bench.scenario.strict import Strict
-from hybridkv_bench.workloads.registry import Workload
+from hybridkv_bench.workloads import registry as workload_registry
 
 if TYPE_CHECKING:
     from hybridkv.engine.config import TransferConfig
 
-GIB = 1 << 30
+    # what a decoded scenario's workloads are: instances of the registered kinds
+    from hybridkv_bench.workloads.base import WorkloadKind as Workload
+else:
+    # what msgspec sees: a non-struct type, decoded by the registry's hook (`convert`)
+    from hybridkv_bench.workloads.base import WorkloadTable as Workload
 
 Device = Literal["auto", "cpu", "cuda"]
 # How the engines of a workload that runs several at once run: threads of the runner's process, or a
@@ -72,31 +77,6 @@ class ModelSpec(Strict, frozen=True):
     def resolved_chunk_tokens(self, layout: ModelLayout | None = None) -> int:
         layout = layout or self.layout()
         return self.chunk_tokens or layout.default_chunk_tokens()
-
-
-class ServerSpec(Strict, frozen=True):
-    """Cache-server capacities. GiB = 2**30 bytes."""
-
-    l1_gib: float
-    l2_gib: float = 0.0  # 0: no L2
-    l2_dir: str = ""  # "": a temporary directory made by the runner
-    client_timeout_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        if not self.l1_gib > 0:
-            raise ValueError(f"l1_gib must be positive, got {self.l1_gib}")
-        if self.l2_gib < 0:
-            raise ValueError(f"l2_gib must be >= 0, got {self.l2_gib}")
-        if not self.client_timeout_s > 0:
-            raise ValueError(f"client_timeout_s must be positive, got {self.client_timeout_s}")
-
-    @property
-    def l1_bytes(self) -> int:
-        return int(self.l1_gib * GIB)
-
-    @property
-    def l2_bytes(self) -> int:
-        return int(self.l2_gib * GIB)
 
 
 class RooflinePrefill(Strict, frozen=True, tag_field="kind", tag="roofline"):
@@ -176,7 +156,7 @@ class Scenario(Strict, frozen=True):
     warmup: int = 0
     device: Device = "auto"
     matrix: Matrix = Matrix()
-    engine: EngineKind = "sim"
+    engine: str = "sim"  # a kind of engines.registry
     transformers: TransformersSpec = TransformersSpec()  # read when engine = "transformers"
     engines_as: EnginesAs = "auto"
     commit: CommitMode = "fenced"  # every case's stores' commit (TransferConfig.commit)
@@ -195,7 +175,8 @@ class Scenario(Strict, frozen=True):
         labels = [w.label for w in self.workloads]
         if len(set(labels)) != len(labels):
             raise ValueError(f"workload names must be unique (set `name` to tell them apart): {labels}")
-        if self.engines_as == "processes" and not ENGINE_KINDS[self.engine].processes:
+        kind = engine_kind(self.engine)  # ValueError naming the known kinds
+        if self.engines_as == "processes" and not kind.processes:
             raise ValueError(f"engines_as = 'processes' runs engines of the sim kind only; engine = {self.engine!r} "
                              "runs its engines in threads (set engines_as = 'threads' or 'auto')")
 
@@ -210,7 +191,13 @@ class Scenario(Strict, frozen=True):
             return False
         if self.engines_as != "auto":
             return self.engines_as == "processes"
-        return ENGINE_KINDS[self.engine].processes and device_type == "cuda"
+        return engine_kind(self.engine).processes and device_type == "cuda"
+
+
+def convert(data: object) -> Scenario:
+    """A scenario from plain data (a TOML table, run.json's record), decoded strictly: each workload table by its
+    kind's registered class. Raises msgspec.ValidationError."""
+    return msgspec.convert(data, type=Scenario, dec_hook=workload_registry.dec_hook)
 
 
 class TransferAxes(msgspec.Struct, frozen=True, kw_only=True):
