@@ -8,6 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 from benchkit import SCENARIOS
+from hybridkv.engine.config import TransferAxes
 from hybridkv.presets import preset_layout
 from hybridkv.presets.gated_deltanet import HybridModelConfig
 from hybridkv_bench.model_shape import Overrides as ModelOverrides
@@ -229,7 +230,8 @@ def test_the_matrix_axes_are_typed_as_the_transfer_config_types_them():
 
     no_torch = "import sys, hybridkv_bench.scenario.load; assert 'torch' not in sys.modules, 'reading imports torch'"
     assert subprocess.run([sys.executable, "-c", no_torch]).returncode == 0
-    assert spec.TransferAxes.__struct_fields__ == AXES
+    assert set(AXES) | {"commit"} == {f.name for f in dataclasses.fields(TransferAxes)}
+    assert tuple(spec.Exclude.__struct_fields__) == AXES == tuple(spec.Matrix.__struct_fields__[:-1])
     case = expand_matrix(decode_scenario(BASE))[0]
     assert isinstance(case.transfer, TransferConfig)
     assert {a: getattr(case.transfer, a) for a in AXES} == case.axes

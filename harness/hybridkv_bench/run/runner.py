@@ -14,7 +14,6 @@ removes temp files and leaves run.json marked incomplete.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import shutil
@@ -287,8 +286,8 @@ class Runner:
                 for e, (rank, device) in enumerate(zip(plan.ranks, self.engine_devices(workload), strict=True))]
 
     def _transfer(self, case: Case) -> TransferConfig:
-        """The case's transfer settings with the scenario's own (the commit mode: not a matrix axis)."""
-        return dataclasses.replace(case.transfer, commit=self.scenario.commit)
+        """The case's transfer settings (its axes and the scenario's commit mode)."""
+        return case.transfer
 
     def _prefill(self, new: int, cached: int) -> float:
         return prefill_seconds(self.scenario.prefill, self.cfg, self.scenario.model.tp, new, cached)

@@ -9,12 +9,13 @@ into the list of cases a runner executes; `scenario.sizes.scaled` shrinks a scen
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 from typing import TYPE_CHECKING, Literal
 
 import msgspec
-from hybridkv.engine.config import CommitMode, Streams
+from hybridkv.engine.config import CommitMode, Streams, TransferAxes, TransferConfig
 from hybridkv.layout import ModelLayout
 from hybridkv.policy import Policy
 from hybridkv.presets import model_config
@@ -30,8 +31,6 @@ from hybridkv_bench.scenario.strict import Strict
 from hybridkv_bench.workloads import registry as workload_registry
 
 if TYPE_CHECKING:
-    from hybridkv.engine.config import TransferConfig
-
     # what a decoded scenario's workloads are: instances of the registered kinds
     from hybridkv_bench.workloads.base import WorkloadKind as Workload
 else:
@@ -43,8 +42,9 @@ Device = Literal["auto", "cpu", "cuda"]
 # process each (as vLLM runs its TP ranks); auto: processes for the sim engine on CUDA (see engines_in_processes)
 EnginesAs = Literal["auto", "threads", "processes"]
 
-# Matrix axes in case-name order: `shm-kernel-single-boundary-all`.
-AXES = ("wire_format", "copy_engine", "streams", "retrieve_policy", "store_policy")
+# Matrix axes in case-name order: `shm-kernel-single-boundary-all`: the transfer axes but the commit, which a
+# scenario sets for every case (`Scenario.commit`). Exclude and Matrix hold one field per axis.
+AXES = tuple(f.name for f in dataclasses.fields(TransferAxes) if f.name != "commit")
 
 # What a wire format needs inside the cache server (hybridkv.wire_formats' traits): the gate reads these two
 # sets; nothing else may decide which invariant applies to which format.
@@ -119,7 +119,7 @@ class Exclude(Strict, frozen=True, omit_defaults=True):
             raise ValueError("an exclude entry needs at least one axis")
 
     def matches(self, axes: TransferAxes) -> bool:
-        values = msgspec.structs.asdict(axes)
+        values = axes.axes()
         return all(v is None or values[k] == v for k, v in msgspec.structs.asdict(self).items())
 
 
@@ -200,33 +200,21 @@ def convert(data: object) -> Scenario:
     return msgspec.convert(data, type=Scenario, dec_hook=workload_registry.dec_hook)
 
 
-class TransferAxes(msgspec.Struct, frozen=True, kw_only=True):
-    """The transfer settings one case of the matrix fixes, typed as `TransferConfig` types them."""
-
-    wire_format: WireFormat
-    copy_engine: CopyEngine
-    streams: Streams
-    retrieve_policy: Policy
-    store_policy: Policy
-
-
 class Case(msgspec.Struct, frozen=True, kw_only=True):
     """One point of the matrix: a stable name and its transfer settings."""
 
     name: str
-    settings: TransferAxes
+    settings: TransferAxes  # the matrix's axes and the scenario's commit
 
     @property
     def transfer(self) -> TransferConfig:
         """The case's `TransferConfig` (rank, chunk, salt and name at their defaults: each engine sets its own)."""
-        from hybridkv.engine.config import TransferConfig  # imports the engine (torch): only a runner asks
-
-        return TransferConfig(**msgspec.structs.asdict(self.settings))
+        return TransferConfig(**self.settings.axes())
 
     @property
     def axes(self) -> dict[str, str]:
         """The settings by axis name, in AXES order: what run.json, requests.csv and the report's tables show."""
-        return {a: str(v) for a, v in msgspec.structs.asdict(self.settings).items()}
+        return {a: str(getattr(self.settings, a)) for a in AXES}
 
 
 def expand_matrix(scenario: Scenario) -> list[Case]:
@@ -235,7 +223,7 @@ def expand_matrix(scenario: Scenario) -> list[Case]:
     cases = []
     used = [False] * len(m.exclude)
     for values in itertools.product(*(getattr(m, a) for a in AXES)):
-        axes = msgspec.convert(dict(zip(AXES, values, strict=True)), TransferAxes)
+        axes = TransferAxes(**dict(zip(AXES, values, strict=True)), commit=scenario.commit)
         hits = [i for i, ex in enumerate(m.exclude) if ex.matches(axes)]
         for i in hits:
             used[i] = True
