@@ -1,19 +1,27 @@
-"""vLLM 0.33's KV-cache planning for models that are never built: the config fields that decide a KV cache
-(`HybridShape`: Qwen3-Next-shaped full attention + GDN; `SlidingShape`: Gemma 3-shaped full + sliding-window
-attention), config.json files written by transformers, vLLM's ModelConfig and VllmConfig around them, the layers'
-KV-cache specs as vLLM's layer classes report them, and vLLM's own planner over those specs. `vllm_offline` runs
-vLLM's scheduler on the result.
+"""vLLM 0.33's KV-cache planning for models that are never built: the config fields that decide a KV cache (a
+Gated DeltaNet preset, `hybridkv.presets.gated_deltanet.HybridModelConfig`, with any overrides: full attention + GDN;
+a sliding-window preset: Gemma 3-shaped full + sliding-window attention), config.json files written by transformers,
+vLLM's ModelConfig and VllmConfig around them, the layers' KV-cache specs as vLLM's layer classes report them, and
+vLLM's own planner over those specs. `vllm_offline` runs vLLM's scheduler on the result.
 """
 
 from __future__ import annotations
 
 import copy
-import os
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
+from hybridkv import presets
+from hybridkv.presets.gated_deltanet import HybridModelConfig
+from hybridkv.presets.sliding import SlidingWindowConfig
+
+from hybridkv_bench.model_shape import transformers_config
+
+if TYPE_CHECKING:
+    from hybridkv.presets.mamba1 import Mamba1HybridConfig
+    from hybridkv.presets.mamba2 import Mamba2HybridConfig
 
 # GDN layers of Qwen3.5/3.6 and Qwen3-Next share one state-shape rule; vLLM's Qwen3.5 module also imports a
 # vision tower that needs torchvision, which has no CPU build for this torch on PyPI, so the planner reads
@@ -22,55 +30,12 @@ import numpy as np
 ARCHITECTURE = "Qwen3NextForCausalLM"
 
 
-@dataclass(frozen=True, slots=True)
-class HybridShape:
-    """The config fields that decide a Qwen3.5/3.6/Next KV cache."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int = 128
-    linear_value_head_dim: int = 128
-    linear_conv_kernel_dim: int = 4
-    full_attention_interval: int = 4
-    num_attention_heads: int = 16
-    hidden_size: int = 1024
-    ssm_dtype: str = "float32"
+# The presets vLLM's planner is asked about in the tests: the tiny hybrid and a tiny Gemma 3-shaped model.
+TINY = presets.model_config("tiny-hybrid")
+TINY_SLIDING = cast(SlidingWindowConfig, presets.preset("tiny-sliding"))
 
 
-QWEN36_27B = HybridShape(num_layers=64, num_kv_heads=4, head_dim=256, linear_num_key_heads=16,
-                         linear_num_value_heads=48, num_attention_heads=24, hidden_size=5120)
-QWEN3_NEXT_80B = HybridShape(num_layers=48, num_kv_heads=2, head_dim=256, linear_num_key_heads=16,
-                             linear_num_value_heads=32, hidden_size=2048, ssm_dtype="bfloat16")
-TINY = HybridShape(num_layers=8, num_kv_heads=2, head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8,
-                   linear_key_head_dim=16, linear_value_head_dim=16, num_attention_heads=4, hidden_size=64)
-SHAPES = {"qwen3.6-27b": QWEN36_27B, "qwen3-next-80b-a3b": QWEN3_NEXT_80B, "tiny-hybrid": TINY}
-
-
-@dataclass(frozen=True, slots=True)
-class SlidingShape:
-    """The config fields that decide a Gemma 3-style KV cache: `pattern` one character per layer, `S` a sliding
-    window of `sliding_window` tokens, `F` full attention."""
-
-    pattern: str
-    num_kv_heads: int
-    head_dim: int
-    sliding_window: int
-    num_attention_heads: int = 4
-    hidden_size: int = 256
-    ssm_dtype: str = "float32"  # no recurrent state: CacheConfig's default, for vllm_config's signature
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.pattern)
-
-
-TINY_SLIDING = SlidingShape(pattern="SSSF", num_kv_heads=2, head_dim=16, sliding_window=100)
-
-
-def write_sliding_config(shape: SlidingShape, directory: str | Path) -> Path:
+def write_sliding_config(shape: SlidingWindowConfig, directory: str | Path) -> Path:
     """A local Gemma 3 text model directory holding a config.json written by transformers (nothing downloaded)."""
     from transformers import Gemma3TextConfig
 
@@ -86,21 +51,15 @@ def write_sliding_config(shape: SlidingShape, directory: str | Path) -> Path:
     return path
 
 
-def write_config(shape: HybridShape, directory: str | Path, weights_seed: int | None = None, **overrides: Any) -> Path:
+def write_config(shape: HybridModelConfig, directory: str | Path, weights_seed: int | None = None,
+                 **overrides: Any) -> Path:
     """A local model directory holding a config.json written by transformers (nothing downloaded; `overrides` set
     further config fields) and, with `weights_seed`, a small safetensors file of seeded random weights: what the
-    connector's model identity reads (the forward is simulated, so no weight is ever used)."""
-    from transformers import Qwen3_5TextConfig
-
-    cfg = Qwen3_5TextConfig(
-        num_hidden_layers=shape.num_layers, hidden_size=shape.hidden_size,
-        num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim, linear_num_key_heads=shape.linear_num_key_heads,
-        linear_num_value_heads=shape.linear_num_value_heads, linear_key_head_dim=shape.linear_key_head_dim,
-        linear_value_head_dim=shape.linear_value_head_dim, linear_conv_kernel_dim=shape.linear_conv_kernel_dim,
-        layer_types=["full_attention" if (i + 1) % shape.full_attention_interval == 0 else "linear_attention"
-                     for i in range(shape.num_layers)],
-        vocab_size=1024, intermediate_size=256, max_position_embeddings=1 << 20, **overrides)
+    connector's model identity reads (the forward is simulated, so no weight is ever used). A preset without
+    attention heads or hidden size plans with 16 and 1024 (neither decides the KV cache)."""
+    shape = replace(shape, num_attention_heads=shape.num_attention_heads or 16, hidden_size=shape.hidden_size or 1024)
+    cfg = transformers_config(shape, "qwen3_5", vocab_size=1024, intermediate_size=256,
+                              max_position_embeddings=1 << 20, **overrides)
     cfg.architectures = [ARCHITECTURE]
     cfg.mamba_ssm_dtype = shape.ssm_dtype
     path = Path(directory)
@@ -115,17 +74,17 @@ def write_config(shape: HybridShape, directory: str | Path, weights_seed: int | 
 
 
 def model_config(model_dir: str | Path, max_model_len: int = 65536):
-    """vLLM's ModelConfig of a local config directory (slow: vLLM inspects the architecture in a subprocess)."""
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    """vLLM's ModelConfig of a local config directory (slow: vLLM inspects the architecture in a subprocess). The
+    caller's edge sets VLLM_TARGET_DEVICE=cpu and HF_HUB_OFFLINE=1 (the `vllm` engine kind's `env`)."""
     from vllm.config import ModelConfig
 
     return ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_model_len)
 
 
-def vllm_config(mc, shape: HybridShape | SlidingShape, *, tp: int = 1, max_num_batched_tokens: int = 8192,
-                max_num_seqs: int = 8, kv_transfer: dict[str, Any] | None = None,
-                retention_interval: int | None = 0, max_loras: int = 0, kv_events: dict[str, Any] | None = None):
+def vllm_config(mc, shape: HybridModelConfig | Mamba2HybridConfig | Mamba1HybridConfig | SlidingWindowConfig, *,
+                tp: int = 1, max_num_batched_tokens: int = 8192, max_num_seqs: int = 8,
+                kv_transfer: dict[str, Any] | None = None, retention_interval: int | None = 0, max_loras: int = 0,
+                kv_events: dict[str, Any] | None = None):
     """A VllmConfig as `vllm serve` builds it around ModelConfig `mc` (copied), with the hybrid block size aligned
     for FlashAttention. `retention_interval`: vLLM keeps (and offers the connector) a GDN state every that many
     tokens; 0 keeps only the prompt's last boundary and shared-prefix junctions. `max_loras` > 0: as
@@ -136,8 +95,10 @@ def vllm_config(mc, shape: HybridShape | SlidingShape, *, tp: int = 1, max_num_b
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 
     mc = copy.deepcopy(mc)
+    # a sliding-window model keeps no recurrent state: CacheConfig's default SSM dtype
+    ssm_dtype = "float32" if isinstance(shape, SlidingWindowConfig) else shape.ssm_dtype
     # prefix caching alone selects the GDN "align" mode, as under `vllm serve --enable-prefix-caching`
-    cc = vcfg.CacheConfig(enable_prefix_caching=True, mamba_ssm_cache_dtype=shape.ssm_dtype, block_size=16,
+    cc = vcfg.CacheConfig(enable_prefix_caching=True, mamba_ssm_cache_dtype=ssm_dtype, block_size=16,
                           prefix_cache_retention_interval=retention_interval)
     sc = vcfg.SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                               max_model_len=mc.max_model_len, is_encoder_decoder=False, enable_chunked_prefill=True)
@@ -147,7 +108,7 @@ def vllm_config(mc, shape: HybridShape | SlidingShape, *, tp: int = 1, max_num_b
                          lora_config=vcfg.LoRAConfig(max_loras=max_loras) if max_loras else None,
                          kv_events_config=vcfg.KVEventsConfig(**kv_events) if kv_events else None)
     # the SSM dtype asked for, as on a GPU: vLLM's CPU platform makes it float32 where the CPU has AVX-512 BF16
-    vc.cache_config.mamba_ssm_cache_dtype = shape.ssm_dtype
+    vc.cache_config.mamba_ssm_cache_dtype = ssm_dtype
     # What update_block_size_for_backend does on a GPU once the layers exist: FlashAttention's kernel
     # alignment (16 tokens), the attention block raised until its page holds a GDN state, the state padded.
     if mc.is_hybrid:

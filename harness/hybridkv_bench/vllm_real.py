@@ -24,18 +24,30 @@ import statistics
 import tempfile
 import time
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import numpy as np
+from hybridkv.presets import model_config, preset_names
+from hybridkv.presets.gated_deltanet import HybridModelConfig
+
+from hybridkv_bench.model_shape import transformers_config
+
+# What a scenario's [model] keys replace in the preset's config (the rest, e.g. the linear head dims of 128 and the
+# conv kernel vLLM's CPU GDN kernel wants, stays the preset's)
+_CONFIG_FIELDS = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_attention_heads",
+                  "kv_heads": "num_kv_heads", "head_dim": "head_dim", "linear_k_heads": "linear_num_key_heads",
+                  "linear_v_heads": "linear_num_value_heads", "full_attention_interval": "full_attention_interval"}
 
 
 class ModelShape(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """A Qwen3-Next-shaped hybrid: every `full_attention_interval`-th layer full attention, the rest Gated
-    DeltaNet (vLLM's CPU GDN kernel wants bf16 and linear head dims of 128)."""
+    """A small Qwen3-Next-shaped hybrid: a Gated DeltaNet preset (`preset`) with these overrides (`config()`), every
+    `full_attention_interval`-th layer full attention, the rest Gated DeltaNet (bf16 weights), and what the cache
+    layout does not decide (experts, vocabulary, the weights' seed)."""
 
+    preset: str = "qwen3-next-80b-a3b"
     layers: int = 4
     hidden: int = 256
     heads: int = 4
@@ -49,8 +61,10 @@ class ModelShape(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.preset not in preset_names():
+            raise ValueError(f"model preset must be one of {', '.join(preset_names())}, got {self.preset!r}")
         for name in self.__struct_fields__:
-            if name != "seed" and getattr(self, name) < 1:
+            if name not in ("seed", "preset") and getattr(self, name) < 1:
                 raise ValueError(f"model {name} must be >= 1, got {getattr(self, name)}")
         if self.layers % self.full_attention_interval:
             raise ValueError(f"model layers ({self.layers}) must be a multiple of full_attention_interval "
@@ -58,26 +72,26 @@ class ModelShape(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.linear_v_heads % self.linear_k_heads or self.heads % self.kv_heads:
             raise ValueError("model linear_v_heads must be a multiple of linear_k_heads, heads of kv_heads")
 
+    def config(self) -> HybridModelConfig:
+        """The preset's config with this shape's overrides: the one model shape the written model has."""
+        return replace(model_config(self.preset), name=f"hybridkv/vllm-real-{self.layers}-layers",
+                       **{field: getattr(self, key) for key, field in _CONFIG_FIELDS.items()})
+
 
 def write_model(directory: str | Path, shape: ModelShape | None = None) -> Path:
     """Config, random bf16 weights and a word-level tokenizer ("t0 t1 ...") in `directory`; nothing downloaded."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen3NextConfig, Qwen3NextForCausalLM
+    from transformers import PreTrainedTokenizerFast, Qwen3NextForCausalLM
 
     shape = shape or ModelShape()
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    fields: dict[str, Any] = dict(
-        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=2 * shape.hidden,
-        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim, linear_num_key_heads=shape.linear_k_heads,
-        linear_num_value_heads=shape.linear_v_heads, linear_key_head_dim=128, linear_value_head_dim=128,
-        linear_conv_kernel_dim=4, full_attention_interval=shape.full_attention_interval,
+    cfg = transformers_config(
+        shape.config(), "qwen3_next", vocab_size=shape.vocab, intermediate_size=2 * shape.hidden,
         num_experts=shape.experts, num_experts_per_tok=min(2, shape.experts),
         moe_intermediate_size=max(1, shape.hidden // 2), shared_expert_intermediate_size=max(1, shape.hidden // 2),
         decoder_sparse_step=1, max_position_embeddings=1 << 17, tie_word_embeddings=False, initializer_range=0.08)
-    cfg = Qwen3NextConfig(**fields)
     torch.manual_seed(shape.seed)
     model: Any = Qwen3NextForCausalLM(cfg)
     model.to(torch.bfloat16).save_pretrained(path)

@@ -14,19 +14,19 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 from benchkit import SCENARIOS  # noqa: E402
 from hybridkv.engine.transfer import KVTransfer, TransferConfig  # noqa: E402
-from hybridkv.presets import TINY_HYBRID, hybrid_layout  # noqa: E402
+from hybridkv.presets.gated_deltanet import TINY_HYBRID  # noqa: E402
 from hybridkv.server.books.config import GIB, ServerConfig  # noqa: E402
 from hybridkv.server.front.launch import start_server  # noqa: E402
 from hybridkv_bench.engines.hf.engine import HFEngine  # noqa: E402
 from hybridkv_bench.engines.hf.model import HFModelError, build_model  # noqa: E402
 from hybridkv_bench.engines.hf.oracle import CONTROLS, judge  # noqa: E402
 from hybridkv_bench.engines.hf.spec import TransformersSpec  # noqa: E402
-from hybridkv_bench.engines.sim import EnginePools  # noqa: E402
+from hybridkv_bench.engines.pools import EnginePools  # noqa: E402
 from hybridkv_bench.scenario.load import decode_scenario
 from hybridkv_bench.scenario.spec import ScenarioError  # noqa: E402
 
 CFG = dataclasses.replace(TINY_HYBRID, kv_dtype="float32", conv_dtype="float32")
-LAYOUT = hybrid_layout(CFG)
+LAYOUT = CFG.layout()
 CHUNK = LAYOUT.default_chunk_tokens()  # 48
 
 

@@ -270,7 +270,7 @@ def test_interrupt_stops_servers_and_leaves_an_incomplete_run(tmp_path: Path):
 
 def test_page_contents_differ_per_page_and_are_never_constant():
     import torch
-    from hybridkv_bench.engines.sim import PagePattern, page_seed
+    from hybridkv_bench.engines.pools import PagePattern, page_seed
 
     key_a, key_b = bytes(range(16)), bytes(range(1, 17))
     seeds = [page_seed(k, g, layer, j)

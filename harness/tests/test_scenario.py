@@ -1,15 +1,21 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
 import pytest
 from benchkit import SCENARIOS
-from hybridkv.presets import HybridModelConfig, preset_layout
+from hybridkv.engine.config import TransferAxes
+from hybridkv.presets import preset_layout
+from hybridkv.presets.gated_deltanet import HybridModelConfig
+from hybridkv_bench.model_shape import Overrides as ModelOverrides
 from hybridkv_bench.scenario.load import decode_scenario, find_scenarios, load_scenario
 from hybridkv_bench.scenario.sizes import prefix_bytes, request_prefix_tokens, scaled, working_set_bytes
-from hybridkv_bench.scenario.spec import AXES, ModelOverrides, ScenarioError, expand_matrix
+from hybridkv_bench.scenario.spec import AXES, ScenarioError, expand_matrix
+from hybridkv_bench.workloads import registry
 from hybridkv_bench.workloads.l1_pressure import L1Pressure
 from hybridkv_bench.workloads.multi_turn import MultiTurn
 
@@ -120,7 +126,14 @@ def test_unknown_field_names_the_key_path_and_file():
      "invalid enum value 'rdma' at $.matrix.wire_format[1]"),
     (dict(extra="[matrix]\nwire_format = ['shm', 'shm']\n"), "lists a value twice"),
     (dict(extra="[matrix]\nstreams = []\n"), "axis streams needs at least one value"),
-    (dict(extra="[[workloads]]\nkind = 'chat'\n"), "invalid value 'chat' at $.workloads[1].kind"),
+    (dict(extra="[[workloads]]\nkind = 'chat'\n"), "invalid value 'chat' (known: divergence, fan_out, l1_pressure, "
+                                                 "long_doc_qa, multi_engine, multi_turn, store_while_load) at "
+                                                 "$.workloads[1].kind"),
+    (dict(extra="[[workloads]]\nprompt_tokens = 800\n"), "missing required field `kind` at $.workloads[1]"),
+    (dict(extra="[[workloads]]\nkind = 'fan_out'\nsystem_tokens = 'a'\nuser_tokens = 8\nrequests = 2\n"),
+     "expected `int`, got `str` at $.workloads[1].system_tokens"),
+    (dict(replace={'name = "t"': 'name = "t"\nengine = "tensorrt"'}),
+     "unknown engine kind 'tensorrt'; known: sim, transformers, vllm"),
     (dict(extra="[[workloads]]\nkind = 'long_doc_qa'\nprompt_tokens = 800\nquestion_tokens = 1\n"),
      "workload names must be unique"),
     (dict(extra="[[workloads]]\nkind = 'l1_pressure'\ndocuments = 2\nprompt_tokens = 800\n"),
@@ -217,7 +230,35 @@ def test_the_matrix_axes_are_typed_as_the_transfer_config_types_them():
 
     no_torch = "import sys, hybridkv_bench.scenario.load; assert 'torch' not in sys.modules, 'reading imports torch'"
     assert subprocess.run([sys.executable, "-c", no_torch]).returncode == 0
-    assert spec.TransferAxes.__struct_fields__ == AXES
+    assert set(AXES) | {"commit"} == {f.name for f in dataclasses.fields(TransferAxes)}
+    assert tuple(spec.Exclude.__struct_fields__) == AXES == tuple(spec.Matrix.__struct_fields__[:-1])
     case = expand_matrix(decode_scenario(BASE))[0]
     assert isinstance(case.transfer, TransferConfig)
     assert {a: getattr(case.transfer, a) for a in AXES} == case.axes
+
+
+def test_a_scenario_imports_only_the_workload_kinds_it_names():
+    """The workload registry is lazy: decoding a scenario of one kind imports that kind's module alone."""
+    code = ("import sys; from hybridkv_bench.scenario.load import decode_scenario; decode_scenario(sys.argv[1]); "
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('hybridkv_bench.workloads.'))))")
+    out = subprocess.run([sys.executable, "-c", code, BASE], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["hybridkv_bench.workloads.base", "hybridkv_bench.workloads.long_doc_qa",
+                   "hybridkv_bench.workloads.registry"]
+
+
+def test_a_new_workload_kind_is_one_module_and_one_registration(tmp_path, monkeypatch):
+    (tmp_path / "hkv_workload_probe.py").write_text(
+        "from hybridkv_bench.workloads.fan_out import FanOut\n\n\n"
+        "class Probe(FanOut, frozen=True, tag='probe', kw_only=True):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "WORKLOAD_KINDS", dict(registry.WORKLOAD_KINDS))
+    registry.register_workload("probe", "hkv_workload_probe:Probe")
+    s = decode(extra="[[workloads]]\nkind = 'probe'\nsystem_tokens = 800\nuser_tokens = 8\nrequests = 2\n")
+    assert type(s.workloads[1]).__name__ == "Probe" and s.workloads[1].kind == "probe"
+    assert msgspec.to_builtins(s)["workloads"][1] == {"kind": "probe", "name": "", "system_tokens": 800,
+                                                        "user_tokens": 8, "requests": 2}
+    with pytest.raises(ValueError, match="'probe' is registered already"):
+        registry.register_workload("probe", "hkv_workload_probe:Probe")
+    registry.register_workload("probe2", "hkv_workload_probe:Probe")
+    with pytest.raises(ScenarioError, match="tagged 'probe', registered as 'probe2'"):
+        decode(extra="[[workloads]]\nkind = 'probe2'\nsystem_tokens = 800\nuser_tokens = 8\nrequests = 2\n")

@@ -7,6 +7,7 @@ Exit status: 0 every case ran and verified; 1 some case failed (the run folder s
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -35,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hybridkv_bench.engines.registry import engine_kind
     from hybridkv_bench.report.markdown import write_report
     from hybridkv_bench.run.options import BenchError, BenchOptions
     from hybridkv_bench.run.runner import run_bench
@@ -45,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
         sf = load_scenario(args.scenario)
         if args.quick is not None:
             sf = sf.scaled(args.quick)
+        for name, value in engine_kind(sf.scenario.engine).env:
+            os.environ.setdefault(name, value)  # the engine kind's library reads these as it is imported
         options = BenchOptions(out=Path(args.out) if args.out else None, server=args.server, cases=args.cases,
                                device=args.device, planted_slowdown=args.planted_slowdown)
         outcome = run_bench(sf, options)

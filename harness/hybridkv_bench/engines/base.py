@@ -4,9 +4,12 @@ by the kind's `build` function (`engines.registry` names them)."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+from hybridkv_bench.engines.registry import engine_kind
 
 if TYPE_CHECKING:
     import numpy as np
@@ -15,9 +18,9 @@ if TYPE_CHECKING:
     from hybridkv.engine.config import TransferConfig
     from hybridkv.engine.transfer import Hit, KVTransfer
     from hybridkv.layout import ModelLayout
-    from hybridkv.presets import HybridModelConfig
+    from hybridkv.presets.gated_deltanet import HybridModelConfig
 
-    from hybridkv_bench.engines.sim import EnginePools
+    from hybridkv_bench.engines.pools import EnginePools
     from hybridkv_bench.scenario.spec import Scenario
 
 CLIENT_TIMEOUT_S = 300.0  # one call may carry a legacy-format payload of GBs through a serializer
@@ -140,3 +143,9 @@ def refuse_gate(kind: str, gate: Callable[[str], None] | None) -> None:
     """Raise for an aligned request on an engine kind that cannot align its transfers."""
     if gate is not None:
         raise ValueError(f"the {kind} engine cannot align its transfers with other engines'")
+
+
+def builder(kind: str) -> Callable[[EngineSite], Engine]:
+    """The build function of engine kind `kind` (`engines.registry`), its module imported now."""
+    module, _, name = engine_kind(kind).build.partition(":")
+    return cast("Callable[[EngineSite], Engine]", getattr(importlib.import_module(module), name))

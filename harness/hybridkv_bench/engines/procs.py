@@ -50,7 +50,8 @@ from hybridkv.engine.client import CacheClient
 from hybridkv.engine.config import TransferConfig
 
 from hybridkv_bench.engines.base import CLIENT_TIMEOUT_S
-from hybridkv_bench.engines.sim import EnginePools, SimEngine, sim_transfer
+from hybridkv_bench.engines.pools import EnginePools
+from hybridkv_bench.engines.sim import SimEngine, sim_transfer
 from hybridkv_bench.engines.step import RepeatInfo, abort_all, align_barriers, rank_overlap, request_index, run_request
 from hybridkv_bench.metrics import RequestRow
 from hybridkv_bench.prefill import prefill_seconds

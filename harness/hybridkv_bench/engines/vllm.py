@@ -17,24 +17,13 @@ from pathlib import Path
 import numpy as np
 from hybridkv.engine.config import TransferConfig
 from hybridkv.engine.vllm.settings import kv_transfer_config
-from hybridkv.presets import HybridModelConfig
+from hybridkv.presets.gated_deltanet import HybridModelConfig
 
 from hybridkv_bench import vllm_offline as offline
 from hybridkv_bench import vllm_planning as planning
 from hybridkv_bench.engines.base import EngineSite, HitMismatch, RequestResult, refuse_gate
 
 _MODEL_CONFIGS: dict[tuple[HybridModelConfig, int], object] = {}  # vLLM inspects an architecture for ~30 s
-
-
-def shape_of(cfg: HybridModelConfig) -> planning.HybridShape:
-    """The config fields vLLM reads, from a hybridkv model preset."""
-    return planning.HybridShape(
-        num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-        linear_num_key_heads=cfg.linear_num_key_heads, linear_num_value_heads=cfg.linear_num_value_heads,
-        linear_key_head_dim=cfg.linear_key_head_dim, linear_value_head_dim=cfg.linear_value_head_dim,
-        linear_conv_kernel_dim=cfg.linear_conv_kernel_dim, full_attention_interval=cfg.full_attention_interval,
-        num_attention_heads=cfg.num_attention_heads or 16, hidden_size=cfg.hidden_size or 1024,
-        ssm_dtype=cfg.ssm_dtype)
 
 
 class VllmEngine:
@@ -48,15 +37,14 @@ class VllmEngine:
         if key not in _MODEL_CONFIGS:
             folder = Path(tempfile.mkdtemp(prefix="hkv-vllm-model-"))
             atexit.register(shutil.rmtree, folder, True)  # vLLM may read the config again while it is cached
-            _MODEL_CONFIGS[key] = planning.model_config(planning.write_config(shape_of(cfg), folder),
+            _MODEL_CONFIGS[key] = planning.model_config(planning.write_config(cfg, folder),
                                                         max_model_len=max_tokens + 16)
-        shape = shape_of(cfg)
         # the store policy is the oracle's: vLLM keeps a state at every chunk here, the connector stores each
         extra = {"salt": salt, "timeout_s": timeout_s, "lookup_timeout_s": timeout_s,
                  "chunk_tokens": chunk_tokens, "wire_format": transfer.wire_format, "copy_engine": transfer.copy_engine,
                  "streams": transfer.streams, "retrieve_policy": transfer.retrieve_policy}
         connector = kv_transfer_config(endpoint, **extra)
-        vc = planning.vllm_config(_MODEL_CONFIGS[key], shape, max_num_batched_tokens=chunk_tokens,
+        vc = planning.vllm_config(_MODEL_CONFIGS[key], cfg, max_num_batched_tokens=chunk_tokens,
                                   kv_transfer=connector, retention_interval=chunk_tokens)
         blocks = 4 * (max_tokens // chunk_tokens + 2)
         self.engine = offline.OfflineEngine(vc, num_blocks=blocks)

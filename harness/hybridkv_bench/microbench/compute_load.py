@@ -6,14 +6,26 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from hybridkv_bench.microbench.compute_beside import BenchConfig
-
 ComputeKind = Literal["matmul", "attention"]
+
+
+class ComputeSizes(Protocol):
+    """The sizes of the compute loads (`compute_beside.BenchConfig` holds them)."""
+
+    @property
+    def matmul_n(self) -> int: ...
+    @property
+    def attn_batch(self) -> int: ...
+    @property
+    def attn_heads(self) -> int: ...
+    @property
+    def attn_len(self) -> int: ...
+    @property
+    def attn_head_dim(self) -> int: ...
 
 # -- compute loads ---------------------------------------------------------------------------------------------
 
@@ -29,7 +41,7 @@ class ComputeLoad:
     scale: float  # work per second -> unit
 
 
-def make_compute(kind: ComputeKind, cfg: BenchConfig, device: torch.device) -> ComputeLoad:
+def make_compute(kind: ComputeKind, cfg: ComputeSizes, device: torch.device) -> ComputeLoad:
     """The compute load on random data (never zeros: they run faster than real data)."""
     gen = torch.Generator(device=device).manual_seed(26)
     cuda = device.type == "cuda"

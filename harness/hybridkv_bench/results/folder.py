@@ -181,11 +181,11 @@ class Run:
 
     def expected_cases(self) -> int | None:
         """How many case entries the scenario asks for, or None if the scenario cannot be re-read."""
-        from hybridkv_bench.scenario.spec import Scenario, ScenarioError, expand_matrix
+        from hybridkv_bench.scenario.spec import ScenarioError, convert, expand_matrix
 
         data = {k: v for k, v in self.record.scenario.items() if k not in ("path", "sha256", "scale")}
         try:
-            scenario = msgspec.convert(data, type=Scenario)
+            scenario = convert(data)
             return len(expand_matrix(scenario)) * len(scenario.workloads)
         except (msgspec.ValidationError, ScenarioError):
             return None

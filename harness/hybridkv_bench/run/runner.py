@@ -14,7 +14,6 @@ removes temp files and leaves run.json marked incomplete.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import shutil
@@ -35,10 +34,9 @@ from hybridkv.server.front.launch import ServerProcess, start_server
 from hybridkv.server.l2.fs_spec import FsL2Spec
 from hybridkv.wire_formats import WireFormat, traits
 
-from hybridkv_bench.engines.base import CLIENT_TIMEOUT_S, Engine, EngineSite, HitMismatch
+from hybridkv_bench.engines.base import CLIENT_TIMEOUT_S, Engine, EngineSite, HitMismatch, builder
+from hybridkv_bench.engines.pools import EnginePools
 from hybridkv_bench.engines.procs import EngineProcs, EngineSpec
-from hybridkv_bench.engines.registry import builder
-from hybridkv_bench.engines.sim import EnginePools
 from hybridkv_bench.engines.step import RepeatInfo
 from hybridkv_bench.metrics import RequestRow, case_metrics
 from hybridkv_bench.prefill import prefill_seconds
@@ -51,9 +49,8 @@ from hybridkv_bench.run.server import ServerWatch, log_tail, ping_server, server
 from hybridkv_bench.run.threads import repeat_in_threads
 from hybridkv_bench.scenario.load import ScenarioFile
 from hybridkv_bench.scenario.spec import Case, Scenario, expand_matrix
-from hybridkv_bench.workloads.base import Plan, build_plan, engine_gpus
+from hybridkv_bench.workloads.base import Plan, WorkloadKind, build_plan, engine_gpus
 from hybridkv_bench.workloads.hits import ExpectedHits
-from hybridkv_bench.workloads.registry import Workload
 
 
 class Runner:
@@ -103,7 +100,7 @@ class Runner:
         """The longest prompt engine `engine` runs in any workload: what its pools hold."""
         return max(p.max_tokens(engine) for p in self.plans.values())
 
-    def engine_devices(self, workload: Workload) -> list[torch.device]:
+    def engine_devices(self, workload: WorkloadKind) -> list[torch.device]:
         """Where each engine of `workload` runs: on CUDA as `engine_gpus` places it, else all on the CPU."""
         n = len(self.plans[workload.label].ranks)
         if self.device.type != "cuda":
@@ -218,7 +215,7 @@ class Runner:
             if server is not None:
                 self._stop_server(server)
 
-    def _repeats(self, workload: Workload, case: Case, engines: list[Engine],
+    def _repeats(self, workload: WorkloadKind, case: Case, engines: list[Engine],
                  procs: EngineProcs | None) -> list[RequestRow]:
         """The warm-up and measured repeats of a case, by its engines in this process or as processes."""
         label, plan, settings = f"{workload.label}/{case.name}", self.plans[workload.label], case.settings
@@ -261,7 +258,7 @@ class Runner:
         details["store_done_s_p50"] = store_done[len(store_done) // 2] if store_done else None
         return metrics, details
 
-    def _build_engines(self, workload: Workload, case: Case, endpoint: str, salt: str, server: ServerProcess | None,
+    def _build_engines(self, workload: WorkloadKind, case: Case, endpoint: str, salt: str, server: ServerProcess | None,
                        clients: list[CacheClient], engines: list[Engine]) -> None:
         """The workload's engines in this process, appended to `engines` (their clients to `clients`)."""
         plan, label, hook = self.plans[workload.label], f"{workload.label}/{case.name}", self.opt.before_retrieve
@@ -283,7 +280,7 @@ class Runner:
                               planted_slowdown=self.opt.planted_slowdown)
             engines.append(build(site))
 
-    def _engine_specs(self, workload: Workload, case: Case, endpoint: str, salt: str) -> list[EngineSpec]:
+    def _engine_specs(self, workload: WorkloadKind, case: Case, endpoint: str, salt: str) -> list[EngineSpec]:
         """What each engine process of the workload builds: the placement and pool size threads get."""
         plan, label = self.plans[workload.label], f"{workload.label}/{case.name}"
         return [EngineSpec(engine=e, rank=rank, device=device, endpoint=endpoint, model=self.scenario.model,
@@ -293,8 +290,8 @@ class Runner:
                 for e, (rank, device) in enumerate(zip(plan.ranks, self.engine_devices(workload), strict=True))]
 
     def _transfer(self, case: Case) -> TransferConfig:
-        """The case's transfer settings with the scenario's own (the commit mode: not a matrix axis)."""
-        return dataclasses.replace(case.transfer, commit=self.scenario.commit)
+        """The case's transfer settings (its axes and the scenario's commit mode)."""
+        return case.transfer
 
     def _prefill(self, new: int, cached: int) -> float:
         return prefill_seconds(self.scenario.prefill, self.cfg, self.scenario.model.tp, new, cached)

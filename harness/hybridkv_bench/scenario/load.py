@@ -13,11 +13,12 @@ from pathlib import Path
 import msgspec
 
 from hybridkv_bench.scenario.sizes import scaled, validate
-from hybridkv_bench.scenario.spec import Scenario, ScenarioError
+from hybridkv_bench.scenario.spec import Scenario, ScenarioError, convert
 
 # ---- decoding ------------------------------------------------------------------------------------
 
-_MSGSPEC_AT = re.compile(r"^(?P<msg>.*?)(?: - at `(?P<path>[^`]*)`)?$", re.S)
+# a workload table's error carries its path inside the table, then the table's own: `... - at `$.x` - at `$.w[1]``
+_MSGSPEC_AT = re.compile(r"^(?P<msg>.*?)(?: - at `(?P<inner>[^`]*)`)?(?: - at `(?P<path>[^`]*)`)?$", re.S)
 
 
 def _describe(e: msgspec.ValidationError) -> str:
@@ -26,7 +27,8 @@ def _describe(e: msgspec.ValidationError) -> str:
     assert m is not None
     msg = m["msg"].removeprefix("Object contains ").removeprefix("Object ")
     msg = msg[:1].lower() + msg[1:]
-    return f"{msg} at {m['path']}" if m["path"] else msg
+    path = m["inner"] if m["path"] is None else m["path"] + (m["inner"] or "$").removeprefix("$")
+    return f"{msg} at {path}" if path else msg
 
 
 def toml_error(source: str, text: str, e: tomllib.TOMLDecodeError) -> str:
@@ -49,7 +51,7 @@ def decode_scenario(data: dict | str, source: str = "<string>") -> Scenario:
         except RecursionError:  # tomllib parses nested arrays and inline tables recursively
             raise ScenarioError(f"{source}: nested too deeply to be a scenario") from None
     try:
-        scenario = msgspec.convert(data, type=Scenario)
+        scenario = convert(data)
     except msgspec.ValidationError as e:
         raise ScenarioError(f"{source}: {_describe(e)}") from None
     except RecursionError:

@@ -8,12 +8,12 @@ import math
 
 import msgspec
 from hybridkv.layout import LayoutError, ModelLayout
-from hybridkv.presets import hybrid_layout
 
 from hybridkv_bench.engines.hf.spec import transformers_problem
-from hybridkv_bench.scenario.spec import GIB, RooflinePrefill, Scenario, ScenarioError, expand_matrix
-from hybridkv_bench.workloads.base import Shrink, Sizing
-from hybridkv_bench.workloads.registry import Workload
+from hybridkv_bench.engines.registry import engine_kind
+from hybridkv_bench.scenario.server import GIB
+from hybridkv_bench.scenario.spec import RooflinePrefill, Scenario, ScenarioError, expand_matrix
+from hybridkv_bench.workloads.base import Shrink, Sizing, WorkloadKind
 
 # ---- sizes ---------------------------------------------------------------------------------------
 
@@ -29,12 +29,12 @@ def prefix_bytes(layout: ModelLayout, chunk_tokens: int, tokens: int, policy: st
     return n * attn + (n if policy == "all" else 1) * rec
 
 
-def request_prefix_tokens(w: Workload) -> int:
+def request_prefix_tokens(w: WorkloadKind) -> int:
     """Tokens of the longest prefix one request of the workload expects to find cached."""
     return w.prefix_tokens()
 
 
-def working_set_bytes(w: Workload, layout: ModelLayout, chunk_tokens: int, policy: str) -> int:
+def working_set_bytes(w: WorkloadKind, layout: ModelLayout, chunk_tokens: int, policy: str) -> int:
     """Bytes the workload stores into the cache (all documents, conversations, branches, ranks)."""
     return w.working_set(lambda tokens: prefix_bytes(layout, chunk_tokens, tokens, policy))
 
@@ -48,7 +48,7 @@ def validate(scenario: Scenario, source: str = "<scenario>") -> None:
 
     try:
         cfg = scenario.model.config()
-        layout = hybrid_layout(cfg, scenario.model.tp)
+        layout = cfg.layout(scenario.model.tp)
     except (LayoutError, TypeError) as e:
         raise fail(f"model: {e}") from None
     chunk = scenario.model.chunk_tokens
@@ -76,7 +76,8 @@ def validate(scenario: Scenario, source: str = "<scenario>") -> None:
     except ScenarioError as e:
         raise fail(str(e).removeprefix(f"{scenario.name}: ")) from None
     smallest = "boundary" if "boundary" in scenario.matrix.store_policy else "all"
-    sizing = Sizing(scenario, layout, chunk, lambda tokens: prefix_bytes(layout, chunk, tokens, smallest))
+    sizing = Sizing(scenario.server, engine_kind(scenario.engine).sends_prefetch, layout, chunk,
+                    lambda tokens: prefix_bytes(layout, chunk, tokens, smallest))
     for i, w in enumerate(scenario.workloads):
         where = f"workloads[{i}] ({w.label})"
         prefix = request_prefix_tokens(w)

@@ -15,30 +15,36 @@ import re
 from typing import TYPE_CHECKING, Literal
 
 import msgspec
-from hybridkv.engine.config import CommitMode, Streams
+from hybridkv.engine.config import CommitMode, Streams, TransferAxes, TransferConfig
 from hybridkv.layout import ModelLayout
 from hybridkv.policy import Policy
-from hybridkv.presets import HybridModelConfig, hybrid_layout, model_config
+from hybridkv.presets import model_config
+from hybridkv.presets.gated_deltanet import HybridModelConfig
 from hybridkv.wire_formats import DEFAULT_FORMAT, TRAITS, WireFormat
 from hybridkv_kernels.engines import CopyEngine
 
 from hybridkv_bench.engines.hf.spec import TransformersSpec
-from hybridkv_bench.engines.registry import ENGINE_KINDS, EngineKind
+from hybridkv_bench.engines.registry import engine_kind
+from hybridkv_bench.model_shape import Overrides, apply
+from hybridkv_bench.scenario.server import ServerSpec
 from hybridkv_bench.scenario.strict import Strict
-from hybridkv_bench.workloads.registry import Workload
+from hybridkv_bench.workloads import registry as workload_registry
 
 if TYPE_CHECKING:
-    from hybridkv.engine.config import TransferConfig
-
-GIB = 1 << 30
+    # what a decoded scenario's workloads are: instances of the registered kinds
+    from hybridkv_bench.workloads.base import WorkloadKind as Workload
+else:
+    # what msgspec sees: a non-struct type, decoded by the registry's hook (`convert`)
+    from hybridkv_bench.workloads.base import WorkloadTable as Workload
 
 Device = Literal["auto", "cpu", "cuda"]
 # How the engines of a workload that runs several at once run: threads of the runner's process, or a
 # process each (as vLLM runs its TP ranks); auto: processes for the sim engine on CUDA (see engines_in_processes)
 EnginesAs = Literal["auto", "threads", "processes"]
 
-# Matrix axes in case-name order: `shm-kernel-single-boundary-all`.
-AXES = ("wire_format", "copy_engine", "streams", "retrieve_policy", "store_policy")
+# Matrix axes in case-name order: `shm-kernel-single-boundary-all`: the transfer axes but the commit, which a
+# scenario sets for every case (`Scenario.commit`). Exclude and Matrix hold one field per axis.
+AXES = tuple(f.name for f in dataclasses.fields(TransferAxes) if f.name != "commit")
 
 # What a wire format needs inside the cache server (hybridkv.wire_formats' traits): the gate reads these two
 # sets; nothing else may decide which invariant applies to which format.
@@ -52,71 +58,25 @@ class ScenarioError(ValueError):
     """A scenario file that cannot be run as written; the message names the file and the value."""
 
 
-class ModelOverrides(Strict, frozen=True, omit_defaults=True):
-    """Optional replacements for fields of the preset's HybridModelConfig (None keeps the preset's)."""
-
-    num_layers: int | None = None
-    full_attention_interval: int | None = None
-    num_kv_heads: int | None = None
-    head_dim: int | None = None
-    linear_num_key_heads: int | None = None
-    linear_num_value_heads: int | None = None
-    linear_key_head_dim: int | None = None
-    linear_value_head_dim: int | None = None
-    linear_conv_kernel_dim: int | None = None
-    num_attention_heads: int | None = None
-    hidden_size: int | None = None
-    kv_dtype: str | None = None
-    conv_dtype: str | None = None
-    ssm_dtype: str | None = None
-    active_params: float | None = None
-
-
 class ModelSpec(Strict, frozen=True):
     """Which model's cache to move: a preset, its tensor-parallel size, the chunk size."""
 
     preset: str
     tp: int = 1
     chunk_tokens: int = 0  # 0: the layout's unified block size
-    overrides: ModelOverrides = ModelOverrides()
+    overrides: Overrides = Overrides()
 
     def config(self) -> HybridModelConfig:
         """The preset's config with the overrides applied (raises LayoutError on a bad preset/value)."""
-        changes = {k: v for k, v in msgspec.structs.asdict(self.overrides).items() if v is not None}
-        return dataclasses.replace(model_config(self.preset), **changes)
+        return apply(model_config(self.preset), self.overrides)
 
     def layout(self) -> ModelLayout:
         """The layout of one tensor-parallel rank."""
-        return hybrid_layout(self.config(), self.tp)
+        return self.config().layout(self.tp)
 
     def resolved_chunk_tokens(self, layout: ModelLayout | None = None) -> int:
         layout = layout or self.layout()
         return self.chunk_tokens or layout.default_chunk_tokens()
-
-
-class ServerSpec(Strict, frozen=True):
-    """Cache-server capacities. GiB = 2**30 bytes."""
-
-    l1_gib: float
-    l2_gib: float = 0.0  # 0: no L2
-    l2_dir: str = ""  # "": a temporary directory made by the runner
-    client_timeout_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        if not self.l1_gib > 0:
-            raise ValueError(f"l1_gib must be positive, got {self.l1_gib}")
-        if self.l2_gib < 0:
-            raise ValueError(f"l2_gib must be >= 0, got {self.l2_gib}")
-        if not self.client_timeout_s > 0:
-            raise ValueError(f"client_timeout_s must be positive, got {self.client_timeout_s}")
-
-    @property
-    def l1_bytes(self) -> int:
-        return int(self.l1_gib * GIB)
-
-    @property
-    def l2_bytes(self) -> int:
-        return int(self.l2_gib * GIB)
 
 
 class RooflinePrefill(Strict, frozen=True, tag_field="kind", tag="roofline"):
@@ -159,7 +119,7 @@ class Exclude(Strict, frozen=True, omit_defaults=True):
             raise ValueError("an exclude entry needs at least one axis")
 
     def matches(self, axes: TransferAxes) -> bool:
-        values = msgspec.structs.asdict(axes)
+        values = axes.axes()
         return all(v is None or values[k] == v for k, v in msgspec.structs.asdict(self).items())
 
 
@@ -196,7 +156,7 @@ class Scenario(Strict, frozen=True):
     warmup: int = 0
     device: Device = "auto"
     matrix: Matrix = Matrix()
-    engine: EngineKind = "sim"
+    engine: str = "sim"  # a kind of engines.registry
     transformers: TransformersSpec = TransformersSpec()  # read when engine = "transformers"
     engines_as: EnginesAs = "auto"
     commit: CommitMode = "fenced"  # every case's stores' commit (TransferConfig.commit)
@@ -215,7 +175,8 @@ class Scenario(Strict, frozen=True):
         labels = [w.label for w in self.workloads]
         if len(set(labels)) != len(labels):
             raise ValueError(f"workload names must be unique (set `name` to tell them apart): {labels}")
-        if self.engines_as == "processes" and not ENGINE_KINDS[self.engine].processes:
+        kind = engine_kind(self.engine)  # ValueError naming the known kinds
+        if self.engines_as == "processes" and not kind.processes:
             raise ValueError(f"engines_as = 'processes' runs engines of the sim kind only; engine = {self.engine!r} "
                              "runs its engines in threads (set engines_as = 'threads' or 'auto')")
 
@@ -230,36 +191,30 @@ class Scenario(Strict, frozen=True):
             return False
         if self.engines_as != "auto":
             return self.engines_as == "processes"
-        return ENGINE_KINDS[self.engine].processes and device_type == "cuda"
+        return engine_kind(self.engine).processes and device_type == "cuda"
 
 
-class TransferAxes(msgspec.Struct, frozen=True, kw_only=True):
-    """The transfer settings one case of the matrix fixes, typed as `TransferConfig` types them."""
-
-    wire_format: WireFormat
-    copy_engine: CopyEngine
-    streams: Streams
-    retrieve_policy: Policy
-    store_policy: Policy
+def convert(data: object) -> Scenario:
+    """A scenario from plain data (a TOML table, run.json's record), decoded strictly: each workload table by its
+    kind's registered class. Raises msgspec.ValidationError."""
+    return msgspec.convert(data, type=Scenario, dec_hook=workload_registry.dec_hook)
 
 
 class Case(msgspec.Struct, frozen=True, kw_only=True):
     """One point of the matrix: a stable name and its transfer settings."""
 
     name: str
-    settings: TransferAxes
+    settings: TransferAxes  # the matrix's axes and the scenario's commit
 
     @property
     def transfer(self) -> TransferConfig:
         """The case's `TransferConfig` (rank, chunk, salt and name at their defaults: each engine sets its own)."""
-        from hybridkv.engine.config import TransferConfig  # imports the engine (torch): only a runner asks
-
-        return TransferConfig(**msgspec.structs.asdict(self.settings))
+        return TransferConfig(**self.settings.axes())
 
     @property
     def axes(self) -> dict[str, str]:
         """The settings by axis name, in AXES order: what run.json, requests.csv and the report's tables show."""
-        return {a: str(v) for a, v in msgspec.structs.asdict(self.settings).items()}
+        return {a: str(getattr(self.settings, a)) for a in AXES}
 
 
 def expand_matrix(scenario: Scenario) -> list[Case]:
@@ -268,7 +223,7 @@ def expand_matrix(scenario: Scenario) -> list[Case]:
     cases = []
     used = [False] * len(m.exclude)
     for values in itertools.product(*(getattr(m, a) for a in AXES)):
-        axes = msgspec.convert(dict(zip(AXES, values, strict=True)), TransferAxes)
+        axes = TransferAxes(**dict(zip(AXES, values, strict=True)), commit=scenario.commit)
         hits = [i for i, ex in enumerate(m.exclude) if ex.matches(axes)]
         for i in hits:
             used[i] = True

@@ -3,7 +3,7 @@ says which requests it runs (`plan`), the longest prefix one request expects cac
 bytes it stores (`working_set`), how `--quick` shrinks it (`shrink`), what it cannot measure as written
 (`problem`), how a `--quick` copy fits the scaled tiers (`least_l1_gib`, `refit`, `l2_holds`)
 and where its engines run on CUDA (`placement`). One kind per module of this package; `registry`
-lists them.
+registers them.
 
 A `Plan` is which engines run (TP rank of each) and the requests each runs, in phases separated by a
 barrier (engines run one phase at once). Token ids are drawn from a generator seeded by the scenario seed
@@ -25,7 +25,7 @@ from hybridkv_bench.scenario.strict import Strict
 if TYPE_CHECKING:
     from hybridkv.layout import ModelLayout
 
-    from hybridkv_bench.scenario.spec import Scenario
+    from hybridkv_bench.scenario.server import ServerSpec
 
 GIB = 1 << 30
 VOCAB = 151_936  # Qwen3.5/3.6's vocabulary; token ids only feed chunk keys
@@ -94,16 +94,24 @@ class Shrink:
 
 @dataclass(frozen=True, slots=True)
 class Sizing:
-    """What a workload's checks know of the scenario: its layout and chunk, the bytes of a prefix under
-    the smallest store policy (`prefix_bytes(tokens)`), and the scenario itself."""
+    """What a workload's checks know of the scenario: its server, whether its engine kind sends prefetch hints,
+    its layout and chunk, and the bytes of a prefix under the smallest store policy (`prefix_bytes(tokens)`)."""
 
-    scenario: Scenario
+    server: ServerSpec
+    sends_prefetch: bool
     layout: ModelLayout
     chunk: int
     prefix_bytes: Callable[[int], int]
 
 
-class WorkloadKind(Strict, frozen=True, tag_field="kind"):
+class WorkloadTable:
+    """What a scenario's `workloads` field holds to msgspec: not a struct, so msgspec hands each table to
+    `workloads.registry.dec_hook`, which decodes it by its kind's registered class (every kind is one)."""
+
+    __slots__ = ()
+
+
+class WorkloadKind(Strict, WorkloadTable, frozen=True, tag_field="kind"):
     """The base of every workload kind (see the module doc)."""
 
     name: str = ""  # "" : the kind; names must be unique within a scenario

@@ -53,7 +53,7 @@ class L1Pressure(WorkloadKind, frozen=True, tag="l1_pressure", kw_only=True):
         return fitted_before
 
     def problem(self, sizing: Sizing) -> str:
-        server = sizing.scenario.server
+        server = sizing.server
         total = self.working_set(sizing.prefix_bytes)
         if total <= server.l1_bytes:
             return (f"{self.documents} x {self.prompt_tokens} tokens store {total / GIB:.3f} GiB, "

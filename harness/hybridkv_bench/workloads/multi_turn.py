@@ -9,7 +9,6 @@ from typing import Literal
 import msgspec
 import numpy as np
 
-from hybridkv_bench.engines.registry import ENGINE_KINDS
 from hybridkv_bench.scenario.strict import positive
 from hybridkv_bench.workloads.base import GIB, Plan, Request, Shrink, Sizing, WorkloadKind, cat, stream
 
@@ -101,25 +100,25 @@ class MultiTurn(WorkloadKind, frozen=True, tag="multi_turn", kw_only=True):
 
     def problem(self, sizing: Sizing) -> str:
         """Why the prefetch setting cannot measure what it is for ("" when it can)."""
-        scenario = sizing.scenario
+        server = sizing.server
         if self.prefetch == "off":
             return ""
-        if scenario.server.l2_gib <= 0:
+        if server.l2_gib <= 0:
             return f"prefetch = {self.prefetch!r} brings prefixes back from L2, and server.l2_gib is 0"
-        if not ENGINE_KINDS[scenario.engine].sends_prefetch:
+        if not sizing.sends_prefetch:
             return "prefetch hints are sent by the sim and transformers engines; the vllm engine sends none"
         if self.prefetch != "compare":
             return ""
-        l1 = scenario.server.l1_bytes
+        l1 = server.l1_bytes
         conv = sizing.prefix_bytes(self.conversation_tokens)
         if conv > l1:
             return (f"one conversation stores {conv / GIB:.3f} GiB, more than server.l1_gib "
-                    f"{scenario.server.l1_gib:g}: the l1 tier would not come from L1")
+                    f"{server.l1_gib:g}: the l1 tier would not come from L1")
         # Between two turns of one conversation the others each look up and store at least their first
         # turn's prefix: that must exceed L1 for this conversation's prefix to have left it.
         others = (self.conversations - 1) * sizing.prefix_bytes(self.system_tokens + self.turn_tokens)
         if others <= l1:
             return (f"the other {self.conversations - 1} conversations' first turns store {others / GIB:.3f} GiB, "
-                    f"which fits in server.l1_gib {scenario.server.l1_gib:g}: the l2 tiers would still come from L1 "
+                    f"which fits in server.l1_gib {server.l1_gib:g}: the l2 tiers would still come from L1 "
                     "(add conversations or shrink L1)")
         return ""

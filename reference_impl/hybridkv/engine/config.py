@@ -1,9 +1,10 @@
-"""How an engine rank moves bytes (`TransferConfig`): wire format, copy engine, streams, policies."""
+"""How bytes move: the transfer axes (`TransferAxes`: wire format, copy engine, streams, policies, commit), declared
+once and extended by an engine rank's `TransferConfig`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, get_args
+from dataclasses import dataclass, fields
+from typing import Any, Literal, get_args
 
 from hybridkv_kernels import COPY_ENGINES, CopyEngine
 
@@ -27,8 +28,10 @@ MIN_LINK_FRACTION = 0.05  # the slowest pace: below it a long load would outlast
 
 
 @dataclass(frozen=True, slots=True)
-class TransferConfig:
-    """How an engine moves bytes; validated at construction."""
+class TransferAxes:
+    """The transfer axes, declared once: how bytes move between an engine and the server, whoever moves them
+    (`TransferConfig` for an engine rank, the connector's `ConnectorSettings`, a bench case's settings extend it);
+    validated at construction."""
 
     wire_format: WireFormat = DEFAULT_FORMAT
     # auto: DMA at every page size where the driver batches memcpys (the copy engines leave the SMs to the
@@ -39,11 +42,6 @@ class TransferConfig:
     # boundary: recurrent state only at the last hit chunk; all: every chunk (the seed's)
     retrieve_policy: Policy = "boundary"
     store_policy: Policy = "boundary"  # boundary: recurrent state only at the last stored chunk; all: every chunk
-    chunk_tokens: int = 0              # 0: the layout's unified block size
-    tp_rank: int = 0
-    salt: str = ""
-    timeout_s: float = 60.0
-    name: str = ""
     commit: CommitMode = "fenced"  # after_copies: the classic round trip once the copies are done
     # Pacing (CUDA): the copies move at most this share of the link on average, in slices at full speed with
     # gaps between them (hybridkv_kernels.pace); 1: unpaced
@@ -60,6 +58,24 @@ class TransferConfig:
                 raise ValueError(f"{fld} must be one of {allowed}, got {getattr(self, fld)!r}")
         check_policy(self.retrieve_policy)
         check_policy(self.store_policy)
+
+    def axes(self) -> dict[str, Any]:
+        """The axes by name, in declaration order (a subclass's own fields left out)."""
+        return {f.name: getattr(self, f.name) for f in fields(TransferAxes)}
+
+
+@dataclass(frozen=True, slots=True)
+class TransferConfig(TransferAxes):
+    """How an engine rank moves bytes: the transfer axes and the rank's own settings; validated at construction."""
+
+    chunk_tokens: int = 0              # 0: the layout's unified block size
+    tp_rank: int = 0
+    salt: str = ""
+    timeout_s: float = 60.0
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        TransferAxes.__post_init__(self)  # zero-argument super() does not reach it in a slots dataclass
         if self.chunk_tokens < 0 or self.timeout_s <= 0:
             raise ValueError(f"chunk_tokens must be >= 0 and timeout_s > 0, got {self.chunk_tokens}, {self.timeout_s}")
         if not MIN_LINK_FRACTION <= self.max_link_fraction <= 1:

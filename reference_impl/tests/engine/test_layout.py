@@ -3,16 +3,15 @@ hold what vLLM's sliding-window rule keeps."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import msgspec
 import pytest
+from hybridkv import presets
 from hybridkv.layout import GroupLayout, LayoutError, ModelLayout, vllm_group_size, vllm_groups
-from hybridkv.presets import (
-    QWEN3_NEXT_80B,
-    QWEN36_27B,
-    model_config,
-    preset_layout,
-    preset_names,
-)
+from hybridkv.presets import layout_preset_names, model_config, preset_layout, preset_names
+from hybridkv.presets.gated_deltanet import QWEN3_NEXT_80B, QWEN36_27B
 
 
 def test_qwen36_27b_tp1_matches_the_anchors():
@@ -173,3 +172,35 @@ def test_sliding_window_presets_at_every_tensor_parallel_size(name, windows, pag
         assert [g.kind for g in lay.groups][-1] == "attention" and lay.default_chunk_tokens() == 16
     with pytest.raises(LayoutError, match="power of two"):
         preset_layout(name, 3)
+
+
+def test_a_preset_lookup_imports_only_the_families_it_looks_in():
+    """The registry is lazy: a Gated DeltaNet preset (the first family) loads no other family's module."""
+    code = ("import sys; from hybridkv.presets import preset_layout; preset_layout('tiny-hybrid'); "
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('hybridkv.presets'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["hybridkv.presets", "hybridkv.presets.aligned", "hybridkv.presets.gated_deltanet"]
+
+
+def test_an_unknown_preset_is_one_line_naming_every_known_one():
+    with pytest.raises(LayoutError) as e:
+        preset_layout("qwen9")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("unknown model preset 'qwen9'; known: ")
+    assert msg.endswith(", ".join(layout_preset_names()))
+    assert {"tiny-hybrid", "jamba-v0.1", "nemotron-h-8b", "gemma-3-27b"} <= set(layout_preset_names())
+
+
+def test_a_new_family_is_one_module_and_one_registration(tmp_path, monkeypatch):
+    (tmp_path / "hkv_family_probe.py").write_text(
+        "from dataclasses import replace\n"
+        "from hybridkv.presets.gated_deltanet import TINY_HYBRID\n"
+        "PRESETS = {'probe-12l': replace(TINY_HYBRID, name='probe/12-layers', num_layers=12)}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(presets, "_FAMILIES", dict(presets._FAMILIES))
+    presets.register_family("probe", "hkv_family_probe")
+    assert preset_layout("probe-12l").model == "probe/12-layers"
+    assert sum(g.num_layers for g in preset_layout("probe-12l").groups) == 12
+    assert "probe-12l" in layout_preset_names() and "probe-12l" not in preset_names()
+    with pytest.raises(ValueError, match="'probe' is registered already"):
+        presets.register_family("probe", "hkv_family_probe")

@@ -12,7 +12,7 @@ import torch
 from hybridkv.engine.vllm.layout_from_vllm import check_matches_preset, layout_from_kv_cache_config
 from hybridkv.keys import namespace
 from hybridkv.layout import LayoutError, layer_index
-from hybridkv.presets import preset_layout
+from hybridkv.presets import model_config, preset_layout
 from hybridkv_bench import vllm_planning as planning
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
@@ -27,7 +27,7 @@ from vllm.v1.kv_cache_interface import (
 
 @pytest.fixture(scope="module")
 def qwen_models(model_dir):
-    return {name: planning.model_config(planning.write_config(planning.SHAPES[name], model_dir / name),
+    return {name: planning.model_config(planning.write_config(model_config(name), model_dir / name),
                                         max_model_len=4096)
             for name in ("qwen3.6-27b", "qwen3-next-80b-a3b")}
 
@@ -35,7 +35,7 @@ def qwen_models(model_dir):
 @pytest.mark.parametrize("name,tp,block", [("qwen3.6-27b", 1, 784), ("qwen3.6-27b", 8, 400),
                                            ("qwen3-next-80b-a3b", 1, 544)])
 def test_vllm_planner_layout_equals_preset(qwen_models, name, tp, block):
-    vc = planning.vllm_config(qwen_models[name], planning.SHAPES[name], tp=tp)
+    vc = planning.vllm_config(qwen_models[name], model_config(name), tp=tp)
     kv_cache_config, _ = planning.plan_kv_cache(vc, num_blocks=64)
     want = preset_layout(name, tp)
     got = layout_from_kv_cache_config(kv_cache_config, want.model, tp)
@@ -48,7 +48,7 @@ def test_vllm_planner_layout_equals_preset(qwen_models, name, tp, block):
     assert got.fingerprint() == want.fingerprint()
     assert namespace(got, tp - 1, block) == namespace(want, tp - 1, block)
     # vLLM's grouping: attention layers together, and GDN layer k of every attention period in one group
-    interval = planning.SHAPES[name].full_attention_interval
+    interval = model_config(name).full_attention_interval
     for g in got.groups:
         idx = [layer_index(n) for n in g.layer_names]
         if g.kind == "attention":
@@ -61,7 +61,7 @@ def test_vllm_planner_layout_equals_preset(qwen_models, name, tp, block):
 
 
 def test_a_different_model_is_refused(qwen_models):
-    vc = planning.vllm_config(qwen_models["qwen3-next-80b-a3b"], planning.SHAPES["qwen3-next-80b-a3b"])
+    vc = planning.vllm_config(qwen_models["qwen3-next-80b-a3b"], model_config("qwen3-next-80b-a3b"))
     kv_cache_config, _ = planning.plan_kv_cache(vc, num_blocks=64)
     got = layout_from_kv_cache_config(kv_cache_config, "next", 1)
     with pytest.raises(LayoutError, match="qwen3.6-27b"):

@@ -39,7 +39,8 @@ from hybridkv_bench.engines.base import EngineSite, RequestResult, gpu_of, refus
 from hybridkv_bench.engines.hf.model import HFModel, build_model
 from hybridkv_bench.engines.hf.oracle import Control, OracleVerdict, judge
 from hybridkv_bench.engines.hf.pages import PageCodec
-from hybridkv_bench.engines.sim import EnginePools, sim_transfer, timed_store
+from hybridkv_bench.engines.pools import EnginePools
+from hybridkv_bench.engines.sim import sim_transfer, timed_store
 
 # In-memory caches kept for the oracle, one per stored state (a later request may resume at any of them):
 # under `all` that is a deep copy per chunk, so on a GPU the reference costs memory and time, not the TTFT.

@@ -1,7 +1,7 @@
 """A real hybrid model from transformers' own classes, random-initialised from a config (nothing downloaded).
 
 The attention and Gated DeltaNet shapes come from a `HybridModelConfig` (a preset plus the scenario's
-overrides), so `hybridkv.presets.hybrid_layout` of that config is exactly the page layout of the model's
+overrides), so `hybridkv.presets.aligned.hybrid_layout` of that config is exactly the page layout of the model's
 cache. The dtypes the layout assumes must be the ones transformers keeps: attention K/V and the conv state
 in the weights' dtype, the recurrent (SSM) state in float32 (both the torch path and fla return fp32).
 
@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from hybridkv.presets import HybridModelConfig
+from hybridkv.presets.gated_deltanet import HybridModelConfig
 
 from hybridkv_bench.engines.hf.spec import TransformersSpec, transformers_problem
+from hybridkv_bench.model_shape import transformers_config
 
 
 class HFModelError(ValueError):
@@ -31,25 +32,14 @@ def hf_config(spec: TransformersSpec, cfg: HybridModelConfig) -> Any:
     problem = transformers_problem(spec, cfg, ())
     if problem:
         raise HFModelError(problem)
-    common: dict[str, Any] = dict(
-        vocab_size=spec.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-        linear_conv_kernel_dim=cfg.linear_conv_kernel_dim, linear_key_head_dim=cfg.linear_key_head_dim,
-        linear_value_head_dim=cfg.linear_value_head_dim, linear_num_key_heads=cfg.linear_num_key_heads,
-        linear_num_value_heads=cfg.linear_num_value_heads, max_position_embeddings=1 << 18,
-        layer_types=["full_attention" if k == "attention" else "linear_attention" for k in cfg.layer_kinds()],
-        tie_word_embeddings=False,
-    )
+    common: dict[str, Any] = dict(vocab_size=spec.vocab_size, max_position_embeddings=1 << 18,
+                                  tie_word_embeddings=False, intermediate_size=spec.intermediate_size)
     if spec.arch == "qwen3_5":
-        from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
-
-        return Qwen3_5TextConfig(intermediate_size=spec.intermediate_size, **common)
-    from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
-
-    return Qwen3NextConfig(intermediate_size=spec.intermediate_size, num_experts=spec.num_experts,
-                           num_experts_per_tok=spec.num_experts_per_tok, decoder_sparse_step=1,
-                           moe_intermediate_size=spec.moe_intermediate_size,
-                           shared_expert_intermediate_size=spec.moe_intermediate_size, mlp_only_layers=[], **common)
+        return transformers_config(cfg, "qwen3_5", **common)
+    return transformers_config(cfg, "qwen3_next", num_experts=spec.num_experts,
+                               num_experts_per_tok=spec.num_experts_per_tok, decoder_sparse_step=1,
+                               moe_intermediate_size=spec.moe_intermediate_size,
+                               shared_expert_intermediate_size=spec.moe_intermediate_size, mlp_only_layers=[], **common)
 
 
 @dataclass(slots=True)

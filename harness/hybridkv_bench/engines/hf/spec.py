@@ -12,9 +12,10 @@ from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
-from hybridkv.presets import HybridModelConfig
+from hybridkv.presets.gated_deltanet import HybridModelConfig
 
-Arch = Literal["qwen3_5", "qwen3_next"]
+from hybridkv_bench.model_shape import Arch
+
 WeightDtype = Literal["float32", "bfloat16"]
 Attention = Literal["sdpa", "eager"]
 # How a warm request's pages reach the model: `whole` loads every page, then runs the continuation;

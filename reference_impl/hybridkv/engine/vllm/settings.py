@@ -8,28 +8,22 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args, get_type_hints
 
 import msgspec
-from hybridkv_kernels import CopyEngine
 
 from hybridkv.endpoints import default_endpoint
-from hybridkv.engine.config import CommitMode, Streams
-from hybridkv.policy import Policy
-from hybridkv.wire_formats import DEFAULT_FORMAT, WireFormat, traits
+from hybridkv.engine.config import TransferAxes
+from hybridkv.wire_formats import traits
 
 LoadMode = Literal["async", "layerwise"]
 
 
 @dataclass(frozen=True, slots=True)
-class ConnectorSettings:
-    """Extra-config keys of HybridKVConnector; the defaults are the fast path."""
+class ConnectorSettings(TransferAxes):
+    """Extra-config keys of HybridKVConnector: the transfer axes (their defaults: shm, the engine's GPU writing straight
+    into the server's arena; a store's commit leaving with its copies; attention of every chunk and the recurrent
+    state at the boundary, the only policies vLLM allows) and the connector's own; the defaults are the fast path."""
 
     endpoint: str = field(default_factory=default_endpoint)  # where `hybridkv serve` listens by default
     salt: str = ""                  # tenant / namespace salt: engines with different salts never share chunks
-    wire_format: WireFormat = DEFAULT_FORMAT  # the engine's GPU writes straight into the server's arena
-    copy_engine: CopyEngine = "auto"
-    streams: Streams = "single"
-    commit: CommitMode = "fenced"  # a store's commit leaves with its copies (protocol.md); after_copies: classic
-    store_policy: Policy = "boundary"  # attention of every chunk, the recurrent state wherever vLLM offers one
-    retrieve_policy: Policy = "boundary"  # attention of every hit chunk, the recurrent state at the hit's end
     chunk_tokens: int = 0           # 0: vLLM's block size (the unified hybrid block); see connector.check_chunk_states
     lookup_timeout_s: float = 1.0   # a lookup (scheduler or worker) slower than this counts as a miss
     step_timeout_s: float = 1.0     # the longest a step waits for a store's copies; later ones are cancelled
@@ -51,6 +45,7 @@ class ConnectorSettings:
     state_every_chunks: int = 1
 
     def __post_init__(self) -> None:
+        TransferAxes.__post_init__(self)  # zero-argument super() does not reach it in a slots dataclass
         for name in ("store_policy", "retrieve_policy"):
             if getattr(self, name) != "boundary":
                 # vLLM's block table holds one GDN state block per request, at the hit's end (align mode), and

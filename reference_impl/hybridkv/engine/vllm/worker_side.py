@@ -135,10 +135,9 @@ class WorkerSide:
     def _new_transfer(self, timeout_s: float) -> KVTransfer:
         s = self.settings
         assert self._pages is not None
-        cfg = TransferConfig(wire_format=s.wire_format, copy_engine=s.copy_engine, streams=s.streams,
-                             retrieve_policy=s.retrieve_policy, store_policy="boundary",
-                             chunk_tokens=self.chunk_tokens, tp_rank=self.tp_rank, salt=s.salt,
-                             timeout_s=timeout_s, name=f"vllm-rank{self.tp_rank}", commit=s.commit)
+        # the settings' transfer axes as they are (their policies are vLLM's one, boundary: ConnectorSettings checks)
+        cfg = TransferConfig(**s.axes(), chunk_tokens=self.chunk_tokens, tp_rank=self.tp_rank, salt=s.salt,
+                             timeout_s=timeout_s, name=f"vllm-rank{self.tp_rank}")
         t = KVTransfer(s.endpoint, self.layout, self._pages, cfg)
         t.client.timeout_s = s.timeout_s
         return t

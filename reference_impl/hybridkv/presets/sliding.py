@@ -1,5 +1,5 @@
-"""Sliding-window model presets (Gemma 3, gpt-oss): full and sliding-window attention layers, no recurrent
-state. Every page is one attention layer's, the block is FlashAttention's 16 tokens, and sliding and full layers
+"""The sliding-window family (Gemma 3, gpt-oss): full and sliding-window attention layers, no recurrent state, nothing
+to align to. Every page is one attention layer's, the block is FlashAttention's 16 tokens, and sliding and full layers
 split into groups by vLLM's rule (`hybridkv.layout.vllm_groups`); `tests/vllm/test_sliding_window_layout.py`
 holds vLLM's planner to these presets."""
 
@@ -48,6 +48,9 @@ class SlidingWindowConfig:
         """K and V bytes of one token in one layer on one rank (kv heads replicated to >= 1)."""
         return 2 * max(1, self.num_kv_heads // tp) * self.head_dim * DTYPE_BYTES[self.kv_dtype]
 
+    def layout(self, tp: int = 1) -> ModelLayout:
+        return sliding_window_layout(self, tp)
+
 
 def sliding_window_layout(cfg: SlidingWindowConfig, tp: int = 1) -> ModelLayout:
     """The layout of one tensor-parallel rank of a sliding-window model, grouped as vLLM groups it."""
@@ -76,4 +79,10 @@ GPT_OSS_120B = SlidingWindowConfig(
     name="openai/gpt-oss-120b", pattern="SF" * 18, num_kv_heads=8, head_dim=64, sliding_window=128,
     num_attention_heads=64, hidden_size=2880, active_params=5.1e9,
 )
-SLIDING_CONFIGS: dict[str, SlidingWindowConfig] = {"gemma-3-27b": GEMMA3_27B, "gpt-oss-120b": GPT_OSS_120B}
+# Three sliding layers (a window of 100 tokens) and a full one, pages of 2 KiB: the CPU tests of vLLM's planner.
+TINY_SLIDING = SlidingWindowConfig(
+    name="hybridkv/tiny-sliding", pattern="SSSF", num_kv_heads=2, head_dim=16, sliding_window=100,
+    num_attention_heads=4, hidden_size=256,
+)
+PRESETS: dict[str, SlidingWindowConfig] = {"gemma-3-27b": GEMMA3_27B, "gpt-oss-120b": GPT_OSS_120B,
+                                           "tiny-sliding": TINY_SLIDING}
