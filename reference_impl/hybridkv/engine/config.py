@@ -43,13 +43,6 @@ class TransferAxes:
     retrieve_policy: Policy = "boundary"
     store_policy: Policy = "boundary"  # boundary: recurrent state only at the last stored chunk; all: every chunk
     commit: CommitMode = "fenced"  # after_copies: the classic round trip once the copies are done
-    # Pacing (CUDA): the copies move at most this share of the link on average, in slices at full speed with
-    # gaps between them (hybridkv_kernels.pace); 1: unpaced
-    max_link_fraction: float = 1.0
-    # ... or at most this cost to memory-bound compute beside them (0: no cap): each direction is paced to the
-    # share of the link that costs this (COMPUTE_COST_AT_FULL_LINK); with both set, the lower share holds
-    max_compute_cost: float = 0.0
-    link_gbps: float = 0.0  # the link's rate the pace is a share of; 0: measured once when a pace applies
 
     def __post_init__(self) -> None:
         for fld, allowed in (("wire_format", FORMATS), ("copy_engine", COPY_ENGINES),
@@ -73,6 +66,13 @@ class TransferConfig(TransferAxes):
     salt: str = ""
     timeout_s: float = 60.0
     name: str = ""
+    # Pacing (CUDA): the copies move at most this share of the link on average, in slices at full speed with
+    # gaps between them (hybridkv_kernels.pace); 1: unpaced
+    max_link_fraction: float = 1.0
+    # ... or at most this cost to memory-bound compute beside them (0: no cap): each direction is paced to the
+    # share of the link that costs this (COMPUTE_COST_AT_FULL_LINK); with both set, the lower share holds
+    max_compute_cost: float = 0.0
+    link_gbps: float = 0.0  # the link's rate the pace is a share of; 0: measured once when a pace applies
 
     def __post_init__(self) -> None:
         TransferAxes.__post_init__(self)  # zero-argument super() does not reach it in a slots dataclass
