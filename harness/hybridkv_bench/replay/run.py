@@ -1,0 +1,192 @@
+"""Replaying a `vllm-replay` scenario through real vLLM engines, one request at a time, each request three ways:
+
+- `hybridkv`: an engine with the connector whose own prefix cache is dropped before every request (after the
+  server has committed the previous request's stores), so its hit can only come from the cache server;
+- `vllm`: an engine without the connector that has run the same requests in the same order and keeps its prefix
+  cache: vLLM's own hit for this request, the ceiling the connector is measured against;
+- `cold`: the same request again in that engine under a salt of its own (no cache entry matches it): the
+  recompute whose greedy tokens both others must equal, and cold TTFT.
+
+Per request: `shared_tokens`, the whole blocks it shares with what the earlier requests computed (their prompts
+and answers: what an attention-only model would resume from, the most a hit can be; never the prompt's last
+token, which vLLM always computes); `hit_tokens`, what the `hybridkv` engine got from the server;
+`vllm_hit_tokens`, what vLLM's own cache gave; the three TTFTs (vLLM's request metric, engines in their own
+processes). A hit past `shared_tokens`, or `hybridkv` greedy tokens that are not the recompute's continuation
+(`greedy.departure`: the same tokens and logprobs, up to where both part at a near-tie of two tokens), fails the
+workload.
+A chat turn is built from the recompute's answer, the same for all three engines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from hybridkv_bench.greedy import departure
+from hybridkv_bench.replay.spec import ReplayScenario, ReplayWorkload
+from hybridkv_bench.vllm_real import Engine, model_and_server, prompt, server_settled
+from hybridkv_bench.workloads.hits import ExpectedHits
+
+
+@dataclass(frozen=True, slots=True)
+class Replayed:
+    """One request of one workload: a line of replay.csv."""
+
+    workload: str
+    kind: str
+    request: int
+    prompt_tokens: int
+    shared_tokens: int
+    hit_tokens: int
+    vllm_hit_tokens: int
+    ttft_cold_s: float
+    ttft_hybridkv_s: float
+    ttft_vllm_s: float
+    tokens_equal: bool       # hybridkv's greedy tokens == the recompute's
+    vllm_tokens_equal: bool  # vLLM's own hit's greedy tokens == the recompute's
+    # why hybridkv's (vLLM's own hit's) continuation is not the recompute's (`greedy.departure`): "" when the
+    # tokens are equal, or part only where both runs' two likeliest tokens were a near-tie
+    departure: str = ""
+    vllm_departure: str = ""
+
+
+class History:
+    """The whole blocks the requests so far computed (prompt and all but the last generated token)."""
+
+    def __init__(self, block: int):
+        self.block = block
+        self._stored = ExpectedHits(block, has_state=False, store_policy="all", retrieve_policy="boundary")
+
+    def shared(self, tokens: list[int]) -> int:
+        """Tokens of `tokens`' whole blocks that were computed before; never its last token's block."""
+        return min(self._stored.shared(np.asarray(tokens)), (len(tokens) - 1) // self.block) * self.block
+
+    def add(self, tokens: list[int]) -> None:
+        self._stored.stored(np.asarray(tokens))
+
+
+def _p50(xs: list[float]) -> float | None:
+    return float(statistics.median(xs)) if xs else None
+
+
+def summary(rows: list[Replayed]) -> dict[str, float | int | None]:
+    """A workload's figures: hit share both ways over its requests, TTFT p50 of the requests that share blocks
+    with what came before (the first request has nothing to hit)."""
+    shared = sum(r.shared_tokens for r in rows)
+    hit, own = sum(r.hit_tokens for r in rows), sum(r.vllm_hit_tokens for r in rows)
+    warm = [r for r in rows if r.shared_tokens]
+    m: dict[str, float | int | None] = {
+        "requests": len(rows), "warm_requests": len(warm), "shared_tokens": shared, "hit_tokens": hit,
+        "vllm_hit_tokens": own, "hit_share": hit / shared if shared else None,
+        "vllm_hit_share": own / shared if shared else None,
+        "hits_past_shared": sum(r.hit_tokens > r.shared_tokens for r in rows),
+        "ttft_cold_s": _p50([r.ttft_cold_s for r in warm]),
+        "ttft_warm_s": _p50([r.ttft_hybridkv_s for r in warm]),
+        "ttft_warm_vllm_s": _p50([r.ttft_vllm_s for r in warm]),
+        "tokens_equal": int(all(r.tokens_equal for r in rows)),
+        "vllm_tokens_equal": int(all(r.vllm_tokens_equal for r in rows)),
+        "departures": sum(bool(r.departure) for r in rows),
+        "vllm_departures": sum(bool(r.vllm_departure) for r in rows),
+    }
+    warm_s, own_s, cold_s = m["ttft_warm_s"], m["ttft_warm_vllm_s"], m["ttft_cold_s"]
+    m["warm_vs_vllm_ratio"] = warm_s / own_s if warm_s and own_s else None
+    m["cold_vs_warm"] = cold_s / warm_s if warm_s and cold_s else None
+    return m
+
+
+def failure(rows: list[Replayed]) -> str | None:
+    """Why a workload failed, or None."""
+    why = [f"request {r.request}: hit {r.hit_tokens} tokens past the {r.shared_tokens} it shares"
+           for r in rows if r.hit_tokens > r.shared_tokens]
+    why += [f"request {r.request}: through hybridkv not the recompute's continuation, {r.departure}"
+            for r in rows if r.departure]
+    return "; ".join(why) or None
+
+
+class Replay:
+    """The two engines against one cache server, and what the requests so far computed."""
+
+    def __init__(self, sc: ReplayScenario, model: Path, endpoint: str):
+        self.sc, self.endpoint = sc, endpoint
+        self.hybridkv = Engine(model, sc, endpoint)
+        try:
+            self.vllm = Engine(model, sc, None)
+        except BaseException:
+            self.hybridkv.close()
+            raise
+        block = self.hybridkv.llm.llm_engine.vllm_config.cache_config.block_size
+        self.history = History(block)
+        # The first store, lookup, load and forward's one-time costs stay out of the figures: a prompt of two
+        # blocks that no workload shares (its own token stream), run twice in each engine, the second from the
+        # server or from vLLM's own cache.
+        warmup = prompt(2 * block + 8, 77_777, sc.model.vocab)
+        self.hybridkv.run(warmup, 2)
+        self.drop_local_cache()
+        self.hybridkv.run(warmup, 2)
+        self.vllm.run(warmup, 2)
+        self.vllm.run(warmup, 2)
+
+    def drop_local_cache(self) -> None:
+        """Wait until the server has committed every store the `hybridkv` engine made, then drop that engine's
+        own prefix cache: its next request's hit can only come from the server."""
+        server_settled(self.endpoint)
+        if not self.hybridkv.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache (a request still running?)")
+
+    def close(self) -> None:
+        with contextlib.ExitStack() as stack:
+            stack.callback(self.hybridkv.close)
+            stack.callback(self.vllm.close)
+
+    def request(self, w: ReplayWorkload, i: int, tokens: list[int]) -> tuple[Replayed, list[int]]:
+        """Request i of `w` three ways; the recompute's greedy answer."""
+        n = w.answer_tokens
+        shared = self.history.shared(tokens)
+        own = self.vllm.run(tokens, n, logprobs=2)
+        cold = self.vllm.run(tokens, n, salt=f"recompute-{w.label}-{i}", logprobs=2)
+        self.drop_local_cache()
+        hkv = self.hybridkv.run(tokens, n, logprobs=2)
+        self.history.add(tokens + cold.tokens[:-1])
+        return Replayed(workload=w.label, kind=w.kind, request=i, prompt_tokens=len(tokens),
+                        shared_tokens=shared, hit_tokens=hkv.cached, vllm_hit_tokens=own.cached,
+                        ttft_cold_s=cold.ttft_s, ttft_hybridkv_s=hkv.ttft_s, ttft_vllm_s=own.ttft_s,
+                        tokens_equal=hkv.tokens == cold.tokens, vllm_tokens_equal=own.tokens == cold.tokens,
+                        departure=departure(hkv, cold) or "", vllm_departure=departure(own, cold) or ""), cold.tokens
+
+
+def run_replay(sc: ReplayScenario, out: Path, scenario_text: str) -> tuple[Path, list[Replayed]]:
+    """Replay every workload; write run.json (one case per workload), replay.csv, replay.png and report.md."""
+    from hybridkv_bench.replay.report import write_outputs
+    from hybridkv_bench.results.folder import CaseResult, RunWriter
+    from hybridkv_bench.results.host import collect_context
+
+    rows: list[Replayed] = []
+    with contextlib.ExitStack() as stack:
+        model, server = model_and_server(stack, sc.model, sc.l1_gib)
+        with RunWriter(out, {"text": scenario_text, **msgspec.to_builtins(sc)}, collect_context()) as writer:
+            replay = Replay(sc, model, server.endpoint)
+            stack.callback(replay.close)
+            for wi, w in enumerate(sc.workloads):
+                seed = sc.seed_of(wi)
+                tokens: list[int] = []
+                answer: list[int] = []
+                done: list[Replayed] = []
+                for i in range(w.count()):
+                    tokens = w.next_prompt(i, seed, sc.model.vocab, tokens, answer)
+                    row, answer = replay.request(w, i, tokens)
+                    done.append(row)
+                why = failure(done)
+                writer.add_case(CaseResult(
+                    name=f"vllm-replay-{w.label}", workload=w.kind,
+                    axes={"engine": "vllm-real"}, status="failed" if why else "ok", error=why,
+                    metrics=summary(done), details={"requests": [asdict(r) for r in done]}))
+                rows += done
+            writer.record.context["block_tokens"] = replay.history.block
+            writer.record.context["engine_start_s"] = replay.hybridkv.start_s
+        write_outputs(out, sc, rows)
+    return out, rows
