@@ -184,6 +184,16 @@ def engine_args(model: Path, sc: EngineSettings, endpoint: str | None) -> dict[s
     return args
 
 
+def flush_connector(worker: Any) -> int:
+    """Run in an engine's worker (`LLM.collective_rpc(flush_connector)`, which needs
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1 when the engine starts): wait until the connector's stores are committed
+    and its sessions ended. Unlike `server_settled` it also covers a store the worker has queued but not yet sent."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    get_kv_transfer_group().worker_side.wait_idle(30)
+    return 0
+
+
 def server_settled(endpoint: str, timeout_s: float = 60.0) -> dict[str, int | float]:
     """Wait until the server (started with --admin) holds no open reservation and its committed count stood
     still for 0.3 s: the connector commits asynchronously, and a vLLM engine's workers are other processes.

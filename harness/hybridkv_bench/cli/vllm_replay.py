@@ -9,6 +9,7 @@ mistake.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -21,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # the replay asks each engine's worker to flush the connector's stores through LLM.collective_rpc with a
+    # function, which vLLM sends to its engine processes only when this is set
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     try:
         import vllm  # noqa: F401
     except ImportError:

@@ -1,7 +1,7 @@
 """Replaying a `vllm-replay` scenario through real vLLM engines, one request at a time, each request three ways:
 
-- `hybridkv`: an engine with the connector whose own prefix cache is dropped before every request (after the
-  server has committed the previous request's stores), so its hit can only come from the cache server;
+- `hybridkv`: an engine with the connector whose own prefix cache is dropped before every request (after its
+  worker saw the previous request's stores committed), so its hit can only come from the cache server;
 - `vllm`: an engine without the connector that has run the same requests in the same order and keeps its prefix
   cache: vLLM's own hit for this request, the ceiling the connector is measured against;
 - `cold`: the same request again in that engine under a salt of its own (no cache entry matches it): the
@@ -29,7 +29,7 @@ import numpy as np
 
 from hybridkv_bench.greedy import departure
 from hybridkv_bench.replay.spec import ReplayScenario, ReplayWorkload
-from hybridkv_bench.vllm_real import Engine, model_and_server, prompt, server_settled
+from hybridkv_bench.vllm_real import Engine, flush_connector, model_and_server, prompt
 from hybridkv_bench.workloads.hits import ExpectedHits
 
 
@@ -112,7 +112,7 @@ class Replay:
     """The two engines against one cache server, and what the requests so far computed."""
 
     def __init__(self, sc: ReplayScenario, model: Path, endpoint: str):
-        self.sc, self.endpoint = sc, endpoint
+        self.sc = sc
         self.hybridkv = Engine(model, sc, endpoint)
         try:
             self.vllm = Engine(model, sc, None)
@@ -130,11 +130,14 @@ class Replay:
         self.hybridkv.run(warmup, 2)
         self.vllm.run(warmup, 2)
         self.vllm.run(warmup, 2)
+        # Run right before each measured request in the same engine, so that no TTFT includes waking an engine
+        # that sat idle while the other one ran: less than a block, so it neither stores nor caches anything.
+        self.wake = prompt(block // 2, 88_888, sc.model.vocab)
 
     def drop_local_cache(self) -> None:
         """Wait until the server has committed every store the `hybridkv` engine made, then drop that engine's
         own prefix cache: its next request's hit can only come from the server."""
-        server_settled(self.endpoint)
+        self.hybridkv.llm.collective_rpc(flush_connector)
         if not self.hybridkv.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache (a request still running?)")
 
@@ -147,9 +150,11 @@ class Replay:
         """Request i of `w` three ways; the recompute's greedy answer."""
         n = w.answer_tokens
         shared = self.history.shared(tokens)
+        self.vllm.run(self.wake, 1)
         own = self.vllm.run(tokens, n, logprobs=2)
         cold = self.vllm.run(tokens, n, salt=f"recompute-{w.label}-{i}", logprobs=2)
         self.drop_local_cache()
+        self.hybridkv.run(self.wake, 1)
         hkv = self.hybridkv.run(tokens, n, logprobs=2)
         self.history.add(tokens + cold.tokens[:-1])
         return Replayed(workload=w.label, kind=w.kind, request=i, prompt_tokens=len(tokens),
@@ -160,7 +165,9 @@ class Replay:
 
 
 def run_replay(sc: ReplayScenario, out: Path, scenario_text: str) -> tuple[Path, list[Replayed]]:
-    """Replay every workload; write run.json (one case per workload), replay.csv, replay.png and report.md."""
+    """Replay every workload; write run.json (one case per workload), replay.csv, replay.png and report.md.
+    vLLM must allow insecure serialization (VLLM_ALLOW_INSECURE_SERIALIZATION=1, set by the CLI): the engine's
+    worker is asked to flush the connector's stores (`vllm_real.flush_connector`)."""
     from hybridkv_bench.replay.report import write_outputs
     from hybridkv_bench.results.folder import CaseResult, RunWriter
     from hybridkv_bench.results.host import collect_context

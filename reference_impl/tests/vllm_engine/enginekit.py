@@ -19,6 +19,7 @@ import numpy as np
 from hybridkv.engine.vllm.settings import kv_transfer_config
 from hybridkv_bench.greedy import NEAR_TIE, departure
 from hybridkv_bench.vllm_real import ModelShape, server_settled, write_model
+from hybridkv_bench.vllm_real import flush_connector as _flush_connector
 from hybridkv_bench.vllm_real import prompt as _prompt
 
 __all__ = ["NEAR_TIE", "ModelShape", "departure", "server_settled", "write_model"]
@@ -102,14 +103,6 @@ def _zero_kv(worker) -> int:
             x.zero_()
             n += 1
     return n
-
-
-def _flush_connector(worker) -> int:
-    """In the worker: wait until the connector's stores are committed and its sessions ended."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    get_kv_transfer_group().worker_side.wait_idle(30)
-    return 0
 
 
 def forget_local(llm) -> None:
