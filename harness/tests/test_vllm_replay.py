@@ -69,7 +69,8 @@ def test_shared_blocks_count_prompt_and_answer_never_the_last_token():
 
 def _row(request: int, shared: int, hit: int, own: int, departure: str = "") -> Replayed:
     return Replayed(workload="w", kind="rag", request=request, prompt_tokens=100, shared_tokens=shared,
-                    hit_tokens=hit, vllm_hit_tokens=own, ttft_cold_s=1.0, ttft_hybridkv_s=0.5, ttft_vllm_s=0.25,
+                    hit_tokens=hit, vllm_shared_tokens=shared, vllm_hit_tokens=own, ttft_cold_s=1.0,
+                    ttft_hybridkv_s=0.5, ttft_vllm_s=0.25,
                     tokens_equal=not departure, vllm_tokens_equal=True, departure=departure)
 
 

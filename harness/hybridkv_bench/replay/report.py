@@ -35,26 +35,27 @@ def write_outputs(out: Path, sc: ReplayScenario, rows: list[Replayed]) -> None:
              "Each request three ways in one run: through hybridkv (an engine whose own prefix cache is dropped "
              "before each request), from vLLM's own prefix cache (an engine with the same history), and "
              "recomputed (the greedy tokens both must equal). Shared: the whole blocks a request shares with what "
-             "the earlier requests computed. TTFT: p50 of the requests that share blocks. Tokens equal: exactly, "
-             "every request; a departure: a continuation that is not the recompute's up to where both part at a "
-             "near-tie of two tokens (`greedy.departure`), a failure through hybridkv.", "",
+             "that engine computed for the earlier requests. TTFT: p50 of the requests that share blocks. Tokens "
+             "equal: exactly, every request; a departure: a continuation that is not the recompute's up to where "
+             "both part at a near-tie of two tokens (`greedy.departure`), a failure through hybridkv.", "",
              "| workload | requests | hit / shared (hybridkv) | vLLM's own hit / shared | TTFT cold | TTFT via "
              "hybridkv | TTFT from vLLM's cache | hybridkv / vLLM | tokens equal | departures (hybridkv, vLLM's own) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, m in groups.items():
         lines.append(
             f"| {name} | {m['requests']} | {m['hit_tokens']:,} / {m['shared_tokens']:,} = "
-            f"**{_s(m['hit_share'], '', 2)}** | {m['vllm_hit_tokens']:,} / {m['shared_tokens']:,} = "
+            f"**{_s(m['hit_share'], '', 2)}** | {m['vllm_hit_tokens']:,} / {m['vllm_shared_tokens']:,} = "
             f"{_s(m['vllm_hit_share'], '', 2)} | {_s(m['ttft_cold_s'])} | {_s(m['ttft_warm_s'])} | "
             f"{_s(m['ttft_warm_vllm_s'])} | {_s(m['warm_vs_vllm_ratio'], 'x', 2)} | {bool(m['tokens_equal'])} | "
             f"{m['departures']}, {m['vllm_departures']} |")
     lines += ["", "Every request (tokens; TTFT in seconds):", "",
-              "| workload | request | prompt | shared | hit (hybridkv) | vLLM's own hit | TTFT cold | TTFT hybridkv | "
-              "TTFT vLLM | tokens equal (hybridkv, vLLM's own) |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "| workload | request | prompt | shared | hit (hybridkv) | shared (vLLM) | vLLM's own hit | TTFT cold | "
+              "TTFT hybridkv | TTFT vLLM | tokens equal (hybridkv, vLLM's own) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r.workload} | {r.request} | {r.prompt_tokens:,} | {r.shared_tokens:,} | {r.hit_tokens:,} | "
-                     f"{r.vllm_hit_tokens:,} | {r.ttft_cold_s:.3f} | {r.ttft_hybridkv_s:.3f} | {r.ttft_vllm_s:.3f} | "
-                     f"{r.tokens_equal}, {r.vllm_tokens_equal} |")
+                     f"{r.vllm_shared_tokens:,} | {r.vllm_hit_tokens:,} | {r.ttft_cold_s:.3f} | "
+                     f"{r.ttft_hybridkv_s:.3f} | {r.ttft_vllm_s:.3f} | {r.tokens_equal}, {r.vllm_tokens_equal} |")
     why = [f"- {r.workload} request {r.request}: {who} {d}" for r in rows
            for who, d in (("through hybridkv", r.departure), ("from vLLM's own cache", r.vllm_departure)) if d]
     if why:

@@ -17,6 +17,7 @@ class Replayed:
     prompt_tokens: int
     shared_tokens: int
     hit_tokens: int
+    vllm_shared_tokens: int  # shared with what the `vllm` engine computed (its own answers)
     vllm_hit_tokens: int
     ttft_cold_s: float
     ttft_hybridkv_s: float
@@ -36,13 +37,13 @@ def _p50(xs: list[float]) -> float | None:
 def summary(rows: list[Replayed]) -> dict[str, float | int | None]:
     """A workload's figures: hit share both ways over its requests, TTFT p50 of the requests that share blocks
     with what came before (the first request has nothing to hit)."""
-    shared = sum(r.shared_tokens for r in rows)
+    shared, vllm_shared = sum(r.shared_tokens for r in rows), sum(r.vllm_shared_tokens for r in rows)
     hit, own = sum(r.hit_tokens for r in rows), sum(r.vllm_hit_tokens for r in rows)
     warm = [r for r in rows if r.shared_tokens]
     m: dict[str, float | int | None] = {
         "requests": len(rows), "warm_requests": len(warm), "shared_tokens": shared, "hit_tokens": hit,
-        "vllm_hit_tokens": own, "hit_share": hit / shared if shared else None,
-        "vllm_hit_share": own / shared if shared else None,
+        "vllm_shared_tokens": vllm_shared, "vllm_hit_tokens": own, "hit_share": hit / shared if shared else None,
+        "vllm_hit_share": own / vllm_shared if vllm_shared else None,
         "hits_past_shared": sum(r.hit_tokens > r.shared_tokens for r in rows),
         "ttft_cold_s": _p50([r.ttft_cold_s for r in warm]),
         "ttft_warm_s": _p50([r.ttft_hybridkv_s for r in warm]),

@@ -7,11 +7,13 @@
 - `cold`: the same request again in that engine under a salt of its own (no cache entry matches it): the
   recompute whose greedy tokens both others must equal, and cold TTFT.
 
-Per request: `shared_tokens`, the whole blocks it shares with what the earlier requests computed (their prompts
-and answers: what an attention-only model would resume from, the most a hit can be; never the prompt's last
-token, which vLLM always computes); `hit_tokens`, what the `hybridkv` engine got from the server;
-`vllm_hit_tokens`, what vLLM's own cache gave; the three TTFTs (vLLM's request metric, engines in their own
-processes). A hit past `shared_tokens`, or `hybridkv` greedy tokens that are not the recompute's continuation
+Per request: `shared_tokens`, the whole blocks it shares with what the `hybridkv` engine computed for the earlier
+requests (their prompts and its answers: what the server can hold, what an attention-only model would resume from,
+the most a hit can be; never the prompt's last token, which vLLM always computes); `hit_tokens`, what that engine
+got from the server; `vllm_shared_tokens` and `vllm_hit_tokens`, the same for the `vllm` engine and its own cache
+(the two differ where an earlier answer parted from the recompute's at a near-tie: the next chat turn, built from
+the recompute's answer, shares that answer only up to there); the three TTFTs (vLLM's request metric, engines in
+their own processes). A hit past `shared_tokens`, or `hybridkv` greedy tokens that are not the recompute's continuation
 (`greedy.departure`: the same tokens and logprobs, up to where both part at a near-tie of two tokens), fails the
 workload.
 A chat turn is built from the recompute's answer, the same for all three engines.
@@ -61,7 +63,8 @@ class Replay:
             self.hybridkv.close()
             raise
         block = self.hybridkv.llm.llm_engine.vllm_config.cache_config.block_size
-        self.history = History(block)
+        self.history = History(block)       # what the `hybridkv` engine computed: what the server can hold
+        self.vllm_history = History(block)  # what the `vllm` engine computed unsalted: what its cache can hold
         # The first store, lookup, load and forward's one-time costs stay out of the figures: a prompt of two
         # blocks that no workload shares (its own token stream), run twice in each engine, the second from the
         # server or from vLLM's own cache.
@@ -90,16 +93,18 @@ class Replay:
     def request(self, w: ReplayWorkload, i: int, tokens: list[int]) -> tuple[Replayed, list[int]]:
         """Request i of `w` three ways; the recompute's greedy answer."""
         n = w.answer_tokens
-        shared = self.history.shared(tokens)
+        shared, vllm_shared = self.history.shared(tokens), self.vllm_history.shared(tokens)
         self.vllm.run(self.wake, 1)
         own = self.vllm.run(tokens, n, logprobs=2)
         cold = self.vllm.run(tokens, n, salt=f"recompute-{w.label}-{i}", logprobs=2)
         self.drop_local_cache()
         self.hybridkv.run(self.wake, 1)
         hkv = self.hybridkv.run(tokens, n, logprobs=2)
-        self.history.add(tokens + cold.tokens[:-1])
+        self.history.add(tokens + hkv.tokens[:-1])
+        self.vllm_history.add(tokens + own.tokens[:-1])
         return Replayed(workload=w.label, kind=w.kind, request=i, prompt_tokens=len(tokens),
-                        shared_tokens=shared, hit_tokens=hkv.cached, vllm_hit_tokens=own.cached,
+                        shared_tokens=shared, hit_tokens=hkv.cached, vllm_shared_tokens=vllm_shared,
+                        vllm_hit_tokens=own.cached,
                         ttft_cold_s=cold.ttft_s, ttft_hybridkv_s=hkv.ttft_s, ttft_vllm_s=own.ttft_s,
                         tokens_equal=hkv.tokens == cold.tokens, vllm_tokens_equal=own.tokens == cold.tokens,
                         departure=departure(hkv, cold) or "", vllm_departure=departure(own, cold) or ""), cold.tokens
