@@ -9,4 +9,5 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "list": ("hybridkv_bench.cli.list", "list scenarios and model presets"),
     "l2bench": ("hybridkv_bench.cli.l2bench", "L2 spill and reload (disk or Redis) beside the storage's own ceiling"),
     "vllm-ttft": ("hybridkv_bench.cli.vllm_ttft", "TTFT of a real vLLM engine: cold, via hybridkv, from vLLM's cache"),
+    "vllm-replay": ("hybridkv_bench.cli.vllm_replay", "RAG, chat, fan-out through real vLLM: hits beside vLLM's own"),
 }

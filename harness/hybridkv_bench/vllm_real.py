@@ -20,13 +20,14 @@ Run: `hybridkv vllm-ttft SCENARIO [--out DIR]` (scenarios/vllm_real/ttft_cpu.tom
 from __future__ import annotations
 
 import contextlib
+import shutil
 import statistics
 import tempfile
 import time
 import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import msgspec
 import numpy as np
@@ -40,6 +41,11 @@ from hybridkv_bench.model_shape import transformers_config
 _CONFIG_FIELDS = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_attention_heads",
                   "kv_heads": "num_kv_heads", "head_dim": "head_dim", "linear_k_heads": "linear_num_key_heads",
                   "linear_v_heads": "linear_num_value_heads", "full_attention_interval": "full_attention_interval"}
+
+if TYPE_CHECKING:
+    from hybridkv.server.front.launch import ServerProcess
+
+S = TypeVar("S", bound=msgspec.Struct)
 
 
 class ModelShape(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -139,15 +145,20 @@ class TTFTScenario(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                              f"{self.l1_gib}")
 
 
-def load_ttft_scenario(path: str | Path) -> TTFTScenario:
-    """The scenario, or ValueError naming what is wrong with the file."""
+def load_toml(path: str | Path, kind: type[S]) -> S:
+    """The TOML file decoded strictly into `kind`, or ValueError naming the file and what is wrong with it."""
     try:
         data = tomllib.loads(Path(path).read_text())
-        return msgspec.convert(data, TTFTScenario)
+        return msgspec.convert(data, kind)
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as e:
         raise ValueError(f"{path}: not a readable TOML file: {e}") from None
     except msgspec.ValidationError as e:
         raise ValueError(f"{path}: {e}") from None
+
+
+def load_ttft_scenario(path: str | Path) -> TTFTScenario:
+    """The scenario, or ValueError naming what is wrong with the file."""
+    return load_toml(path, TTFTScenario)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,19 +167,45 @@ class Timed:
     cached: int
     ttft_s: float
     tpot_s: float | None  # time per output token after the first
+    top: tuple[dict[int, float], ...] = ()  # with `logprobs`, per token the logprobs of the likeliest tokens
 
 
-def engine_args(model: Path, sc: TTFTScenario, endpoint: str | None) -> dict[str, Any]:
+class EngineSettings(Protocol):
+    """What a scenario says of its engines (`TTFTScenario`, `replay.spec.ReplayScenario`)."""
+
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def step_tokens(self) -> int: ...  # 0: vLLM's default
+    @property
+    def kv_cache_gib(self) -> float: ...
+    @property
+    def connector(self) -> dict[str, str | int | float]: ...
+
+
+def engine_args(model: Path, sc: EngineSettings, endpoint: str | None) -> dict[str, Any]:
     """vLLM engine arguments; with `endpoint`, the hybridkv connector at it."""
     args: dict[str, Any] = dict(
         model=str(model), dtype="bfloat16", enable_prefix_caching=True, max_model_len=sc.max_model_len,
-        max_num_batched_tokens=sc.step_tokens, enforce_eager=True, max_num_seqs=4, seed=0,
+        enforce_eager=True, max_num_seqs=4, seed=0,
         kv_cache_memory_bytes=int(sc.kv_cache_gib * (1 << 30)), disable_log_stats=False)
+    if sc.step_tokens:
+        args["max_num_batched_tokens"] = sc.step_tokens
     if endpoint is not None:
         from hybridkv.engine.vllm.settings import kv_transfer_config
 
         args["kv_transfer_config"] = kv_transfer_config(endpoint, **sc.connector)
     return args
+
+
+def flush_connector(worker: Any) -> int:
+    """Run in an engine's worker (`LLM.collective_rpc(flush_connector)`, which needs
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1 when the engine starts): wait until the connector's stores are committed
+    and its sessions ended. Unlike `server_settled` it also covers a store the worker has queued but not yet sent."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    get_kv_transfer_group().worker_side.wait_idle(30)
+    return 0
 
 
 def server_settled(endpoint: str, timeout_s: float = 60.0) -> dict[str, int | float]:
@@ -195,29 +232,50 @@ def server_settled(endpoint: str, timeout_s: float = 60.0) -> dict[str, int | fl
 class Engine:
     """One vLLM engine (its processes), closed on exit."""
 
-    def __init__(self, model: Path, sc: TTFTScenario, endpoint: str | None):
+    def __init__(self, model: Path, sc: EngineSettings, endpoint: str | None):
         from vllm import LLM
 
         t0 = time.monotonic()
         self.llm = LLM(**engine_args(model, sc, endpoint))
         self.start_s = time.monotonic() - t0
 
-    def run(self, tokens: list[int], max_tokens: int) -> Timed:
+    def run(self, tokens: list[int], max_tokens: int, salt: str | None = None, logprobs: int | None = None
+            ) -> Timed:
+        """Greedy; a `salt` keeps the request out of every prefix cache entry made without it; `logprobs` fills
+        `Timed.top`."""
         from vllm import SamplingParams
 
-        (out,) = self.llm.generate([{"prompt_token_ids": tokens}],
-                                   SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-                                   use_tqdm=False)
+        item: dict[str, Any] = {"prompt_token_ids": tokens} | ({"cache_salt": salt} if salt else {})
+        (out,) = self.llm.generate([item], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                                          logprobs=logprobs), use_tqdm=False)
         m = out.metrics
         if m is None or not m.first_token_latency:
             raise RuntimeError("vLLM reported no first-token latency (is disable_log_stats off?)")
         n = len(out.outputs[0].token_ids)
         tpot = (m.last_token_ts - m.first_token_ts) / (n - 1) if n > 1 else None
-        return Timed(list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0), m.first_token_latency, tpot)
+        top = tuple({t: float(lp.logprob) for t, lp in d.items()} for d in out.outputs[0].logprobs or ())
+        return Timed(list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0), m.first_token_latency, tpot, top)
 
     def close(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()
         del self.llm
+
+
+def model_and_server(stack: contextlib.ExitStack, shape: ModelShape, l1_gib: float) -> tuple[Path, ServerProcess]:
+    """The model written to a temporary folder and a cache server (with --admin, for `server_settled`) started
+    with an L1 of `l1_gib`; the server stopped and both folders removed when `stack` closes."""
+    from hybridkv.server.books.config import GIB, ServerConfig
+    from hybridkv.server.front.launch import start_server
+
+    work = Path(tempfile.mkdtemp(prefix="hkv-vllm-real-"))
+    stack.callback(shutil.rmtree, work, ignore_errors=True)
+    shm = Path(tempfile.mkdtemp(prefix="hkv-vllm-real-", dir="/dev/shm"))
+    stack.callback(shutil.rmtree, shm, ignore_errors=True)
+    model = write_model(work / "model", shape)
+    server = start_server(ServerConfig(endpoint=f"ipc://{work}/server.sock", l1_bytes=int(l1_gib * GIB),
+                                       l1_dir=str(shm), admin=True))
+    stack.callback(server.close)
+    return model, server
 
 
 def _p50(xs: list[float]) -> float:
@@ -226,24 +284,12 @@ def _p50(xs: list[float]) -> float:
 
 def run_ttft(sc: TTFTScenario, out: Path, scenario_text: str) -> tuple[Path, list[dict[str, Any]]]:
     """Measure every prompt length; write run.json (one case per length), ttft.csv, ttft.png, report.md."""
-    import shutil
-
-    from hybridkv.server.books.config import GIB, ServerConfig
-    from hybridkv.server.front.launch import start_server
-
     from hybridkv_bench.results.folder import CaseResult, RunWriter
     from hybridkv_bench.results.host import collect_context
 
-    work = Path(tempfile.mkdtemp(prefix="hkv-vllm-real-"))
-    shm = Path(tempfile.mkdtemp(prefix="hkv-vllm-real-", dir="/dev/shm"))
     rows: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
-        stack.callback(shutil.rmtree, shm, ignore_errors=True)
-        stack.callback(shutil.rmtree, work, ignore_errors=True)
-        model = write_model(work / "model", sc.model)
-        server = start_server(ServerConfig(endpoint=f"ipc://{work}/server.sock", l1_bytes=int(sc.l1_gib * GIB),
-                                           l1_dir=str(shm), admin=True))
-        stack.callback(server.close)
+        model, server = model_and_server(stack, sc.model, sc.l1_gib)
         with RunWriter(out, {"text": scenario_text, **msgspec.to_builtins(sc)}, collect_context()) as w:
             prompts = {(n, r): prompt(n, 1000 * r + i, sc.model.vocab)
                        for i, n in enumerate(sc.prompt_tokens) for r in range(sc.repeats)}

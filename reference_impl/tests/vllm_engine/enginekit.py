@@ -17,10 +17,12 @@ from typing import Any
 
 import numpy as np
 from hybridkv.engine.vllm.settings import kv_transfer_config
+from hybridkv_bench.greedy import NEAR_TIE, departure
 from hybridkv_bench.vllm_real import ModelShape, server_settled, write_model
+from hybridkv_bench.vllm_real import flush_connector as _flush_connector
 from hybridkv_bench.vllm_real import prompt as _prompt
 
-__all__ = ["ModelShape", "server_settled", "write_model"]
+__all__ = ["NEAR_TIE", "ModelShape", "departure", "server_settled", "write_model"]
 VOCAB = ModelShape().vocab
 
 
@@ -88,35 +90,6 @@ def generate(llm, prompts: list[list[int]], max_tokens: int = 12, salts: list[st
             for o in outs]
 
 
-# The tiny model's logits are bfloat16, and two tokens' logits are often exactly equal (in one run here, of the
-# 264 greedy steps of the restore tests' 22 prompts, 9 were exact ties and 36 within NEAR_TIE). A step that
-# batches a request's tokens with other requests' tokens (another step layout: which requests share a forward
-# depends, with asynchronous loads, on when each load ends) moves a logit by a unit in the last place, 1/64
-# for logits in [2, 4): vLLM alone, without the connector, continues the same prompt differently under two
-# layouts from its own prefix cache (results/cpu/2026-12-02/batched_ties).
-NEAR_TIE = 2.0**-4
-
-
-def departure(got: Generated, ref: Generated, tol: float = NEAR_TIE) -> str | None:
-    """Why `got` is not `ref`'s continuation computed under another step layout, or None when it is: the same
-    tokens, with the logprobs both report within `tol`, up to the end or up to a position where the two took
-    different tokens that are a near-tie in both (top two within `tol`: each run's argmax of two equal logits
-    can go either way; past it the contexts differ, so nothing later is compared). KV that is not what the
-    forward would have computed moves logprobs by far more than `tol` (`test_corrupted_pages_change_the_output`)."""
-    if len(got.tokens) != len(ref.tokens) or len(got.top) != len(got.tokens) or len(ref.top) != len(ref.tokens):
-        return f"{len(got.tokens)} tokens ({len(got.top)} with logprobs) against {len(ref.tokens)} ({len(ref.top)})"
-    for pos, (g, r, gl, rl) in enumerate(zip(got.tokens, ref.tokens, got.top, ref.top, strict=True)):
-        for t in gl.keys() & rl.keys():
-            if abs(gl[t] - rl[t]) > tol:
-                return f"at token {pos} the logprob of {t} is {gl[t]:.5f}, recomputed {rl[t]:.5f}"
-        if g != r:
-            if r in gl and g in rl and gl[g] - gl[r] <= tol and rl[r] - rl[g] <= tol:
-                return None
-            return (f"at token {pos} {g} (logprobs {gl}) where the recompute took {r} ({rl}): not a near-tie "
-                    f"within {tol:g}")
-    return None
-
-
 def departures(got: list[Generated], ref: list[Generated], tol: float = NEAR_TIE) -> list[tuple[int, str]]:
     """(index, why) of each of `got` that is not the continuation of its `ref` (`departure`)."""
     return [(i, why) for i, (g, r) in enumerate(zip(got, ref, strict=True)) if (why := departure(g, r, tol))]
@@ -130,14 +103,6 @@ def _zero_kv(worker) -> int:
             x.zero_()
             n += 1
     return n
-
-
-def _flush_connector(worker) -> int:
-    """In the worker: wait until the connector's stores are committed and its sessions ended."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    get_kv_transfer_group().worker_side.wait_idle(30)
-    return 0
 
 
 def forget_local(llm) -> None:
