@@ -20,21 +20,9 @@ from hybridkv.engine.client import CacheClient, ServerError
 from hybridkv.layout import GroupLayout, ModelLayout
 from hybridkv.presets import preset_layout
 from hybridkv.server.front.launch import ServerStartError
-from serverkit import Engine, RawDealer
+from serverkit import Engine, RawDealer, alive, expect
 
 E = P.ErrorCode
-
-
-def alive(endpoint: str) -> bool:
-    with CacheClient(endpoint, timeout_s=10) as c:
-        return c.call(P.Health())[0].status == "ok"
-
-
-def expect(code: str, fut_or_call) -> ServerError:
-    with pytest.raises(ServerError) as ei:
-        fut_or_call()
-    assert ei.value.code == code, ei.value
-    return ei.value
 
 
 # ---- 1. nesting and any decode exception -----------------------------------------------------------

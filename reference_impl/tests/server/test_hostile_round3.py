@@ -22,14 +22,9 @@ from hybridkv.layout import MAX_LAYERS, MAX_NAME_CHARS, GroupLayout, ModelLayout
 from hybridkv.presets import preset_layout
 from hybridkv.server.books.config import GIB, ServerConfig
 from hybridkv.server.front.launch import ServerStartError, start_server
-from serverkit import Engine, RawDealer, process_cpu_s, process_fds, small_tmpfs
+from serverkit import Engine, RawDealer, alive, process_cpu_s, process_fds, small_tmpfs
 
 MIB = 1 << 20
-
-
-def alive(endpoint: str) -> bool:
-    with CacheClient(endpoint, timeout_s=10) as c:
-        return c.call(P.Health())[0].status == "ok"
 
 
 @pytest.fixture
