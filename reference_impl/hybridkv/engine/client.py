@@ -151,7 +151,7 @@ class CacheClient:
         if not mine:
             self._take()
         try:
-            self._send(msg, frames, entry.op)
+            self._send(msg, frames)
         except BaseException as e:  # a request that cannot be sent fails its own future
             if self._pop(msg.id) is entry:
                 entry.finish(None, e)
@@ -172,21 +172,25 @@ class CacheClient:
         wait_s = timeout if timeout is not None else self.timeout_s + 5
         now = time.monotonic()
         until = now + wait_s
-        entry = Pending(now + self.timeout_s, type(msg).__name__, None)
-        lead_until = min(until, entry.deadline)  # a leader polls until its request's deadline, then fails it itself
-        msg.id = req_id = next(self._ids)
-        self._take()
+        deadline = now + self.timeout_s
+        lead_until = min(until, deadline)  # a leader polls until its request's deadline, then fails it itself
+        msg.id = next(self._ids)
+        if self._sock_lock.acquire(blocking=False):
+            self._owner = me
+        else:
+            self._take()
         try:
-            self._send(msg, frames, entry.op)
-            own = self._lead(entry, lead_until, req_id)
+            self._send(msg, frames)
+            got = self._lead(None, lead_until, msg, deadline)
         finally:
             self._give()
-        if own is None:  # another thread took the socket over, or the deadline passed: `entry` is in the book
-            return self._follow(entry, lead_until, until, wait_s)
-        reply, got = own
+        if isinstance(got, Pending):  # another thread took the socket over, or the deadline passed
+            return self._follow(got, lead_until, until, wait_s)
+        assert got is not None
+        reply, reply_frames = got
         if isinstance(reply, P.Error):
-            raise ServerError(reply.code, reply.message, entry.op)
-        return reply, [f.buffer for f in got] if got else []
+            raise ServerError(reply.code, reply.message, type(msg).__name__)
+        return reply, [f.buffer for f in reply_frames] if reply_frames else []
 
     def keepalive(self, engine: int, interval_s: float) -> None:
         """Heartbeat `engine` every interval_s from the I/O thread, until forget(engine)."""
@@ -249,25 +253,23 @@ class CacheClient:
         elif self._unwaited:
             self._io_wake.poke()
 
-    def _send(self, msg: P.Message, frames: list | tuple, op: str) -> None:
-        """Send under the socket lock, waiting for room in the send queue up to the client's timeout."""
+    def _send(self, msg: P.Message, frames: list | tuple) -> None:
+        """Send under the socket lock, waiting for room in the send queue up to the client's timeout. Most
+        requests are one small frame: sent without the multipart machinery."""
         if self._closed:
             raise RuntimeError("client closed")
-        parts = [P.encode(msg), *frames]
+        head = P.encode(msg)
         try:
-            self._send_parts(parts)
+            if frames:
+                self._sock.send_multipart([head, *frames], flags=zmq.NOBLOCK, copy=False)
+            else:
+                self._sock.send(head, zmq.NOBLOCK)
         except zmq.Again:
             # the server reads nothing (SNDHWM messages queued): wait for room up to this request's timeout
             if not self._sock.poll(self.timeout_s * 1000, zmq.POLLOUT):
-                raise ServerTimeout(f"{op}: {self.endpoint} reads no requests: "
+                raise ServerTimeout(f"{type(msg).__name__}: {self.endpoint} reads no requests: "
                                     f"the send queue stayed full for {self.timeout_s:g}s") from None
-            self._send_parts(parts)
-
-    def _send_parts(self, parts: list) -> None:
-        if len(parts) == 1:
-            self._sock.send(parts[0], zmq.NOBLOCK)  # most requests: one small frame, no multipart machinery
-        else:
-            self._sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
+            self._sock.send_multipart([head, *frames], flags=zmq.NOBLOCK, copy=False)
 
     def _poll_once(self, wait: float) -> tuple[P.Reply | None, list]:
         """Poll the socket and the wake-up up to `wait` s (IDLE_S at most); the reply received, if any.
@@ -292,39 +294,41 @@ class CacheClient:
         except (msgspec.DecodeError, msgspec.ValidationError):
             return None, frames  # not ours to answer; the request it belonged to times out
 
-    def _lead(self, entry: Pending | None, until: float, unlisted: int = 0) -> tuple[P.Reply, list] | None:
+    def _lead(self, entry: Pending | None, until: float, unlisted: P.Message | None = None,
+              deadline: float = 0.0) -> Pending | tuple[P.Reply, list] | None:
         """Receive for everyone until `entry` is answered (None: until no submit() reply is owed), someone else
         wants the socket, the client closes, or `until`. The caller holds the socket.
 
-        `unlisted`: the id of a call() request sent and not in the book yet. When the first reply polled is its
-        own, it is returned without entering the book; anything else enters the entry first (before another's
-        reply is handed on: its callback may close(); the socket is held, so close() cannot have failed the book
-        yet, it fails it holding the socket), and so does stepping down."""
-        try:
-            while not self._closed:
-                if (entry.done if entry is not None else not self._unwaited) or self._want:
-                    return None
-                wait = until - time.monotonic()
-                if wait <= 0:
-                    return None
-                reply, frames = self._poll_once(wait)
-                if unlisted:
-                    if reply is not None and reply.id == unlisted:
-                        unlisted = 0
-                        return reply, frames
-                    self._enlist(unlisted, entry)
-                    unlisted = 0
-                if reply is not None:
-                    self._hand(reply, frames)
-            return None
-        finally:
-            if unlisted:  # leaving without its reply: whoever leads next hands it over
-                self._enlist(unlisted, entry)
+        `unlisted`: a call()'s request, sent and not in the book (`entry` None). When the first reply polled is
+        its own, that reply is returned and the request never enters the book (no entry, no book lock); anything
+        else enters it first, with `deadline` (before another's reply is handed on: its callback may close(); the
+        socket is held, so close() cannot have failed the book yet, it fails it holding the socket), and so does
+        leaving without its reply. Returns the entry then."""
+        while not self._closed and not self._want:
+            if entry is not None:
+                if entry.done:
+                    break
+            elif unlisted is None and not self._unwaited:
+                break
+            wait = until - time.monotonic()
+            if wait <= 0:
+                break
+            reply, frames = self._poll_once(wait)
+            if unlisted is not None:
+                if reply is not None and reply.id == unlisted.id:
+                    return reply, frames
+                entry, unlisted = self._enlist(unlisted, deadline), None
+            if reply is not None:
+                self._hand(reply, frames)
+        if unlisted is not None:  # leaving without its reply: whoever leads next hands it over
+            entry = self._enlist(unlisted, deadline)
+        return entry
 
-    def _enlist(self, req_id: int, entry: Pending | None) -> None:
-        assert entry is not None
+    def _enlist(self, msg: P.Message, deadline: float) -> Pending:
+        entry = Pending(deadline, type(msg).__name__, None)
         with self._lock:
-            self._pending[req_id] = entry
+            self._pending[msg.id] = entry
+        return entry
 
     # ---- the book: handing replies on, following, timeouts ---------------------------------------
 
