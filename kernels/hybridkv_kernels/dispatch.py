@@ -43,7 +43,11 @@ def _triton_usable(device: torch.device) -> bool:
     """True when Triton is installed and can run on `device` (CUDA, or anywhere under its interpreter)."""
     if not _triton_installed():
         return False
-    # TRITON_INTERPRET is Triton's own switch: when set, its jit runs kernels on the CPU in numpy.
+    # TRITON_INTERPRET is Triton's own switch, read by Triton itself when `@triton.jit` runs: set, its kernels run
+    # on the CPU in numpy. This read is the edge, not a setting of ours read deep inside: it only mirrors what
+    # Triton will do in this process, so a pinned `triton` on a CPU engine is refused by name rather than failing
+    # inside Triton. A parameter passed down instead could disagree with the variable Triton acts on. It changes
+    # no automatic choice: `auto` and `kernel` pick Triton on CUDA only, whatever the variable says.
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 

@@ -17,7 +17,7 @@ import pytest
 import zmq
 from hybridkv import protocol as P
 from hybridkv.arena import map_arena
-from hybridkv.engine.client import CacheClient
+from hybridkv.engine.client import CacheClient, ServerError
 from hybridkv.presets import preset_layout
 from hybridkv.server.front.cli import parse
 from hybridkv.server.front.launch import ServerProcess, start_server
@@ -28,6 +28,20 @@ def spawn_server(sock_dir: str, *args: str, name: str = "s", l1_gib: float = 0.0
     """A server for tests that manage its life themselves (the `server_factory` fixture stops its own)."""
     return start_server(parse([f"--endpoint=ipc://{sock_dir}/{name}.sock", f"--l1-gib={l1_gib}",
                                f"--client-timeout={client_timeout}", *args, "--admin"]))
+
+
+def alive(endpoint: str) -> bool:
+    """A fresh client's Health is answered `ok`: the server still serves."""
+    with CacheClient(endpoint, timeout_s=10) as c:
+        return c.call(P.Health())[0].status == "ok"
+
+
+def expect(code: str, fut_or_call) -> ServerError:
+    """`fut_or_call()` raises a ServerError of `code`; that error."""
+    with pytest.raises(ServerError) as ei:
+        fut_or_call()
+    assert ei.value.code == code, ei.value
+    return ei.value
 
 
 def counters(client: CacheClient) -> dict:

@@ -1,20 +1,20 @@
-"""A small client of the cache server: one DEALER socket, shared by the threads that use the client.
+"""A small client of the cache server: one object that owns the DEALER socket and the book of requests in flight,
+shared by the threads that use the client.
 
-A ZMQ socket is not thread-safe, so every use of it is under one lock. A thread in `call()` sends its
-request itself and then *leads*: it holds the socket, polls it and hands every reply to the request it
-answers, its own included, until its own reply has come. No other thread is woken on that path (two
-thread hand-offs per request cost more than the server's work). Another thread that needs
-the socket meanwhile asks the leader to step down (a byte on a wake-up socket) and takes over; the old
-leader then waits as a follower until its reply is handed to it or the socket is free again. A call() that
-finds the socket free sends and polls once without entering its request in the table of pending requests;
-only if what comes first is not its reply (another's reply, a wake-up, IDLE_S passing) does it enter it and
-go on as above, so a lone caller's round trip takes no table lock.
+A ZMQ socket is not thread-safe, so every use of it is under one lock. A request takes one path: the thread in
+`call()` takes the socket, sends, and then *leads*: it polls the socket and hands every reply to the request it
+answers, its own included, until its own reply has come. No other thread is woken on that path (two thread
+hand-offs per request cost more than the server's work). A request enters the book of requests in flight only
+when someone other than its sender may receive its reply: a `submit()` always (its sender does not wait), a
+`call()` only once what it polls first is not its own reply (another's reply, a wake-up, IDLE_S passing), so a
+lone caller's round trip takes no book lock. Another thread that needs the socket meanwhile asks the leader to
+step down (a byte on a wake-up socket) and takes over; the old leader then waits as a follower until its reply is
+handed to it or the socket is free again.
 
-The I/O thread sends heartbeats, fails requests past their timeout, and receives for requests whose
-sender is not waiting on them in `call()` (those of `submit()`), when no caller leads. Replies are
-matched by request id. Payload frames are sent with copy=False, so a caller's buffer must stay unchanged
-until its reply arrives. A future's callbacks run on whichever thread received the reply; they may
-`submit()` but not `call()`.
+The I/O thread sends heartbeats, fails requests past their timeout, and receives for requests whose sender is
+not waiting on them in `call()` (those of `submit()`), when no caller leads. Replies are matched by request id.
+Payload frames are sent with copy=False, so a caller's buffer must stay unchanged until its reply arrives. A
+future's callbacks run on whichever thread received the reply; they may `submit()` but not `call()`.
 """
 
 from __future__ import annotations
@@ -22,18 +22,90 @@ from __future__ import annotations
 import itertools
 import math
 import select
+import socket
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
+import msgspec
 import zmq
 from zmq.backend import zmq_poll
 
 from hybridkv import protocol as P
-from hybridkv.engine.pending import Pending, ServerError, ServerTimeout, Wake, recv_reply
 
 IDLE_S = 0.1  # the longest anyone polls before looking at heartbeats, timeouts and close()
+
+
+class ServerError(RuntimeError):
+    """The server answered with an Error reply."""
+
+    def __init__(self, code: str, message: str, op: str = ""):
+        super().__init__(f"{op}: {code}: {message}" if op else f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class ServerTimeout(TimeoutError):
+    """No reply within the timeout: the server is gone, stalled, or the endpoint is wrong."""
+
+
+class Pending:
+    """A request sent and not yet answered, as the book keeps it. A submit()'s outcome goes to its Future; a
+    call()'s is kept here for the waiting caller (no Future, no lock of its own: the caller usually receives it
+    itself)."""
+    __slots__ = ("deadline", "op", "future", "done", "reply", "error")
+
+    def __init__(self, deadline: float, op: str, future: Future | None):
+        self.deadline, self.op, self.future = deadline, op, future
+        self.done = False
+        self.reply: tuple[P.Message, list] | None = None
+        self.error: BaseException | None = None
+
+    def finish(self, reply: tuple[P.Message, list] | None, error: BaseException | None) -> None:
+        if self.future is not None:
+            try:
+                if error is not None:
+                    self.future.set_exception(error)
+                else:
+                    self.future.set_result(reply)
+            except InvalidStateError:
+                pass  # the submitter cancelled it
+        self.reply, self.error, self.done = reply, error, True
+
+    def outcome(self) -> tuple[P.Message, list]:
+        if self.error is not None:
+            raise self.error
+        assert self.reply is not None
+        return self.reply
+
+
+class Wake:
+    """A wake-up socket pair: poke() from any thread, the waiting side polls `fd` and drain()s it.
+    Socket objects, not raw descriptors: a poke after close() raises instead of writing to a reused fd."""
+
+    def __init__(self) -> None:
+        self.r, self.w = socket.socketpair()
+        self.r.setblocking(False)
+        self.w.setblocking(False)
+        self.fd = self.r.fileno()
+
+    def poke(self) -> None:
+        try:
+            self.w.send(b"w")
+        except OSError:
+            pass  # full (a wake-up is pending anyway) or closed
+
+    def drain(self) -> None:
+        try:
+            while self.r.recv(4096):
+                pass
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.r.close()
+        self.w.close()
 
 
 class CacheClient:
@@ -52,9 +124,9 @@ class CacheClient:
         self._lead_wake = Wake()           # asks the thread polling the socket to step down
         self._io_wake = Wake()             # wakes the I/O thread
         self._poll_items = [(self._sock, zmq.POLLIN), (self._lead_wake.fd, zmq.POLLIN)]  # for zmq_poll
-        self._lock = threading.Lock()       # the tables and counts below
+        self._lock = threading.Lock()       # the book and counts below
         self._turn = threading.Condition(self._lock)  # followers wait here for their reply or the socket
-        self._pending: dict[int, Pending] = {}
+        self._pending: dict[int, Pending] = {}   # the book: request id -> a request someone else may receive for
         self._keepalive: dict[int, float] = {}  # engine id -> interval
         self._unwaited = 0   # pending requests of submit(): someone must receive for them
         self._want = 0       # threads waiting for the socket: a leader steps down for them
@@ -68,35 +140,57 @@ class CacheClient:
     def submit(self, msg: P.Message, frames: list | tuple = ()) -> Future:
         """Send `msg` (+ payload frames); the future gives (reply, reply frames) or raises ServerError."""
         fut: Future = Future()
-        entry = self._register(msg, fut)
+        msg.id = next(self._ids)
+        entry = Pending(time.monotonic() + self.timeout_s, type(msg).__name__, fut)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("client is closed")
+            self._pending[msg.id] = entry
+            self._unwaited += 1
         mine = self._owner == threading.get_ident()  # a reply callback of the leading thread
         if not mine:
-            self._acquire()
+            self._take()
         try:
-            self._send(msg, frames, entry)
+            self._send(msg, frames)
+        except BaseException as e:  # a request that cannot be sent fails its own future
+            if self._pop(msg.id) is entry:
+                entry.finish(None, e)
         finally:
             if not mine:
-                self._release()
+                self._give()
         return fut
 
-    def call(self, msg: P.Message, frames: list | tuple = (), timeout: float | None = None):
+    def call(self, msg: P.Message, frames: list | tuple = (), timeout: float | None = None) -> Any:
         """Send and wait: returns (reply, frames); raises ServerError or ServerTimeout (or TimeoutError
-        when `timeout` is shorter than the client's and passes first)."""
+        when `timeout` is shorter than the client's and passes first).
+
+        The one path of a request: take the socket, send, lead until the reply comes (entering the book first if
+        anything else comes before it), then, if another thread took the socket over, follow."""
         me = threading.get_ident()
         if self._owner == me:
             raise RuntimeError("call() from a reply callback would wait on the thread that must receive its reply")
         wait_s = timeout if timeout is not None else self.timeout_s + 5
-        if not frames and self._sock_lock.acquire(False):  # the socket is free: the common case, one caller
-            return self._call_alone(msg, wait_s, me)
-        entry = self._register(msg, None)
-        until = time.monotonic() + wait_s
-        self._acquire()
+        now = time.monotonic()
+        until = now + wait_s
+        deadline = now + self.timeout_s
+        lead_until = min(until, deadline)  # a leader polls until its request's deadline, then fails it itself
+        msg.id = next(self._ids)
+        if self._sock_lock.acquire(blocking=False):
+            self._owner = me
+        else:
+            self._take()
         try:
-            self._send(msg, frames, entry)
-        except BaseException:
-            self._release()
-            raise
-        return self._wait(entry, min(until, entry.deadline), until, wait_s)
+            self._send(msg, frames)
+            got = self._lead(None, lead_until, msg, deadline)
+        finally:
+            self._give()
+        if isinstance(got, Pending):  # another thread took the socket over, or the deadline passed
+            return self._follow(got, lead_until, until, wait_s)
+        assert got is not None
+        reply, reply_frames = got
+        if isinstance(reply, P.Error):
+            raise ServerError(reply.code, reply.message, type(msg).__name__)
+        return reply, [f.buffer for f in reply_frames] if reply_frames else []
 
     def keepalive(self, engine: int, interval_s: float) -> None:
         """Heartbeat `engine` every interval_s from the I/O thread, until forget(engine)."""
@@ -118,13 +212,13 @@ class CacheClient:
             self._thread.join(timeout=5)
         mine = self._owner == threading.get_ident()
         if not mine:
-            self._acquire()  # a leader sees _closed and steps down
+            self._take()  # a leader sees _closed and steps down
         try:
             self._sock.close(linger=0)
             self._fail_all(RuntimeError("client closed"))
         finally:
             if not mine:
-                self._release()
+                self._give()
         self._lead_wake.close()
         self._io_wake.close()
 
@@ -134,20 +228,9 @@ class CacheClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ---- the socket: taking it, sending, leading -------------------------------------------------
+    # ---- the socket: taking it, sending, receiving -----------------------------------------------
 
-    def _register(self, msg: P.Message, future: Future | None) -> Pending:
-        """Give `msg` its id and a pending entry; `future` None: a call() waits on the entry itself."""
-        msg.id = next(self._ids)
-        entry = Pending(time.monotonic() + self.timeout_s, type(msg).__name__, future)
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("client is closed")
-            self._pending[msg.id] = entry
-            self._unwaited += future is not None
-        return entry
-
-    def _acquire(self) -> None:
+    def _take(self) -> None:
         """Take the socket; a thread leading (blocked in poll) steps down for us."""
         if not self._sock_lock.acquire(blocking=False):
             with self._lock:
@@ -160,7 +243,7 @@ class CacheClient:
                     self._want -= 1
         self._owner = threading.get_ident()
 
-    def _release(self) -> None:
+    def _give(self) -> None:
         """Give the socket back; a follower takes it over, else the I/O thread if replies are still owed."""
         self._owner = 0
         self._sock_lock.release()
@@ -170,42 +253,23 @@ class CacheClient:
         elif self._unwaited:
             self._io_wake.poke()
 
-    def _send(self, msg: P.Message, frames: list | tuple, entry: Pending) -> None:
-        """Send under the socket lock; a request that cannot be sent fails its own entry."""
+    def _send(self, msg: P.Message, frames: list | tuple) -> None:
+        """Send under the socket lock, waiting for room in the send queue up to the client's timeout. Most
+        requests are one small frame: sent without the multipart machinery."""
+        if self._closed:
+            raise RuntimeError("client closed")
+        head = P.encode(msg)
         try:
-            if self._closed:
-                raise RuntimeError("client closed")
-            parts = [P.encode(msg), *frames]
-            try:
-                self._send_parts(parts)
-            except zmq.Again:
-                # the server reads nothing (SNDHWM messages queued): wait for room up to this request's timeout
-                if not self._sock.poll(self.timeout_s * 1000, zmq.POLLOUT):
-                    raise ServerTimeout(f"{entry.op}: {self.endpoint} reads no requests: "
-                                        f"the send queue stayed full for {self.timeout_s:g}s") from None
-                self._send_parts(parts)
-        except BaseException as e:
-            if self._pop(msg.id) is entry:
-                entry.finish(None, e)
-
-    def _send_parts(self, parts: list) -> None:
-        if len(parts) == 1:
-            self._sock.send(parts[0], zmq.NOBLOCK)  # most requests: one small frame, no multipart machinery
-        else:
-            self._sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
-
-    def _lead(self, entry: Pending | None, until: float) -> None:
-        """Receive for everyone until `entry` is answered (None: until no submit() reply is owed), someone
-        else wants the socket, the client closes, or `until`. The caller holds the socket."""
-        while not self._closed:
-            if (entry.done if entry is not None else not self._unwaited) or self._want:
-                return
-            wait = until - time.monotonic()
-            if wait <= 0:
-                return
-            reply, frames = self._poll_once(wait)
-            if reply is not None:
-                self._hand(reply, frames)
+            if frames:
+                self._sock.send_multipart([head, *frames], flags=zmq.NOBLOCK, copy=False)
+            else:
+                self._sock.send(head, zmq.NOBLOCK)
+        except zmq.Again:
+            # the server reads nothing (SNDHWM messages queued): wait for room up to this request's timeout
+            if not self._sock.poll(self.timeout_s * 1000, zmq.POLLOUT):
+                raise ServerTimeout(f"{type(msg).__name__}: {self.endpoint} reads no requests: "
+                                    f"the send queue stayed full for {self.timeout_s:g}s") from None
+            self._sock.send_multipart([head, *frames], flags=zmq.NOBLOCK, copy=False)
 
     def _poll_once(self, wait: float) -> tuple[P.Reply | None, list]:
         """Poll the socket and the wake-up up to `wait` s (IDLE_S at most); the reply received, if any.
@@ -214,61 +278,85 @@ class CacheClient:
         got: tuple[P.Reply | None, list] = (None, [])
         for what, _ in zmq_poll(self._poll_items, math.ceil(min(wait, IDLE_S) * 1000)):
             if what is self._sock:
-                got = recv_reply(self._sock)
+                got = self._recv()
             else:
                 self._lead_wake.drain()
         return got
 
-    def _call_alone(self, msg: P.Message, wait_s: float, me: int) -> Any:
-        """call() that found the socket free (thread `me` holds it now): send, poll once, and when what comes
-        is this request's reply, return it without a pending entry (no table lock, no entry to pop).
-        Anything else (another reply, a thread wanting the socket, no reply within IDLE_S) enters the entry
-        in the table first and goes on as _wait(), still leading: so every reply is handed to its request,
-        the I/O thread's timeouts and close() see this request, and a thread that wants the socket gets it."""
-        self._owner = me
-        now = time.monotonic()
-        until = now + wait_s
-        deadline = now + self.timeout_s
-        lead_until = min(until, deadline)
-        msg.id = req_id = next(self._ids)
+    def _recv(self) -> tuple[P.Reply | None, list]:
+        """One queued reply: (the reply, None when it does not decode, and its payload frames). No frame is
+        copied, and the reply frame says itself whether payload frames follow (sock.get(RCVMORE) costs
+        about a microsecond: pyzmq builds an enum on every call)."""
+        head = self._sock.recv(zmq.NOBLOCK, copy=False)
+        frames = self._sock.recv_multipart(copy=False) if head.more else []
         try:
-            if self._closed:
-                raise RuntimeError("client is closed")
-            try:
-                self._sock.send(P.encode(msg), zmq.NOBLOCK)
-            except zmq.Again:  # the server reads nothing: _send waits for room in the send queue
-                reply = None
-                entry = self._enlist(req_id, Pending(deadline, type(msg).__name__, None))
-                self._send(msg, (), entry)
-            else:
-                reply, frames = (None, []) if self._want or lead_until <= now else self._poll_once(lead_until - now)
-                if reply is None or reply.id != req_id:
-                    # entered before another's reply is handed on: its callback may close()
-                    entry = self._enlist(req_id, Pending(deadline, type(msg).__name__, None))
-                    if reply is not None:
-                        self._hand(reply, frames)
-                        reply = None
-        except BaseException:
-            self._release()
-            raise
-        if reply is None:  # not (yet) this request's reply
-            return self._wait(entry, lead_until, until, wait_s)
-        self._release()
-        if isinstance(reply, P.Error):
-            raise ServerError(reply.code, reply.message, type(msg).__name__)
-        return reply, [f.buffer for f in frames] if frames else []
+            return P.decode_reply(head.buffer), frames
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None, frames  # not ours to answer; the request it belonged to times out
 
-    def _wait(self, entry: Pending, lead_until: float, until: float, wait_s: float) -> Any:
-        """call()'s wait, holding the socket on entry: lead, or follow while another thread leads.
-        A leader polls until its request's deadline (`lead_until`) at most, then fails it itself."""
-        leading = True
+    def _lead(self, entry: Pending | None, until: float, unlisted: P.Message | None = None,
+              deadline: float = 0.0) -> Pending | tuple[P.Reply, list] | None:
+        """Receive for everyone until `entry` is answered (None: until no submit() reply is owed), someone else
+        wants the socket, the client closes, or `until`. The caller holds the socket.
+
+        `unlisted`: a call()'s request, sent and not in the book (`entry` None). When the first reply polled is
+        its own, that reply is returned and the request never enters the book (no entry, no book lock); anything
+        else enters it first, with `deadline` (before another's reply is handed on: its callback may close(); the
+        socket is held, so close() cannot have failed the book yet, it fails it holding the socket), and so does
+        leaving without its reply. Returns the entry then."""
+        while not self._closed and not self._want:
+            if entry is not None:
+                if entry.done:
+                    break
+            elif unlisted is None and not self._unwaited:
+                break
+            wait = until - time.monotonic()
+            if wait <= 0:
+                break
+            reply, frames = self._poll_once(wait)
+            if unlisted is not None:
+                if reply is not None and reply.id == unlisted.id:
+                    return reply, frames
+                entry, unlisted = self._enlist(unlisted, deadline), None
+            if reply is not None:
+                self._hand(reply, frames)
+        if unlisted is not None:  # leaving without its reply: whoever leads next hands it over
+            entry = self._enlist(unlisted, deadline)
+        return entry
+
+    def _enlist(self, msg: P.Message, deadline: float) -> Pending:
+        entry = Pending(deadline, type(msg).__name__, None)
+        with self._lock:
+            self._pending[msg.id] = entry
+        return entry
+
+    # ---- the book: handing replies on, following, timeouts ---------------------------------------
+
+    def _hand(self, reply: P.Reply, frames: list) -> None:
+        """Finish the request `reply` answers, if it is still in the book."""
+        entry = self._pop(reply.id)
+        if entry is None:
+            return  # a heartbeat's answer, or a reply that arrived after its timeout
+        if isinstance(reply, P.Error):
+            entry.finish(None, ServerError(reply.code, reply.message, entry.op))
+        else:
+            entry.finish((reply, [f.buffer for f in frames]), None)
+        if self._followers:
+            with self._turn:
+                self._turn.notify_all()
+
+    def _pop(self, req_id: int) -> Pending | None:
+        with self._lock:
+            entry = self._pending.pop(req_id, None)
+            if entry is not None and entry.future is not None:
+                self._unwaited -= 1
+        return entry
+
+    def _follow(self, entry: Pending, lead_until: float, until: float, wait_s: float) -> Any:
+        """call()'s wait once it has given the socket up, `entry` in the book: follow while another thread leads
+        (it hands the reply over), lead again whenever the socket is free; a leader polls until the request's
+        deadline (`lead_until`) at most, then fails it itself."""
         while True:
-            if leading:
-                try:
-                    self._lead(entry, lead_until)
-                finally:
-                    self._release()
-                leading = False
             if entry.done:
                 return entry.outcome()
             now = time.monotonic()
@@ -287,84 +375,10 @@ class CacheClient:
                     self._followers -= 1
             if not entry.done and not self._want and self._sock_lock.acquire(blocking=False):
                 self._owner = threading.get_ident()
-                leading = True
-
-    def _receive(self) -> None:
-        """Receive one queued reply and hand it to its request."""
-        reply, frames = recv_reply(self._sock)
-        if reply is not None:
-            self._hand(reply, frames)
-
-    def _hand(self, reply: P.Reply, frames: list) -> None:
-        """Finish the request `reply` answers, if it is still pending."""
-        entry = self._pop(reply.id)
-        if entry is None:
-            return  # a heartbeat's answer, or a reply that arrived after its timeout
-        if isinstance(reply, P.Error):
-            entry.finish(None, ServerError(reply.code, reply.message, entry.op))
-        else:
-            entry.finish((reply, [f.buffer for f in frames]), None)
-        if self._followers:
-            with self._turn:
-                self._turn.notify_all()
-
-    def _enlist(self, req_id: int, entry: Pending) -> Pending:
-        """Enter a call()'s entry that _call_alone() sent without one; the caller holds the socket, so close()
-        cannot have failed the table's entries yet (it fails them holding the socket)."""
-        with self._lock:
-            self._pending[req_id] = entry
-        return entry
-
-    def _pop(self, req_id: int) -> Pending | None:
-        with self._lock:
-            entry = self._pending.pop(req_id, None)
-            if entry is not None and entry.future is not None:
-                self._unwaited -= 1
-        return entry
-
-    # ---- I/O thread ----------------------------------------------------------------------------
-
-    def _run(self) -> None:
-        next_beat: dict[int, float] = {}
-        idle = select.poll()  # not select.select: a process with many files (vLLM) has descriptors above 1024
-        idle.register(self._io_wake.fd, select.POLLIN)
-        try:
-            while not self._closed:
-                if self._unwaited and not self._want and self._sock_lock.acquire(blocking=False):
-                    self._owner = threading.get_ident()
-                    try:
-                        self._lead(None, time.monotonic() + IDLE_S)
-                    finally:
-                        self._release()
-                else:
-                    idle.poll(IDLE_S * 1000)
-                    self._io_wake.drain()
-                self._expire(time.monotonic())
-                self._beat(next_beat)
-        except Exception:  # never die silently with requests owed: fail them instead
-            self._fail_all(RuntimeError("the client's I/O thread failed"))
-            raise
-
-    def _beat(self, next_beat: dict[int, float]) -> None:
-        now = time.monotonic()
-        with self._lock:
-            due = [eng for eng, interval in self._keepalive.items() if now >= next_beat.get(eng, 0.0)]
-            intervals = {eng: self._keepalive[eng] for eng in due}
-        if not due or self._closed:
-            return
-        self._acquire()
-        try:
-            if self._closed:
-                return
-            for eng in due:
-                self._sock.send(P.encode(P.Heartbeat(engine=eng, id=0)), flags=zmq.NOBLOCK)
-                next_beat[eng] = now + intervals[eng]
-            while self._sock.get(zmq.EVENTS) & zmq.POLLIN:  # heartbeat answers, and anything else come in
-                self._receive()
-        except zmq.Again:
-            pass  # the server reads nothing: the next beat tries again
-        finally:
-            self._release()
+                try:
+                    self._lead(entry, lead_until)
+                finally:
+                    self._give()
 
     def _expire(self, now: float) -> None:
         with self._lock:
@@ -386,3 +400,49 @@ class CacheClient:
             entry.finish(None, exc)
         with self._turn:
             self._turn.notify_all()
+
+    # ---- I/O thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        next_beat: dict[int, float] = {}
+        idle = select.poll()  # not select.select: a process with many files (vLLM) has descriptors above 1024
+        idle.register(self._io_wake.fd, select.POLLIN)
+        try:
+            while not self._closed:
+                if self._unwaited and not self._want and self._sock_lock.acquire(blocking=False):
+                    self._owner = threading.get_ident()
+                    try:
+                        self._lead(None, time.monotonic() + IDLE_S)
+                    finally:
+                        self._give()
+                else:
+                    idle.poll(IDLE_S * 1000)
+                    self._io_wake.drain()
+                self._expire(time.monotonic())
+                self._beat(next_beat)
+        except Exception:  # never die silently with requests owed: fail them instead
+            self._fail_all(RuntimeError("the client's I/O thread failed"))
+            raise
+
+    def _beat(self, next_beat: dict[int, float]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            due = [eng for eng, interval in self._keepalive.items() if now >= next_beat.get(eng, 0.0)]
+            intervals = {eng: self._keepalive[eng] for eng in due}
+        if not due or self._closed:
+            return
+        self._take()
+        try:
+            if self._closed:
+                return
+            for eng in due:
+                self._sock.send(P.encode(P.Heartbeat(engine=eng, id=0)), flags=zmq.NOBLOCK)
+                next_beat[eng] = now + intervals[eng]
+            while self._sock.get(zmq.EVENTS) & zmq.POLLIN:  # heartbeat answers, and anything else come in
+                reply, frames = self._recv()
+                if reply is not None:
+                    self._hand(reply, frames)
+        except zmq.Again:
+            pass  # the server reads nothing: the next beat tries again
+        finally:
+            self._give()

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerError
+from hybridkv.layout import MAX_LAYERS, MAX_NAME_CHARS, GroupLayout, ModelLayout
 from hybridkv.presets import preset_layout
-from serverkit import Engine, RawDealer
+from serverkit import Engine, RawDealer, alive, expect
 
 E = P.ErrorCode
 _seeds = itertools.count(1000)
@@ -454,3 +455,84 @@ def test_error_counter_counts_every_refusal(server, raw):
         stats, _ = c.call(P.Stats())
     assert stats.counters["errors"] == 3
     assert_still_serving(server.endpoint)
+
+
+@pytest.mark.parametrize("depth", [1000, 100_000])
+def test_deeply_nested_message_is_a_bad_message_and_the_server_survives(server, depth):
+    raw = RawDealer(server.endpoint)
+    try:
+        nested = b"\x91" * depth + b"\xc0"  # [[[...[nil]...]]]
+        for frame in (nested, b"\x82\xa1x" + nested + b"\xa2op\xa5stats",
+                      msgspec.msgpack.encode({"op": "lookup", "engine": 1, "request": "r", "v": 1, "id": 7})[:-1]
+                      + nested):
+            reply, _ = raw.call([frame])
+            assert isinstance(reply, P.Error) and reply.code == E.BAD_MESSAGE, reply
+    finally:
+        raw.close()
+    assert alive(server.endpoint)
+
+
+def test_duplicate_keys_are_refused_and_pin_counts_stay_exact(client):
+    eng = Engine(client)
+    keys = eng.keys(4, seed=1)
+    eng.store(keys)
+    err = expect(E.BAD_REQUEST, lambda: eng.lookup([keys[0], keys[1], keys[0]]))
+    assert "repeats key 0" in err.message
+    expect(E.BAD_REQUEST, lambda: client.call(P.PrepareStore(engine=eng.id, request="r", keys=[keys[2]] * 2,
+                                                             objects=[(0, 0), (1, 0)])))
+    hit = eng.lookup(keys)
+    assert hit.hit_chunks == 4
+    client.call(P.Release(engine=eng.id, lease=hit.lease))
+    stats = client.call(P.Stats())[0].counters
+    assert stats["l1_pinned_objects"] == 0 and stats["leases"] == 0
+
+
+def test_a_chunk_size_that_overflows_64_bits_is_a_layout_error(client):
+    primes = (1_048_573, 1_048_571, 1_048_559, 1_048_549)  # lcm ~ 2**80
+    groups = tuple(GroupLayout(kind="attention", layer_names=(f"l{i}",), page_bytes=64, block_tokens=p)
+                   for i, p in enumerate(primes))
+    err = expect(E.LAYOUT, lambda: client.call(P.Register(layout=ModelLayout(model="m", groups=groups),
+                                                          chunk_tokens=0)))
+    assert "chunk_tokens" in err.message
+
+
+def expect_refused(c: CacheClient, msg: P.Message, field: str) -> None:
+    with pytest.raises(ServerError) as ei:
+        c.call(msg)
+    assert ei.value.code == P.ErrorCode.BAD_MESSAGE and field in ei.value.message, ei.value
+
+
+def test_ids_names_and_layouts_past_their_bounds_are_refused(server_factory):
+    s = server_factory()
+    tiny = preset_layout("tiny-hybrid")
+    long = "x" * (MAX_NAME_CHARS + 1)
+    with CacheClient(s.endpoint, timeout_s=10) as c:
+        for msg, field in [
+            (P.Register(layout=tiny, chunk_tokens=0, name=long), "$.name"),
+            (P.Register(layout=tiny, chunk_tokens=0, salt=long), "$.salt"),
+            (P.Register(layout=msgspec.structs.replace(tiny, model=long), chunk_tokens=0), "$.layout.model"),
+            (P.Register(layout=msgspec.structs.replace(tiny, groups=(msgspec.structs.replace(
+                tiny.groups[0], layer_names=(long,)),) + tiny.groups[1:]), chunk_tokens=0), "layer_names"),
+        ]:
+            expect_refused(c, msg, field)
+    raw = RawDealer(s.endpoint)  # a layout our own client would not even build
+    try:
+        reg = msgspec.to_builtins(P.Register(layout=tiny, chunk_tokens=0))
+        reg["layout"]["groups"][0]["layer_names"] = [f"l{i}" for i in range(MAX_LAYERS + 1)]
+        reply = raw.request(reg)
+        assert isinstance(reply, P.Error) and reply.code == P.ErrorCode.BAD_MESSAGE, reply
+        assert "layer_names" in reply.message, reply
+    finally:
+        raw.close()
+    with CacheClient(s.endpoint, timeout_s=10) as c:
+        eng = Engine(c)
+        keys = eng.keys(2, seed=4)
+        eng.store(keys)
+        expect_refused(c, P.Lookup(engine=eng.id, request=long, keys=keys), "$.request")
+        expect_refused(c, P.PrepareStore(engine=eng.id, request=long, keys=keys, objects=[(0, 0)]), "$.request")
+        expect_refused(c, P.EndSession(engine=eng.id, request=long), "$.request")
+        ok = "r" * MAX_NAME_CHARS  # the bound itself is taken
+        res = eng.lookup(keys, request=ok)
+        assert res.hit_chunks == 2
+        c.call(P.EndSession(engine=eng.id, request=ok))
+        assert c.call(P.Stats())[0].counters["leases"] == 0

@@ -9,8 +9,7 @@ import time
 import numpy as np
 import pytest
 from hybridkv import protocol as P
-from hybridkv.engine.client import CacheClient
-from hybridkv.engine.pending import ServerError
+from hybridkv.engine.client import CacheClient, ServerError
 from serverkit import Engine, counters
 
 L1_BYTES = int(0.05 * 2**30)

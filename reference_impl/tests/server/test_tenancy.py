@@ -9,6 +9,7 @@ never lets the other namespace's objects stand in for the asker's own. Real serv
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -165,3 +166,21 @@ def test_an_l2_object_is_served_to_its_own_namespace_only_and_never_replaced_by_
         theirs.put(key, 2, NS_B, b"\xee" * len(data))
     assert mine.length(key, 2, NS_A) == len(data)  # kept, not removed as damaged, not overwritten
     assert mine.get_into(key, 2, memoryview(out), NS_A) and bytes(out) == data
+
+
+def test_tenants_on_separate_servers_share_no_arena_and_no_objects(server_factory):
+    a_srv, b_srv = server_factory(name="tenant-a"), server_factory(name="tenant-b")
+    with CacheClient(a_srv.endpoint, timeout_s=10) as ca, CacheClient(b_srv.endpoint, timeout_s=10) as cb:
+        a, b = Engine(ca), Engine(cb)
+        assert a.reg.arena_path != b.reg.arena_path
+        for reg in (a.reg, b.reg):
+            st = os.stat(reg.arena_path)
+            assert st.st_mode & 0o777 == 0o600 and st.st_uid == os.getuid()
+        keys = a.keys(3, seed=10)
+        a.store(keys)
+        assert b.lookup(keys).hit_chunks == 0  # the same tokens and layout: nothing of a's is visible
+        hit = a.lookup(keys)
+        o = hit.objects[0]
+        payload = Engine.payload(keys[o.chunk], o.group, o.length)
+        assert np.array_equal(a.arena[o.offset:o.offset + o.length], payload)
+        assert not np.array_equal(b.arena[o.offset:o.offset + o.length], payload)

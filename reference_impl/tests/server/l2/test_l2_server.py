@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
+from hybridkv.layout import GroupLayout, ModelLayout
 from hybridkv.presets import preset_layout
 from hybridkv.server.l2.fs_files import DATA_OFFSET
 from hybridkv.server.l2.header import ObjectHeader
@@ -472,3 +473,47 @@ def test_object_restored_while_lookup_waits_after_a_failed_prefetch_is_served_fr
         assert res.hit_chunks == 8
         a.check(keys, res)
         assert counters(ca)["l1_pinned_objects"] == len(res.objects) + len(c_res.objects)  # both leases
+
+
+def test_l2_that_refuses_writes_loses_no_object_without_a_count_and_a_log_line(server_factory, tmp_path):
+    # An L2 of 1 KB refuses every 20 KB object: the server's view of a full disk. The server serves on as
+    # an L1-only cache; an object leaves L1 without an L2 copy only when nothing else makes room, and
+    # each such loss is counted in Stats and logged.
+    srv = server_factory("--l2-dir", str(tmp_path / "l2"), "--l2-gib", "0.000001", l1_gib=2 / 1024)
+    with CacheClient(srv.endpoint, timeout_s=30) as c:
+        eng = Engine(c)
+        committed: list[bytes] = []
+        for i in range(40):  # L1 holds ~100 objects of 20 KB; 40 chunks are 160 objects
+            keys = eng.keys(1, seed=100 + i)
+            prep = eng.store(keys)
+            assert not prep.refused, prep.refused[0].reason
+            committed.append(keys[0])
+        time.sleep(1.0)  # a tick: the failure count is logged
+        stats = c.call(P.Stats())[0].counters
+        # a chunk misses when any of its 4 objects is gone (a lookup without pins changes nothing)
+        missing = sum(c.call(P.Lookup(engine=eng.id, request="n", keys=[k], pin=False))[0].hit_chunks == 0
+                      for k in committed)
+    assert stats["l2_spill_failures"] > 0 and stats["l2_spills"] == 0
+    dropped = stats["l1_dropped_unspilled"]
+    assert 0 < missing <= dropped <= 4 * missing, (missing, dropped)  # every lost object is counted
+    srv.stop()
+    err = srv.proc.stderr.read()
+    assert "L2 writes failed" in err and "dropped from L1 without an L2 copy" in err, err[-2000:]
+
+
+@pytest.mark.slow
+def test_tiny_objects_keep_storing_once_l1_is_full(server_factory, tmp_path):
+    srv = server_factory("--l2-dir", str(tmp_path / "l2"), "--l2-gib", "1", l1_gib=4 / 1024)  # 1024 slots
+    layout = ModelLayout(model="tiny-attn", groups=(GroupLayout(kind="attention", layer_names=("l0",),
+                                                                page_bytes=256, block_tokens=16),))
+    with CacheClient(srv.endpoint, timeout_s=60) as c:
+        eng = Engine(c, layout=layout)
+        keys = eng.keys(4096, seed=9)
+        refused = 0
+        t = time.monotonic()
+        for i in range(0, len(keys), 64):  # 4x L1, 64 chunks per store
+            refused += len(eng.store(keys[i:i + 64]).refused)
+        rate = len(keys) / (time.monotonic() - t)
+        stats = c.call(P.Stats())[0].counters
+    assert refused == 0 and stats["l2_spills"] >= 3000
+    assert rate > 300, f"{rate:.0f} objects/s once L1 is full"  # the old path: ~70/s

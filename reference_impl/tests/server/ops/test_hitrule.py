@@ -1,4 +1,5 @@
-"""Hostile layouts against the sliding-window hit rule, on real server processes (issue 23, round 4)."""
+"""The hit rule against hostile sliding-window layouts, on real server processes: a lookup whose short window
+misses everywhere costs linear work, and the hit over random holes is the longest length every window covers."""
 
 from __future__ import annotations
 
