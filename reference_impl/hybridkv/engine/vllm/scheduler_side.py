@@ -312,7 +312,14 @@ class SchedulerSide:
         self.stats.hit_tokens += num_external_tokens
         setattr(self.stats, f"hit_tokens_{pending.tier}", getattr(self.stats, f"hit_tokens_{pending.tier}")
                 + num_external_tokens)
-        self._requests.setdefault(request.request_id, RequestTrack()).tier = pending.tier
+        track = self._requests.setdefault(request.request_id, RequestTrack())
+        track.tier = pending.tier
+        if self.events is None:
+            # the hit's chunks are on the server, pinned until the request ends: a store of them again (planned
+            # from chunk 0 at the request's first boundary) copies nothing, yet prepares every one of them in the
+            # request's first step, on its time to first token. With KV events on they are stored again all the
+            # same: their commit is what this engine announces them on.
+            track.stored_chunks = max(track.stored_chunks, len(pending.token_ids) // self.chunk_tokens)
         self.stats.loads_planned += 1
         if self.settings.load_mode == "layerwise":
             self._held.add(request.request_id)
