@@ -128,7 +128,9 @@ def test_no_hit_offered_while_a_worker_is_refused(serve, make_engine):
     ws.transfer.client.call(P.Unregister(engine=ws.transfer.engine_id))
     with CacheClient(srv.endpoint, timeout_s=10) as other:
         other.call(P.Register(layout=ws.layout, chunk_tokens=ws.chunk_tokens, name="takes-the-last-slot"))
-        run(eng, "B", a)  # offered before the scheduler could know: it loads from the scheduler's pins
+        # offered before the scheduler could know: it loads from the scheduler's pins, and stores a chunk of its
+        # own past them (a warm request stores nothing of its hit: the server holds it)
+        run(eng, "B", a[:3 * C] + tokens(C + 3, 26))
         assert worker_stats(eng).load_failures == 0 and worker_stats(eng).loads_pinned == 1
         # B's stores met the refusal: the worker dropped its connection, registers again (refused) and reports
         # it with its next step's output, which may come after the scheduler offered C: at most that one
