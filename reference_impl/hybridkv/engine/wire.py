@@ -28,6 +28,7 @@ from hybridkv.arena import map_arena
 from hybridkv.baselines.codec import PayloadError, decode_tensor, encode_tensor
 from hybridkv.engine.client import CacheClient
 from hybridkv.engine.handles import Hit, TransferHandle
+from hybridkv.engine.prefault import Prefault
 from hybridkv.wire_formats import FORMATS, TRAITS, WireFormat
 
 ObjectJob = tuple[P.ObjectLoc, np.ndarray]  # an object and the engine blocks (of its group) that hold it
@@ -71,11 +72,14 @@ class ArenaMapping:
         self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
         self.size = size
         self._registered = False
+        self.prefault: Prefault | None = None  # CPU: the page tables filled ahead of the first load (prefault.py)
         if device.type == "cuda":
             rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), size, 0)
             if int(rc) != 0:
                 raise RuntimeError(f"cudaHostRegister of the {size} B arena {path} failed with CUDA error {int(rc)}")
             self._registered = True
+        else:
+            self.prefault = Prefault(self.tensor.data_ptr(), size)
 
     def slot(self, offset: int, length: int) -> torch.Tensor:
         """The arena bytes of one object slot, as a flat uint8 view."""
@@ -85,6 +89,8 @@ class ArenaMapping:
 
     def close(self) -> None:
         """Unregister and unmap (every view of the arena must be gone)."""
+        if self.prefault is not None:
+            self.prefault.stop()
         if self._registered:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self._registered = False

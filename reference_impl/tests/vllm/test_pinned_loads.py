@@ -39,6 +39,18 @@ def test_a_warm_load_reads_the_scheduler_s_pins_and_ends_in_the_step_that_starts
     assert counters(srv.endpoint)["leases"] == 0  # the scheduler's pins end with the request
 
 
+def test_a_warm_request_stores_only_past_its_hit(serve, make_engine):
+    """The hit's chunks are the server's: the warm request's first step prepares no store of them again (it would
+    copy nothing, and its prepare of every chunk is on the request's time to first token)."""
+    srv, eng, b = _stored(serve, make_engine)
+    eng.add_request("B", b)
+    eng.step()
+    so, _ = eng.step_until_scheduled()
+    stores = [job for job in so.kv_connector_metadata.stores if job.request_id == "B"]
+    assert stores and all(job.start_chunk == 5 for job in stores)
+    assert eng.run().corrupt_pages == 0
+
+
 def test_pins_in_another_arena_are_looked_up_by_the_worker(serve, make_engine):
     """Offsets into an arena this rank does not map (a server restarted between the lookup and the load) would
     read other bytes: the worker pins the hit itself, in the arena it maps."""

@@ -156,7 +156,7 @@ def _break_rank1(worker, load_mode: str) -> int:
             def broken(job, ready):
                 raise OSError("injected: rank 1's load cannot start")
 
-            ws._start_load = broken
+            ws.loads._start_load = broken  # (worker_loads.WorkerLoads)
     return os.getpid()
 
 
