@@ -11,7 +11,7 @@ import tempfile
 import numpy as np
 import torch
 from hybridkv.engine.transfer import KVTransfer, TransferConfig
-from hybridkv.presets import preset_layout
+from hybridkv.model.presets import preset_layout
 from hybridkv.server.books.config import GIB, ServerConfig
 from hybridkv.server.front.launch import start_server
 

@@ -58,7 +58,7 @@ def traffic(endpoint: str, seconds: float, stop: threading.Event) -> dict:
     """Two engines: each stores new prompts, re-reads old ones (L1 hits, then L2 hits once evicted), and asks
     for prefixes it never stored (misses); now and then a malformed request (the server answers an error)."""
     from hybridkv.engine.transfer import KVTransfer, TransferConfig
-    from hybridkv.presets import preset_layout
+    from hybridkv.model.presets import preset_layout
     from hybridkv_bench.pools import fill_random, vllm_pools
 
     layout = preset_layout("tiny-hybrid", 1)

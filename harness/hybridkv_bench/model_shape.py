@@ -1,4 +1,5 @@
-"""The harness's one model shape: a Gated DeltaNet preset (`hybridkv.presets.gated_deltanet.HybridModelConfig`) with
+"""The harness's one model shape: a Gated DeltaNet preset
+(`hybridkv.model.presets.gated_deltanet.HybridModelConfig`) with
 a scenario's overrides. Everything the harness builds of a model derives from it: the scenario's `[model.overrides]`
 table (`Overrides`: one optional key per config field), the config.json vLLM's planner reads (`vllm_planning`), the
 tiny real models a real vLLM engine runs (`vllm_real`) and the transformers engine's model (`engines.hf.model`), all
@@ -12,7 +13,7 @@ import typing
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
-from hybridkv.presets.gated_deltanet import HybridModelConfig
+from hybridkv.model.presets.gated_deltanet import HybridModelConfig
 
 from hybridkv_bench.scenario.strict import Strict
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from hybridkv.layout import ModelLayout
+from hybridkv.model.layout import ModelLayout
 
 
 def vllm_pools(layout: ModelLayout, num_blocks: int, device: torch.device | str = "cpu") -> list[list[torch.Tensor]]:

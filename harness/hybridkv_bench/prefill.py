@@ -20,7 +20,7 @@ Rate (`kind = "tokens_per_s"`): time = new / rate, the rate being the whole engi
 
 from __future__ import annotations
 
-from hybridkv.presets.gated_deltanet import HybridModelConfig
+from hybridkv.model.presets.gated_deltanet import HybridModelConfig
 
 from hybridkv_bench.scenario.spec import PrefillModel, RatePrefill, RooflinePrefill
 

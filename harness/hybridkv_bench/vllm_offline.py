@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from hybridkv.layout import ModelLayout, layer_index
+from hybridkv.model.layout import ModelLayout, layer_index
 
 from hybridkv_bench.vllm_planning import plan_kv_cache
 

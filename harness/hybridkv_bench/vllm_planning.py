@@ -1,5 +1,6 @@
 """vLLM 0.33's KV-cache planning for models that are never built: the config fields that decide a KV cache (a
-Gated DeltaNet preset, `hybridkv.presets.gated_deltanet.HybridModelConfig`, with any overrides: full attention + GDN;
+Gated DeltaNet preset, `hybridkv.model.presets.gated_deltanet.HybridModelConfig`, with any overrides: full attention
++ GDN;
 a sliding-window preset: Gemma 3-shaped full + sliding-window attention), config.json files written by transformers,
 vLLM's ModelConfig and VllmConfig around them, the layers' KV-cache specs as vLLM's layer classes report them, and
 vLLM's own planner over those specs. `vllm_offline` runs vLLM's scheduler on the result.
@@ -13,15 +14,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
-from hybridkv import presets
-from hybridkv.presets.gated_deltanet import HybridModelConfig
-from hybridkv.presets.sliding import SlidingWindowConfig
+from hybridkv.model import presets
+from hybridkv.model.presets.gated_deltanet import HybridModelConfig
+from hybridkv.model.presets.sliding import SlidingWindowConfig
 
 from hybridkv_bench.model_shape import transformers_config
 
 if TYPE_CHECKING:
-    from hybridkv.presets.mamba1 import Mamba1HybridConfig
-    from hybridkv.presets.mamba2 import Mamba2HybridConfig
+    from hybridkv.model.presets.mamba1 import Mamba1HybridConfig
+    from hybridkv.model.presets.mamba2 import Mamba2HybridConfig
 
 # GDN layers of Qwen3.5/3.6 and Qwen3-Next share one state-shape rule; vLLM's Qwen3.5 module also imports a
 # vision tower that needs torchvision, which has no CPU build for this torch on PyPI, so the planner reads

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import msgspec
 import numpy as np
-from hybridkv.presets import model_config, preset_names
-from hybridkv.presets.gated_deltanet import HybridModelConfig
+from hybridkv.model.presets import model_config, preset_names
+from hybridkv.model.presets.gated_deltanet import HybridModelConfig
 
 from hybridkv_bench.model_shape import transformers_config
 
@@ -212,8 +212,8 @@ def server_settled(endpoint: str, timeout_s: float = 60.0) -> dict[str, int | fl
     """Wait until the server (started with --admin) holds no open reservation and its committed count stood
     still for 0.3 s: the connector commits asynchronously, and a vLLM engine's workers are other processes.
     Returns its counters then."""
-    from hybridkv import protocol as P
     from hybridkv.engine.client import CacheClient
+    from hybridkv.wire import protocol as P
 
     until = time.monotonic() + timeout_s
     last = None

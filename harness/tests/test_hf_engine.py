@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 from benchkit import SCENARIOS  # noqa: E402
 from hybridkv.engine.transfer import KVTransfer, TransferConfig  # noqa: E402
-from hybridkv.presets.gated_deltanet import TINY_HYBRID  # noqa: E402
+from hybridkv.model.presets.gated_deltanet import TINY_HYBRID  # noqa: E402
 from hybridkv.server.books.config import GIB, ServerConfig  # noqa: E402
 from hybridkv.server.front.launch import start_server  # noqa: E402
 from hybridkv_bench.engines.hf.engine import HFEngine  # noqa: E402

@@ -13,11 +13,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hybridkv import protocol as P
 from hybridkv.baselines.codec import decode_tensor, encode_tensor
 from hybridkv.engine.client import CacheClient
-from hybridkv.keys import chunk_keys, namespace
-from hybridkv.presets import preset_layout
+from hybridkv.model.keys import chunk_keys, namespace
+from hybridkv.model.presets import preset_layout
+from hybridkv.wire import protocol as P
 from hybridkv_bench.microbench.lookup_bench import store_chunks
 from hybridkv_kernels import PagedLayers, build_plan, run_plan
 

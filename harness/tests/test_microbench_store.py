@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from hybridkv.engine.transfer import KVTransfer
-from hybridkv.presets import preset_layout
+from hybridkv.model.presets import preset_layout
 from hybridkv.server.books.config import GIB, ServerConfig
 from hybridkv.server.front.launch import start_server
 from hybridkv_bench.microbench.fixed_cost import LOAD_STEPS, STORE_STEPS, profile, small_pages

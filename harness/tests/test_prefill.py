@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import pytest
-from hybridkv.presets import model_config
+from hybridkv.model.presets import model_config
 from hybridkv_bench.prefill import prefill_flops, prefill_seconds
 from hybridkv_bench.scenario.spec import RatePrefill, RooflinePrefill
 

@@ -9,8 +9,8 @@ import msgspec
 import pytest
 from benchkit import SCENARIOS
 from hybridkv.engine.config import TransferAxes
-from hybridkv.presets import preset_layout
-from hybridkv.presets.gated_deltanet import HybridModelConfig
+from hybridkv.model.presets import preset_layout
+from hybridkv.model.presets.gated_deltanet import HybridModelConfig
 from hybridkv_bench.model_shape import Overrides as ModelOverrides
 from hybridkv_bench.scenario.load import decode_scenario, find_scenarios, load_scenario
 from hybridkv_bench.scenario.sizes import prefix_bytes, request_prefix_tokens, scaled, working_set_bytes

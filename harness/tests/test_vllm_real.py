@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hybridkv.presets import model_config
+from hybridkv.model.presets import model_config
 from hybridkv_bench.vllm_real import ModelShape, load_ttft_scenario
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "scenarios" / "vllm_real"

@@ -21,7 +21,7 @@ BAR = 24
 def add_arguments(p: argparse.ArgumentParser) -> None:
     import os
 
-    from hybridkv.endpoints import ENDPOINT_ENV, endpoint_from
+    from hybridkv.wire.endpoints import ENDPOINT_ENV, endpoint_from
 
     p.add_argument("--endpoint", default=endpoint_from(os.environ),
                    help=f"the server's endpoint (default: ${ENDPOINT_ENV} if set, else where `hybridkv serve` listens "
@@ -196,8 +196,8 @@ def ask(endpoint: str, timeout_s: float):
     import zmq
     from zmq.utils.monitor import recv_monitor_message
 
-    from hybridkv import protocol as P
     from hybridkv.cli import UserError
+    from hybridkv.wire import protocol as P
 
     if endpoint.startswith("ipc://") and not Path(endpoint[len("ipc://"):]).exists():
         raise UserError(f"no cache server at {text(endpoint, 200)}: the socket file does not exist")

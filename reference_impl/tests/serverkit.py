@@ -15,12 +15,12 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from hybridkv import protocol as P
-from hybridkv.arena import map_arena
 from hybridkv.engine.client import CacheClient, ServerError
-from hybridkv.presets import preset_layout
+from hybridkv.memory.arena import map_arena
+from hybridkv.model.presets import preset_layout
 from hybridkv.server.front.cli import parse
 from hybridkv.server.front.launch import ServerProcess, start_server
+from hybridkv.wire import protocol as P
 
 
 def spawn_server(sock_dir: str, *args: str, name: str = "s", l1_gib: float = 0.05,
@@ -98,7 +98,7 @@ class Engine:
         self.arena = np.frombuffer(map_arena(reg.arena_path, reg.arena_bytes), dtype=np.uint8)
 
     def keys(self, n: int, seed: int = 0) -> list[bytes]:
-        from hybridkv.keys import chunk_keys
+        from hybridkv.model.keys import chunk_keys
 
         tokens = np.random.default_rng(seed).integers(0, 50000, n * self.chunk_tokens)
         return chunk_keys(self.reg.namespace, tokens, self.chunk_tokens)

@@ -1,7 +1,7 @@
 """The code's shape, checked: no import cycles (type-only imports included), the engine never imports the server,
 the server's layers import only downwards (front -> ops -> books -> l2 -> machinery), the harness's top package
 stays small, no source file over 600 lines, and the wire formats are named in few modules (the rest read
-`hybridkv.wire_formats`). Imports are read from the source (ast); `import_graph(typing=False)` leaves out the ones
+`hybridkv.wire.wire_formats`). Imports are read from the source (ast); `import_graph(typing=False)` leaves out the ones
 under `if TYPE_CHECKING:`.
 
     python reference_impl/tests/test_structure.py   # prints the figures these tests hold to
@@ -162,7 +162,7 @@ def env_reads_below_the_edge() -> list[str]:
 
 def format_literal_modules() -> dict[str, list[str]]:
     """Modules that spell a wire format's name as a string constant (docstrings aside)."""
-    from hybridkv.wire_formats import FORMATS
+    from hybridkv.wire.wire_formats import FORMATS
 
     names = set(FORMATS)
     out = {}

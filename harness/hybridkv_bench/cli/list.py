@@ -14,8 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hybridkv.layout import LayoutError
-    from hybridkv.presets import preset_layout, preset_names
+    from hybridkv.model.layout import LayoutError
+    from hybridkv.model.presets import preset_layout, preset_names
 
     from hybridkv_bench.scenario.load import find_scenarios, load_scenario
     from hybridkv_bench.scenario.spec import Scenario, ScenarioError, expand_matrix

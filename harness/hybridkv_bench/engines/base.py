@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     from hybridkv.engine.client import CacheClient
     from hybridkv.engine.config import TransferConfig
     from hybridkv.engine.transfer import Hit, KVTransfer
-    from hybridkv.layout import ModelLayout
-    from hybridkv.presets.gated_deltanet import HybridModelConfig
+    from hybridkv.model.layout import ModelLayout
+    from hybridkv.model.presets.gated_deltanet import HybridModelConfig
 
     from hybridkv_bench.engines.pools import EnginePools
     from hybridkv_bench.scenario.spec import Scenario

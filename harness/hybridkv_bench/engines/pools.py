@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from hybridkv.layout import ModelLayout
+from hybridkv.model.layout import ModelLayout
 
 from hybridkv_bench.pools import BlockAllocator, vllm_pools
 

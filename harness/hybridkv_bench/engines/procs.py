@@ -45,9 +45,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.engine.config import TransferConfig
+from hybridkv.wire import protocol as P
 
 from hybridkv_bench.engines.base import CLIENT_TIMEOUT_S
 from hybridkv_bench.engines.pools import EnginePools

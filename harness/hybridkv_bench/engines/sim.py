@@ -30,9 +30,9 @@ import numpy as np
 import torch
 from hybridkv.engine.client import CacheClient
 from hybridkv.engine.transfer import Hit, KVTransfer, PreparedStore, TransferConfig
-from hybridkv.layout import ModelLayout
-from hybridkv.policy import chunk_objects, object_blocks
-from hybridkv.protocol import ObjectLoc
+from hybridkv.model.layout import ModelLayout
+from hybridkv.model.policy import chunk_objects, object_blocks
+from hybridkv.wire.protocol import ObjectLoc
 
 from hybridkv_bench.engines.base import CLIENT_TIMEOUT_S, EngineSite, RequestResult, gpu_of
 from hybridkv_bench.engines.pools import EnginePools, page_seed

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from hybridkv.engine.config import TransferConfig
 from hybridkv.engine.vllm.settings import kv_transfer_config
-from hybridkv.presets.gated_deltanet import HybridModelConfig
+from hybridkv.model.presets.gated_deltanet import HybridModelConfig
 
 from hybridkv_bench import vllm_offline as offline
 from hybridkv_bench import vllm_planning as planning

@@ -231,9 +231,9 @@ class _Rig:
 
 def _spill(b: L2Bench, rig: _Rig, target: _Target, result: dict) -> None:
     """Host A stores everything in an L1 that holds it, then flushes every object on SIGTERM."""
-    from hybridkv import protocol as P
     from hybridkv.engine.transfer import KVTransfer
     from hybridkv.server.front.launch import start_server
+    from hybridkv.wire import protocol as P
 
     layout, pools, cfg, src, docs, logs, work = rig.layout, rig.pools, rig.cfg, rig.src, rig.docs, rig.logs, rig.work
     with open(logs / "a.log", "w") as log:  # an L1 that holds everything (the shared settings'), flushed on exit
@@ -263,9 +263,9 @@ def _spill(b: L2Bench, rig: _Rig, target: _Target, result: dict) -> None:
 
 def _reload(b: L2Bench, rig: _Rig, result: dict) -> None:
     """Host B (own arena, an L1 of a third) looks every document up; every page is verified."""
-    from hybridkv import protocol as P
     from hybridkv.engine.transfer import KVTransfer
     from hybridkv.server.front.launch import start_server
+    from hybridkv.wire import protocol as P
 
     layout, pools, cfg, bpc, src, dst, docs, logs, work, total = (
         rig.layout, rig.pools, rig.cfg, rig.bpc, rig.src, rig.dst, rig.docs, rig.logs, rig.work, rig.total)
@@ -311,10 +311,10 @@ def run_l2_bench(b: L2Bench, out: Path) -> dict:
     import numpy as np
     import torch
     from hybridkv.engine.transfer import TransferConfig
-    from hybridkv.presets import preset_layout
+    from hybridkv.model.presets import preset_layout
     from hybridkv.server.books.config import ServerConfig
     from hybridkv.server.l2.header import CRC32_IMPL
-    from hybridkv.wire_formats import DEFAULT_FORMAT
+    from hybridkv.wire.wire_formats import DEFAULT_FORMAT
 
     from hybridkv_bench.pools import BlockAllocator, fill_random, vllm_pools
 

@@ -18,13 +18,13 @@ import threading
 import time
 
 import numpy as np
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
-from hybridkv.keys import chunk_keys, namespace
-from hybridkv.layout import GroupLayout, ModelLayout
+from hybridkv.model.keys import chunk_keys, namespace
+from hybridkv.model.layout import GroupLayout, ModelLayout
 from hybridkv.server.front.cli import parse
 from hybridkv.server.front.launch import start_server
 from hybridkv.server.l2.fs import FilesystemL2
+from hybridkv.wire import protocol as P
 
 CT = 2
 GROUPS = 4

@@ -64,7 +64,7 @@ from hybridkv_bench.results.host import collect_context, utc_now
 Priority = Literal["default", "high"]
 Launch = Literal["eager", "graph"]
 # Page sizes of the presets: 64 KiB blocks, Qwen3-Next TP8 / TP4 ranks, Qwen3.6-27B TP8 rank
-# and TP1 (hybridkv.presets).
+# and TP1 (hybridkv.model.presets).
 H200_PAGES = (65_536, 147_456, 278_528, 409_600, 3_211_264)
 
 

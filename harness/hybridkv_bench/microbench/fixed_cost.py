@@ -38,16 +38,16 @@ from typing import Literal
 import msgspec
 import numpy as np
 import torch
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.engine.config import COMMIT_MODES, CommitMode, TransferConfig
 from hybridkv.engine.transfer import KVTransfer, TransferHandle
 from hybridkv.engine.wire import DirectWire
-from hybridkv.layout import ModelLayout
-from hybridkv.policy import chunk_objects
-from hybridkv.presets import preset_layout
+from hybridkv.model.layout import ModelLayout
+from hybridkv.model.policy import chunk_objects
+from hybridkv.model.presets import preset_layout
 from hybridkv.server.books.config import GIB, ServerConfig
 from hybridkv.server.front.launch import start_server
+from hybridkv.wire import protocol as P
 from hybridkv_kernels import build_plan, cuda_batch, run_plan
 
 from hybridkv_bench.pools import BlockAllocator, fill_random, vllm_pools
@@ -298,8 +298,8 @@ def commit_latencies(endpoint: str, rounds: int) -> dict[str, float]:
     import threading
     from concurrent.futures import Future
 
-    from hybridkv.arena import map_arena
-    from hybridkv.keys import chunk_keys
+    from hybridkv.memory.arena import map_arena
+    from hybridkv.model.keys import chunk_keys
 
     layout = small_pages(preset_layout("tiny-hybrid"), 64)
     out: dict[str, float] = {}

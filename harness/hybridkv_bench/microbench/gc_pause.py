@@ -23,7 +23,7 @@ import tempfile
 import time
 from typing import Any
 
-from hybridkv.arena import SLOT_ALIGN, Arena
+from hybridkv.memory.arena import SLOT_ALIGN, Arena
 from hybridkv.server.books.l1 import L1Cache, NoSlot
 from hybridkv.server.machinery.lru import Indexed, LruIndex
 

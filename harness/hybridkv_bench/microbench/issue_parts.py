@@ -28,7 +28,7 @@ from hybridkv.engine.config import TransferConfig
 from hybridkv.engine.handles import TransferHandle
 from hybridkv.engine.transfer import KVTransfer
 from hybridkv.engine.wire import DirectWire
-from hybridkv.presets import preset_layout
+from hybridkv.model.presets import preset_layout
 from hybridkv.server.books.config import GIB, ServerConfig
 from hybridkv.server.front.launch import start_server
 from hybridkv_kernels import copy_dma, cuda_batch

@@ -26,7 +26,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from hybridkv.keys import ObjectKey
+from hybridkv.model.keys import ObjectKey
 from hybridkv.server.l2.fs import _IndexEntry
 from hybridkv.server.machinery.lru import LruIndex
 

@@ -4,10 +4,10 @@ tiny-hybrid, every group of every chunk stored, so a lookup of them is a full hi
 from __future__ import annotations
 
 import numpy as np
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
-from hybridkv.keys import chunk_keys
-from hybridkv.presets import preset_layout
+from hybridkv.model.keys import chunk_keys
+from hybridkv.model.presets import preset_layout
+from hybridkv.wire import protocol as P
 
 CHUNKS = 71
 CHUNK_TOKENS = 80  # tiny-hybrid's default chunk

@@ -27,12 +27,12 @@ import threading
 import time
 
 import numpy as np
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
-from hybridkv.keys import chunk_keys
-from hybridkv.layout import GroupLayout, ModelLayout
+from hybridkv.model.keys import chunk_keys
+from hybridkv.model.layout import GroupLayout, ModelLayout
 from hybridkv.server.books.config import GIB, ServerConfig
 from hybridkv.server.front.launch import start_server
+from hybridkv.wire import protocol as P
 
 from hybridkv_bench.microbench.lookup_bench import store_chunks
 

@@ -20,13 +20,13 @@ import tempfile
 import time
 
 import numpy as np
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
-from hybridkv.keys import chunk_keys
-from hybridkv.layout import GroupLayout, ModelLayout
+from hybridkv.model.keys import chunk_keys
+from hybridkv.model.layout import GroupLayout, ModelLayout
 from hybridkv.server.books.config import ServerConfig
 from hybridkv.server.front.launch import start_server
-from hybridkv.wire_formats import TRAITS
+from hybridkv.wire import protocol as P
+from hybridkv.wire.wire_formats import TRAITS
 
 # the raw format, by what it is: frames of the objects' bytes, which the server neither decodes nor copies itself
 RAW = next(f for f, t in TRAITS.items() if not (t.direct or t.server_imports_torch or t.server_holds_cuda))

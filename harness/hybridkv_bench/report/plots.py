@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
-from hybridkv.wire_formats import FORMATS, TRAITS
+from hybridkv.wire.wire_formats import FORMATS, TRAITS
 
 AXIS_ORDER: dict[str, list[str]] = {
     "wire_format": list(FORMATS),

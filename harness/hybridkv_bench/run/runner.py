@@ -26,13 +26,13 @@ from typing import Any
 
 import msgspec
 import torch
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.engine.transfer import WIRE_FORMATS, TransferConfig
 from hybridkv.server.books.config import ServerConfig
 from hybridkv.server.front.launch import ServerProcess, start_server
 from hybridkv.server.l2.fs_spec import FsL2Spec
-from hybridkv.wire_formats import WireFormat, traits
+from hybridkv.wire import protocol as P
+from hybridkv.wire.wire_formats import WireFormat, traits
 
 from hybridkv_bench.engines.base import CLIENT_TIMEOUT_S, Engine, EngineSite, HitMismatch, builder
 from hybridkv_bench.engines.pools import EnginePools

@@ -6,9 +6,9 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerTimeout
 from hybridkv.server.front.launch import ServerProcess
+from hybridkv.wire import protocol as P
 
 from hybridkv_bench.run.options import BenchError
 

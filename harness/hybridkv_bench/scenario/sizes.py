@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 import msgspec
-from hybridkv.layout import LayoutError, ModelLayout
+from hybridkv.model.layout import LayoutError, ModelLayout
 
 from hybridkv_bench.engines.hf.spec import transformers_problem
 from hybridkv_bench.engines.registry import engine_kind

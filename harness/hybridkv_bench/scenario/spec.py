@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Literal
 
 import msgspec
 from hybridkv.engine.config import CommitMode, Streams, TransferAxes, TransferConfig
-from hybridkv.layout import ModelLayout
-from hybridkv.policy import Policy
-from hybridkv.presets import model_config
-from hybridkv.presets.gated_deltanet import HybridModelConfig
-from hybridkv.wire_formats import DEFAULT_FORMAT, TRAITS, WireFormat
+from hybridkv.model.layout import ModelLayout
+from hybridkv.model.policy import Policy
+from hybridkv.model.presets import model_config
+from hybridkv.model.presets.gated_deltanet import HybridModelConfig
+from hybridkv.wire.wire_formats import DEFAULT_FORMAT, TRAITS, WireFormat
 from hybridkv_kernels.engines import CopyEngine
 
 from hybridkv_bench.engines.hf.spec import TransformersSpec
@@ -46,7 +46,7 @@ EnginesAs = Literal["auto", "threads", "processes"]
 # scenario sets for every case (`Scenario.commit`). Exclude and Matrix hold one field per axis.
 AXES = tuple(f.name for f in dataclasses.fields(TransferAxes) if f.name != "commit")
 
-# What a wire format needs inside the cache server (hybridkv.wire_formats' traits): the gate reads these two
+# What a wire format needs inside the cache server (hybridkv.wire.wire_formats' traits): the gate reads these two
 # sets; nothing else may decide which invariant applies to which format.
 SERVER_IMPORTS_TORCH: frozenset[str] = frozenset(f for f, t in TRAITS.items() if t.server_imports_torch)
 SERVER_HOLDS_CUDA_CONTEXT: frozenset[str] = frozenset(f for f, t in TRAITS.items() if t.server_holds_cuda)

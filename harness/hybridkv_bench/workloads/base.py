@@ -23,7 +23,7 @@ import numpy as np
 from hybridkv_bench.scenario.strict import Strict
 
 if TYPE_CHECKING:
-    from hybridkv.layout import ModelLayout
+    from hybridkv.model.layout import ModelLayout
 
     from hybridkv_bench.scenario.server import ServerSpec
 

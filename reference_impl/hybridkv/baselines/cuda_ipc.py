@@ -11,7 +11,7 @@ from typing import Literal
 import torch
 from hybridkv_kernels import PagedLayers, build_plan, run_plan
 
-from hybridkv import protocol as P
+from hybridkv.wire import protocol as P
 
 
 def export_views(groups: list[PagedLayers]) -> list[list[P.CudaShare]]:

@@ -32,7 +32,7 @@ import msgspec
 import zmq
 from zmq.backend import zmq_poll
 
-from hybridkv import protocol as P
+from hybridkv.wire import protocol as P
 
 IDLE_S = 0.1  # the longest anyone polls before looking at heartbeats, timeouts and close()
 

@@ -8,8 +8,8 @@ from typing import Any, Literal, get_args
 
 from hybridkv_kernels import COPY_ENGINES, CopyEngine
 
-from hybridkv.policy import Policy, check_policy
-from hybridkv.wire_formats import DEFAULT_FORMAT, FORMATS, WireFormat
+from hybridkv.model.policy import Policy, check_policy
+from hybridkv.wire.wire_formats import DEFAULT_FORMAT, FORMATS, WireFormat
 
 Streams = Literal["single", "per_group"]
 STREAM_MODES: tuple[Streams, ...] = get_args(Streams)

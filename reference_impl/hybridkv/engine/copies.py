@@ -17,10 +17,10 @@ from hybridkv_kernels import PagedLayers, build_plan, plan_pages, run_plan
 from hybridkv_kernels.copy_dma import dma_runs
 from hybridkv_kernels.pace import Pace, Pacer, measure_link_gbps
 
-from hybridkv import protocol as P
 from hybridkv.engine.handles import TransferHandle
 from hybridkv.engine.wire import ObjectJob
-from hybridkv.layout import ModelLayout, layer_index
+from hybridkv.model.layout import ModelLayout, layer_index
+from hybridkv.wire import protocol as P
 
 Direction = Literal["gather", "scatter"]
 FENCE_RING = 64  # device words for fences in flight on one stream (the 65th reuses the first, in stream order)

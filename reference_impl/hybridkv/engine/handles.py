@@ -9,7 +9,7 @@ from concurrent.futures import CancelledError, Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from hybridkv import protocol as P
+from hybridkv.wire import protocol as P
 
 
 def relay(src: Future, dst: Future) -> None:

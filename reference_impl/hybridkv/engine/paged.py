@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from hybridkv_kernels import PagedLayers
 
-from hybridkv.layout import LayoutError, ModelLayout
+from hybridkv.model.layout import LayoutError, ModelLayout
 
 
 def paged_groups(layout: ModelLayout, pages) -> list[PagedLayers]:

@@ -23,12 +23,12 @@ from typing import Literal
 
 import torch
 
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.engine.copies import Bound, Issued, LayerSteps, PageCopies, PlannedPages
 from hybridkv.engine.handles import Hit, PreparedStore, TransferHandle, relay
 from hybridkv.engine.wire import CopyFn, DirectWire, ObjectJob, PayloadWire
-from hybridkv.wire_formats import traits
+from hybridkv.wire import protocol as P
+from hybridkv.wire.wire_formats import traits
 
 Kind = Literal["store", "load"]
 # A transfer's handle and the worker's step for it: the whole transfer, or the end of one whose copies its
@@ -443,7 +443,7 @@ class PayloadRoute(Route):
 
 def open_route(wire: DirectWire | PayloadWire, client: CacheClient, engine_id: int, copies: PageCopies,
                timeout_s: float, fenced: bool = False) -> Route:
-    """The route the format's row of `hybridkv.wire_formats.TRAITS` names (direct or not; `engine.wire` checks
+    """The route the format's row of `hybridkv.wire.wire_formats.TRAITS` names (direct or not; `engine.wire` checks
     that each format's wire is of that kind). `fenced`: a direct route's stores send their commit with the
     copies where it can (`DirectRoute.fenced`)."""
     if traits(wire.format).direct:

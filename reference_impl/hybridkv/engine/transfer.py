@@ -20,7 +20,6 @@ import numpy as np
 import torch
 from hybridkv_kernels import HOLE, choose_impl
 
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.engine.config import COPY_ENGINES, STREAM_MODES, Streams, TransferConfig
 from hybridkv.engine.copies import PageCopies, layer_steps
@@ -28,9 +27,10 @@ from hybridkv.engine.handles import Hit, PreparedStore, TransferHandle
 from hybridkv.engine.paged import paged_groups, same_blocks
 from hybridkv.engine.routes import open_route
 from hybridkv.engine.wire import WIRE_FORMATS, WIRES, ObjectJob, WireContext
-from hybridkv.keys import chunk_keys
-from hybridkv.layout import LayoutError, ModelLayout
-from hybridkv.policy import chunk_objects, object_blocks
+from hybridkv.model.keys import chunk_keys
+from hybridkv.model.layout import LayoutError, ModelLayout
+from hybridkv.model.policy import chunk_objects, object_blocks
+from hybridkv.wire import protocol as P
 
 __all__ = ["COPY_ENGINES", "HOLE", "STREAM_MODES", "WIRE_FORMATS", "Hit", "KVTransfer", "PreparedStore", "Streams",
            "TransferConfig", "TransferHandle"]
@@ -75,7 +75,7 @@ class KVTransfer:
 
     def keys(self, token_ids: Sequence[int] | np.ndarray, extras: Sequence[bytes] | None = None) -> list[bytes]:
         """Chunk keys of every full chunk of `token_ids` in this engine's namespace (`extras`: what else decides
-        each chunk's KV, see `hybridkv.keys.chunk_keys`)."""
+        each chunk's KV, see `hybridkv.model.keys.chunk_keys`)."""
         return chunk_keys(self.namespace, token_ids, self.chunk_tokens, extras)
 
     def lookup(self, request_id: str, token_ids: Sequence[int] | np.ndarray, skip_tokens: int = 0,

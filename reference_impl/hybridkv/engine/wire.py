@@ -1,6 +1,6 @@
 """How bytes reach the server, one strategy object per wire format, registered in `WIRES` by name.
 
-A wire is one of two kinds, as `hybridkv.wire_formats.TRAITS` says of its format. A `DirectWire` (`shm`)
+A wire is one of two kinds, as `hybridkv.wire.wire_formats.TRAITS` says of its format. A `DirectWire` (`shm`)
 answers with `slots` (the server's arena, which the engine's copies reach) and a payload-free `commit`;
 the transfer library queues and waits for the copies itself. A `PayloadWire` runs whole stores and loads
 (`store`, `load`): `raw` stages in pinned memory and sends zero-copy frames; `pickle` / `torch_save`
@@ -23,13 +23,13 @@ import numpy as np
 import torch
 from hybridkv_kernels import PagedLayers
 
-from hybridkv import protocol as P
-from hybridkv.arena import map_arena
 from hybridkv.baselines.codec import PayloadError, decode_tensor, encode_tensor
 from hybridkv.engine.client import CacheClient
 from hybridkv.engine.handles import Hit, TransferHandle
 from hybridkv.engine.prefault import Prefault
-from hybridkv.wire_formats import FORMATS, TRAITS, WireFormat
+from hybridkv.memory.arena import map_arena
+from hybridkv.wire import protocol as P
+from hybridkv.wire.wire_formats import FORMATS, TRAITS, WireFormat
 
 ObjectJob = tuple[P.ObjectLoc, np.ndarray]  # an object and the engine blocks (of its group) that hold it
 # Runs the page copies of (object, blocks, host bytes) triples and waits for them.

@@ -30,8 +30,8 @@ GOOD = 13
 def _good(endpoint: str, seconds: float, idx: int, out) -> None:
     """A well-behaved engine: store 4 chunks, look them up, check the bytes, release, end the session."""
     import numpy as np
-    from hybridkv import protocol as P
     from hybridkv.engine.client import CacheClient
+    from hybridkv.wire import protocol as P
     from serverkit import Engine
 
     lat: list[float] = []
@@ -64,7 +64,7 @@ def _never_reads(endpoint: str, seconds: float, out) -> None:
     """Sends retrieves of a leased chunk as fast as it can and never reads an answer."""
     import zmq
     from fuzz_server import SocketClient
-    from hybridkv import protocol as P
+    from hybridkv.wire import protocol as P
     from serverkit import Engine
 
     sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
@@ -95,7 +95,7 @@ def _vanisher(endpoint: str) -> None:
 
     c = CacheClient(endpoint, timeout_s=30)
     eng = Engine(c, salt=f"vanish-{os.getpid()}")
-    from hybridkv import protocol as P
+    from hybridkv.wire import protocol as P
 
     keys = eng.keys(4, seed=os.getpid())
     prep, _ = c.call(P.PrepareStore(engine=eng.id, request="v", keys=keys,

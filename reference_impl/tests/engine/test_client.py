@@ -12,8 +12,8 @@ from contextlib import contextmanager
 
 import hybridkv.engine.client as client_module
 import pytest
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerError, ServerTimeout
+from hybridkv.wire import protocol as P
 from serverkit import Engine
 
 

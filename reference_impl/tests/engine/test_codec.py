@@ -9,9 +9,9 @@ import pickle
 import msgspec
 import numpy as np
 import pytest
-from hybridkv import protocol as P
-from hybridkv.layout import DTYPE_BYTES
-from hybridkv.presets import preset_layout
+from hybridkv.model.layout import DTYPE_BYTES
+from hybridkv.model.presets import preset_layout
+from hybridkv.wire import protocol as P
 from serverkit import Engine
 
 torch = pytest.importorskip("torch")

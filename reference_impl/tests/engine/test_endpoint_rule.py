@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from hybridkv.endpoints import default_endpoint
 from hybridkv.engine.vllm.settings import ConnectorSettings, no_server_at_start
+from hybridkv.wire.endpoints import default_endpoint
 
 ROOT = Path(__file__).resolve().parents[3]
 

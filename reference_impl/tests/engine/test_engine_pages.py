@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from hybridkv.engine.paged import engine_pages
-from hybridkv.layout import LayoutError
-from hybridkv.presets import model_config, preset_layout
+from hybridkv.model.layout import LayoutError
+from hybridkv.model.presets import model_config, preset_layout
 
 BLOCKS = 6
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hybridkv import protocol as P
 from hybridkv.engine.transfer import KVTransfer, TransferConfig
-from hybridkv.presets import preset_layout
+from hybridkv.model.presets import preset_layout
+from hybridkv.wire import protocol as P
 from hybridkv_bench.pools import BlockAllocator, fill_random, vllm_pools
 
 NUM_BLOCKS = 48

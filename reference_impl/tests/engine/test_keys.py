@@ -8,9 +8,9 @@ import sys
 
 import numpy as np
 import pytest
-from hybridkv.keys import KEY_BYTES, chunk_keys, namespace
-from hybridkv.layout import LayoutError
-from hybridkv.presets import preset_layout
+from hybridkv.model.keys import KEY_BYTES, chunk_keys, namespace
+from hybridkv.model.layout import LayoutError
+from hybridkv.model.presets import preset_layout
 
 LAYOUT = preset_layout("qwen3.6-27b", 2)
 
@@ -40,8 +40,8 @@ def test_namespace_separates_rank_salt_chunk_and_model():
 
 
 def test_keys_are_the_same_in_another_process_with_another_hash_seed():
-    code = ("import numpy as np; from hybridkv.keys import chunk_keys, namespace; "
-            "from hybridkv.presets import preset_layout; l = preset_layout('qwen3.6-27b', 2); "
+    code = ("import numpy as np; from hybridkv.model.keys import chunk_keys, namespace; "
+            "from hybridkv.model.presets import preset_layout; l = preset_layout('qwen3.6-27b', 2); "
             "print(chunk_keys(namespace(l, 1, 784, 's'), np.arange(3 * 784) % 977, 784)[-1].hex())")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip() for seed in ("1", "2")}

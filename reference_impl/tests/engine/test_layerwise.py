@@ -11,8 +11,8 @@ import pytest
 import torch
 from hybridkv.engine.copies import layer_steps
 from hybridkv.engine.transfer import KVTransfer, TransferConfig
-from hybridkv.layout import layer_index
-from hybridkv.presets import preset_layout
+from hybridkv.model.layout import layer_index
+from hybridkv.model.presets import preset_layout
 from hybridkv_bench.pools import BlockAllocator, fill_random, vllm_pools
 from test_transfer_order import _stored as store_random
 
@@ -147,7 +147,7 @@ def test_a_hit_split_in_two_loads_keeps_its_pins_until_the_second(server_factory
     objects stay pinned on the server until the second load ends."""
     from dataclasses import replace
 
-    from hybridkv import protocol as P
+    from hybridkv.wire import protocol as P
 
     with _stored(server_factory, "tiny-hybrid", 1, device, 7) as (kv, pools, hit, src, dst, bpc):
         layout = kv.layout

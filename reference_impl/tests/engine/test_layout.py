@@ -8,10 +8,10 @@ import sys
 
 import msgspec
 import pytest
-from hybridkv import presets
-from hybridkv.layout import GroupLayout, LayoutError, ModelLayout, vllm_group_size, vllm_groups
-from hybridkv.presets import layout_preset_names, model_config, preset_layout, preset_names
-from hybridkv.presets.gated_deltanet import QWEN3_NEXT_80B, QWEN36_27B
+from hybridkv.model import presets
+from hybridkv.model.layout import GroupLayout, LayoutError, ModelLayout, vllm_group_size, vllm_groups
+from hybridkv.model.presets import layout_preset_names, model_config, preset_layout, preset_names
+from hybridkv.model.presets.gated_deltanet import QWEN3_NEXT_80B, QWEN36_27B
 
 
 def test_qwen36_27b_tp1_matches_the_anchors():
@@ -176,10 +176,10 @@ def test_sliding_window_presets_at_every_tensor_parallel_size(name, windows, pag
 
 def test_a_preset_lookup_imports_only_the_families_it_looks_in():
     """The registry is lazy: a Gated DeltaNet preset (the first family) loads no other family's module."""
-    code = ("import sys; from hybridkv.presets import preset_layout; preset_layout('tiny-hybrid'); "
-            "print(' '.join(sorted(m for m in sys.modules if m.startswith('hybridkv.presets'))))")
+    code = ("import sys; from hybridkv.model.presets import preset_layout; preset_layout('tiny-hybrid'); "
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('hybridkv.model.presets'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["hybridkv.presets", "hybridkv.presets.aligned", "hybridkv.presets.gated_deltanet"]
+    assert out == ["hybridkv.model.presets", "hybridkv.model.presets.aligned", "hybridkv.model.presets.gated_deltanet"]
 
 
 def test_an_unknown_preset_is_one_line_naming_every_known_one():
@@ -194,7 +194,7 @@ def test_an_unknown_preset_is_one_line_naming_every_known_one():
 def test_a_new_family_is_one_module_and_one_registration(tmp_path, monkeypatch):
     (tmp_path / "hkv_family_probe.py").write_text(
         "from dataclasses import replace\n"
-        "from hybridkv.presets.gated_deltanet import TINY_HYBRID\n"
+        "from hybridkv.model.presets.gated_deltanet import TINY_HYBRID\n"
         "PRESETS = {'probe-12l': replace(TINY_HYBRID, name='probe/12-layers', num_layers=12)}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(presets, "_FAMILIES", dict(presets._FAMILIES))

@@ -7,8 +7,8 @@ import shutil
 
 import numpy as np
 import pytest
-from hybridkv.layout import LayoutError
-from hybridkv.model_identity import model_identity
+from hybridkv.model.layout import LayoutError
+from hybridkv.model.model_identity import model_identity
 
 CONFIG = {"architectures": ["Qwen3NextForCausalLM"], "num_hidden_layers": 8, "rms_norm_eps": 1e-6,
           "text_config": {"head_dim": 16, "_name_or_path": "x"}, "_name_or_path": "/models/a",

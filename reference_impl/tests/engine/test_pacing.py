@@ -10,7 +10,7 @@ import pytest
 import torch
 from hybridkv.engine.config import COMPUTE_COST_AT_FULL_LINK, MIN_LINK_FRACTION
 from hybridkv.engine.transfer import KVTransfer, TransferConfig
-from hybridkv.presets import preset_layout
+from hybridkv.model.presets import preset_layout
 from hybridkv_bench.pools import BlockAllocator, fill_random, vllm_pools
 
 

@@ -1,10 +1,10 @@
-"""The store / retrieve rule of hybridkv.policy against its statement, pair by pair, for every preset."""
+"""The store / retrieve rule of hybridkv.model.policy against its statement, pair by pair, for every preset."""
 
 from __future__ import annotations
 
 import pytest
-from hybridkv.policy import chunk_objects, resume_bytes, resume_objects, resume_slices
-from hybridkv.presets import preset_layout, preset_names
+from hybridkv.model.policy import chunk_objects, resume_bytes, resume_objects, resume_slices
+from hybridkv.model.presets import preset_layout, preset_names
 
 
 def wanted(kind: str, policy: str, chunk: int, n: int) -> bool:
@@ -44,7 +44,7 @@ def test_resume_bytes_is_the_sum_over_resume_objects(name, policy):
 
 def sliding_layout(window: int, block: int = 16):
     """gpt-oss's grouping at a small size: a sliding-window group, a full-attention group, and a GDN group."""
-    from hybridkv.layout import GroupLayout, ModelLayout
+    from hybridkv.model.layout import GroupLayout, ModelLayout
 
     return ModelLayout(model="m", groups=(
         GroupLayout(kind="sliding", layer_names=("model.layers.0",), page_bytes=256, block_tokens=block,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from hybridkv.engine.transfer import HOLE, KVTransfer, TransferConfig
-from hybridkv.layout import GroupLayout, ModelLayout
+from hybridkv.model.layout import GroupLayout, ModelLayout
 from hybridkv_bench.pools import BlockAllocator, fill_random, vllm_pools
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on CUDA the copies are the kernel's and DMA's

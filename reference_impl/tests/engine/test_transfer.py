@@ -9,11 +9,11 @@ import os
 import numpy as np
 import pytest
 import torch
-from hybridkv import protocol as P
 from hybridkv.engine.client import ServerError, ServerTimeout
 from hybridkv.engine.transfer import KVTransfer, TransferConfig
-from hybridkv.layout import LayoutError
-from hybridkv.presets import preset_layout
+from hybridkv.model.layout import LayoutError
+from hybridkv.model.presets import preset_layout
+from hybridkv.wire import protocol as P
 from hybridkv_bench.pools import BlockAllocator, fill_random, vllm_pools
 from hybridkv_kernels import cuda_batch
 
@@ -208,7 +208,7 @@ def test_a_server_error_fails_the_handle(endpoint):
     fill_random(pools, 5)
     kv = KVTransfer(endpoint, layout, pools, TransferConfig(salt="gone"))
     tokens = np.arange(2 * kv.chunk_tokens)
-    kv.client.call(__import__("hybridkv.protocol", fromlist=["Unregister"]).Unregister(engine=kv.engine_id))
+    kv.client.call(__import__("hybridkv.wire.protocol", fromlist=["Unregister"]).Unregister(engine=kv.engine_id))
     h = kv.store("x", tokens, [[0, 1]] * 4)
     with pytest.raises(ServerError, match="unknown_engine"):
         h.wait_committed(30)
@@ -238,8 +238,8 @@ def test_round_trip_cuda_ipc_baseline(cuda_ipc_endpoint, policy):
 
 
 def test_a_cpu_only_server_refuses_the_cuda_ipc_format(endpoint):
-    from hybridkv import protocol as P
     from hybridkv.engine.client import CacheClient
+    from hybridkv.wire import protocol as P
 
     layout = preset_layout("tiny-hybrid")
     with CacheClient(endpoint, timeout_s=10) as c:

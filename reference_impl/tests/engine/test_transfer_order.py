@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from hybridkv.engine.transfer import KVTransfer, TransferConfig
-from hybridkv.presets import preset_layout
+from hybridkv.model.presets import preset_layout
 from hybridkv_bench.pools import BlockAllocator, fill_random, vllm_pools
 
 NUM_BLOCKS = 48

@@ -25,11 +25,11 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import zmq
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
-from hybridkv.presets import preset_layout
+from hybridkv.model.presets import preset_layout
 from hybridkv.server.books.config import GIB, ServerConfig
 from hybridkv.server.front.launch import start_server
+from hybridkv.wire import protocol as P
 
 WINDOW = 32  # messages in flight: enough to keep the server busy, few enough to match every answer
 RESEED_EVERY = 2000  # fresh live ids: a fuzzed Unregister or EndSession would otherwise end them for good

@@ -7,7 +7,7 @@ import random
 import stat
 
 import pytest
-from hybridkv.arena import SLOT_ALIGN, Arena, ArenaError, ExtentAllocator, SortedStarts, map_arena
+from hybridkv.memory.arena import SLOT_ALIGN, Arena, ArenaError, ExtentAllocator, SortedStarts, map_arena
 
 
 def test_allocator_against_a_byte_map():

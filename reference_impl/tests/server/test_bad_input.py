@@ -13,10 +13,10 @@ import pickle
 import msgspec
 import numpy as np
 import pytest
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerError
-from hybridkv.layout import MAX_LAYERS, MAX_NAME_CHARS, GroupLayout, ModelLayout
-from hybridkv.presets import preset_layout
+from hybridkv.model.layout import MAX_LAYERS, MAX_NAME_CHARS, GroupLayout, ModelLayout
+from hybridkv.model.presets import preset_layout
+from hybridkv.wire import protocol as P
 from serverkit import Engine, RawDealer, alive, expect
 
 E = P.ErrorCode

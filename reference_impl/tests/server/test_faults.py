@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.server.front import cli as serve_cli
+from hybridkv.wire import protocol as P
 from serverkit import Engine
 
 TESTS = Path(__file__).parents[1]  # serverkit's folder
@@ -28,7 +28,7 @@ _CHILD = textwrap.dedent("""
     import json, sys, time
     sys.path.insert(0, {tests!r})
     from serverkit import Engine
-    from hybridkv import protocol as P
+    from hybridkv.wire import protocol as P
     from hybridkv.engine.client import CacheClient
     c = CacheClient({endpoint!r}, timeout_s=10)
     eng = Engine(c)
@@ -365,7 +365,7 @@ def test_serve_startup_does_not_import_torch(sock_dir):
         import os, signal, sys, threading
         from hybridkv.cli import main
         from hybridkv.engine.client import CacheClient
-        from hybridkv import protocol as P
+        from hybridkv.wire import protocol as P
         ep = "ipc://{sock_dir}/t.sock"
         def poke():
             with CacheClient(ep, timeout_s=10) as c:

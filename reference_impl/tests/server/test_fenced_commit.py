@@ -8,8 +8,8 @@ import time
 
 import numpy as np
 import pytest
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerError
+from hybridkv.wire import protocol as P
 from serverkit import Engine, counters
 
 L1_BYTES = int(0.05 * 2**30)
@@ -192,7 +192,7 @@ def test_shutdown_answers_a_waiting_fenced_commit(server_factory):
 def test_fence_words_run_out_then_come_back_oldest_freed_first(tmp_path):
     """The pool itself, over a real arena file: a word per take until none is left (0: the classic commit),
     words given back are handed out again in the order they came back, each zeroed."""
-    from hybridkv.arena import Arena
+    from hybridkv.memory.arena import Arena
     from hybridkv.server.books.fences import FENCE_WORD, Fences, fence_region_bytes
 
     arena = Arena(1 << 20, tmp_path, fence_bytes=fence_region_bytes(1 << 20))

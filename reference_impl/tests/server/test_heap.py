@@ -7,10 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
-from hybridkv.keys import chunk_keys
-from hybridkv.layout import GroupLayout, ModelLayout
+from hybridkv.model.keys import chunk_keys
+from hybridkv.model.layout import GroupLayout, ModelLayout
+from hybridkv.wire import protocol as P
 
 MIB = 1 << 20
 RESERVED_OBJECT_BYTES = 768  # docs/protocol.md: the heap one reserved object costs while its reservation is open

@@ -15,11 +15,11 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import zmq
-from hybridkv import protocol as P
 from hybridkv.baselines.codec import decode_tensor
 from hybridkv.engine.client import CacheClient
-from hybridkv.keys import chunk_keys
-from hybridkv.layout import GroupLayout, ModelLayout
+from hybridkv.model.keys import chunk_keys
+from hybridkv.model.layout import GroupLayout, ModelLayout
+from hybridkv.wire import protocol as P
 from serverkit import Engine, counters
 
 CT = 256  # tokens a chunk: 16 blocks of 16 tokens of a 16 KiB page, one object of 256 KiB

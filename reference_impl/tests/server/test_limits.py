@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import zmq
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerError
-from hybridkv.layout import MAX_NAME_CHARS
-from hybridkv.presets import preset_layout
+from hybridkv.model.layout import MAX_NAME_CHARS
+from hybridkv.model.presets import preset_layout
+from hybridkv.wire import protocol as P
 from serverkit import Engine, RawDealer, alive, expect
 
 E = P.ErrorCode

@@ -16,10 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hybridkv import protocol as P
-from hybridkv.arena import shm_free_bytes
 from hybridkv.engine.client import CacheClient
-from hybridkv.memory_room import GIB, MIB, check_room, margin, meminfo, memory_cgroup_dirs
+from hybridkv.memory.arena import shm_free_bytes
+from hybridkv.memory.memory_room import GIB, MIB, check_room, margin, meminfo, memory_cgroup_dirs
+from hybridkv.wire import protocol as P
 
 
 class MemoryCgroup:

@@ -11,7 +11,7 @@ errors, and the server keeps serving.
 from __future__ import annotations
 
 import pytest
-from hybridkv import protocol as P
+from hybridkv.wire import protocol as P
 from serverkit import Engine, RawDealer
 from test_bad_input import assert_error, assert_still_serving
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerError
-from hybridkv.presets import preset_layout
+from hybridkv.model.presets import preset_layout
+from hybridkv.wire import protocol as P
 from serverkit import Engine, RawDealer
 from test_l2_server import TINY_L1, counters, fill, l2_flags, lookup_checked
 

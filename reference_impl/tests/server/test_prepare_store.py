@@ -12,10 +12,10 @@ import time
 import numpy as np
 import pytest
 import torch
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerError
 from hybridkv.engine.transfer import KVTransfer, TransferConfig
-from hybridkv.presets import preset_layout
+from hybridkv.model.presets import preset_layout
+from hybridkv.wire import protocol as P
 from hybridkv_bench.pools import BlockAllocator, fill_random, vllm_pools
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -197,7 +197,7 @@ _CHILD = textwrap.dedent("""
     import sys
     import time
     from hybridkv.engine.transfer import KVTransfer
-    from hybridkv.presets import preset_layout
+    from hybridkv.model.presets import preset_layout
     from hybridkv_bench.pools import vllm_pools
     layout = preset_layout("tiny-hybrid")
     kv = KVTransfer({endpoint!r}, layout, vllm_pools(layout, 16, "cpu"))

@@ -8,14 +8,14 @@ import random
 
 import numpy as np
 import pytest
-from hybridkv import protocol as P
-from hybridkv.keys import chunk_keys
-from hybridkv.layout import GroupLayout, ModelLayout
+from hybridkv.model.keys import chunk_keys
+from hybridkv.model.layout import GroupLayout, ModelLayout
 from hybridkv.server.front.cli import parse
 from hybridkv.server.front.loop import CacheServer
 from hybridkv.server.machinery import table
 from hybridkv.server.machinery.table import SegmentedSet
 from hybridkv.server.ops.hitrule import hit_length
+from hybridkv.wire import protocol as P
 
 LAYOUT = ModelLayout(model="sets", groups=(
     GroupLayout(kind="attention", layer_names=("a",), page_bytes=2, block_tokens=1),

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerError
-from hybridkv.presets import preset_layout
+from hybridkv.model.presets import preset_layout
+from hybridkv.wire import protocol as P
 from serverkit import ATTN, STATES, Engine
 
 

@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import zmq
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerError
-from hybridkv.keys import chunk_keys
+from hybridkv.model.keys import chunk_keys
+from hybridkv.wire import protocol as P
 from serverkit import Engine
 
 STOP_S = 5.0  # how long the server is stopped: longer than its --client-timeout

@@ -11,8 +11,8 @@ import time
 
 import msgspec
 import pytest
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerError
+from hybridkv.wire import protocol as P
 from serverkit import Engine, RawDealer
 
 

@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterator
 import msgspec
 import pytest
 import zmq
-from hybridkv import protocol as P
 from hybridkv.cli import main
 from hybridkv.server.books.telemetry import STATUS_FIGURES, WINDOW_FIGURES
+from hybridkv.wire import protocol as P
 
 LIMITS = {"max_engines": 1024, "max_leases": 4096, "max_reservations": 1024}
 ESC = "\x1b]0;owned\x07\x1b[2J\x1b[31m"  # sets the window title, clears the screen, turns red

@@ -1,6 +1,6 @@
 """Tenants inside one server: a client that sends another namespace's chunk keys under its own registration.
 
-Keys hash the namespace in (hybridkv.keys), so an honest engine never names another namespace's key; a hostile
+Keys hash the namespace in (hybridkv.model.keys), so an honest engine never names another namespace's key; a hostile
 one that learned some (a log, a shared prompt's keys seen once) sends them as its own. Every object carries the
 namespace it was stored under, and the server answers such a key as a miss (lookup, probe, prefetch) or refuses
 it (prepare), counting the request in `namespace_refusals`; it never hands out the other namespace's bytes, and
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.server.l2.base import L2Error
+from hybridkv.wire import protocol as P
 from serverkit import Engine, counters, settled
 
 MIB = 1 << 20

@@ -12,7 +12,7 @@ import pytest
 # "vllm.config", not "vllm": without vLLM, this folder would import as a namespace package named vllm
 pytest.importorskip("vllm.config", reason="vLLM is not installed here; `nox -s vllm` builds an environment with it")
 from hybridkv.engine.vllm.settings import ConnectorSettings
-from hybridkv.layout import LayoutError
+from hybridkv.model.layout import LayoutError
 from hybridkv_bench import vllm_offline as offline
 from vllmkit import C, counters, run, sched_stats, settle, tokens, worker_stats
 

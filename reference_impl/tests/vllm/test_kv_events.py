@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("vllm.config", reason="vLLM is not installed here; `nox -s vllm` builds an environment with it")
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
+from hybridkv.wire import protocol as P
 from hybridkv_bench.kv_events import KVEventSubscriber, of_medium
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from vllmkit import C, run, settle, tokens

@@ -9,8 +9,8 @@ import time
 import pytest
 
 pytest.importorskip("vllm.config", reason="vLLM is not installed here; `nox -s vllm` builds an environment with it")
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
+from hybridkv.wire import protocol as P
 from serverkit import Engine
 from vllmkit import C, counters, hits_by_source, run, sched_stats, settle, tokens, worker_stats
 

@@ -10,9 +10,9 @@ import pytest
 pytest.importorskip("vllm.config", reason="vLLM is not installed here; `nox -s vllm` builds an environment with it")
 import torch
 from hybridkv.engine.vllm.layout_from_vllm import check_matches_preset, layout_from_kv_cache_config
-from hybridkv.keys import namespace
-from hybridkv.layout import LayoutError, layer_index
-from hybridkv.presets import model_config, preset_layout
+from hybridkv.model.keys import namespace
+from hybridkv.model.layout import LayoutError, layer_index
+from hybridkv.model.presets import model_config, preset_layout
 from hybridkv_bench import vllm_planning as planning
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,

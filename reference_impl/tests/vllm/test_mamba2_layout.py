@@ -14,10 +14,10 @@ import pytest
 
 pytest.importorskip("vllm.config", reason="vLLM is not installed here; `nox -s vllm` builds an environment with it")
 from hybridkv.engine.vllm.layout_from_vllm import check_matches_preset, layout_from_kv_cache_config
-from hybridkv.layout import LayoutError, layer_index
-from hybridkv.presets import preset_layout
-from hybridkv.presets.mamba1 import PRESETS as MAMBA1_CONFIGS
-from hybridkv.presets.mamba2 import PRESETS as MAMBA2_CONFIGS
+from hybridkv.model.layout import LayoutError, layer_index
+from hybridkv.model.presets import preset_layout
+from hybridkv.model.presets.mamba1 import PRESETS as MAMBA1_CONFIGS
+from hybridkv.model.presets.mamba2 import PRESETS as MAMBA2_CONFIGS
 from hybridkv_bench import vllm_planning as planning
 
 

@@ -14,10 +14,10 @@ import threading
 import pytest
 
 pytest.importorskip("vllm.config", reason="vLLM is not installed here; `nox -s vllm` builds an environment with it")
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.server.front.cli import parse
 from hybridkv.server.front.launch import start_server
+from hybridkv.wire import protocol as P
 from vllmkit import C, run, sched_stats, settle, tokens, worker_stats
 
 FAST = dict(lookup_timeout_s=0.3, timeout_s=1.0, retry_s=60.0)

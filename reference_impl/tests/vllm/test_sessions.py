@@ -14,8 +14,8 @@ import signal
 import pytest
 
 pytest.importorskip("vllm.config", reason="vLLM is not installed here; `nox -s vllm` builds an environment with it")
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
+from hybridkv.wire import protocol as P
 from vllmkit import C, run, settle, tokens, worker_stats
 
 

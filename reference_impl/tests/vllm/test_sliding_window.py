@@ -109,7 +109,7 @@ def test_a_hit_vllm_would_read_more_of_is_refused_not_loaded_wrong(serve, make_e
 def test_load_block_ids_against_vllm_s_rule(chunk, window):
     """The blocks a load writes, for every hit, local prefix and window: exactly those vLLM holds past its local
     hit, never one it freed; a table that holds one more block than the rule is refused."""
-    from hybridkv.layout import GroupLayout, ModelLayout
+    from hybridkv.model.layout import GroupLayout, ModelLayout
 
     layout = ModelLayout(model="m", groups=(
         GroupLayout(kind="sliding", layer_names=("model.layers.0",), page_bytes=64, block_tokens=BLOCK, window=window),

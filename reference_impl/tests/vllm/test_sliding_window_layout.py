@@ -11,10 +11,10 @@ import pytest
 
 pytest.importorskip("vllm.config", reason="vLLM is not installed here; `nox -s vllm` builds an environment with it")
 from hybridkv.engine.vllm.layout_from_vllm import check_matches_preset, layout_from_kv_cache_config
-from hybridkv.keys import namespace
-from hybridkv.layout import layer_index
-from hybridkv.presets import preset_layout
-from hybridkv.presets.sliding import PRESETS as SLIDING_CONFIGS
+from hybridkv.model.keys import namespace
+from hybridkv.model.layout import layer_index
+from hybridkv.model.presets import preset_layout
+from hybridkv.model.presets.sliding import PRESETS as SLIDING_CONFIGS
 from hybridkv_bench import vllm_planning as planning
 
 NUM_BLOCKS = 4096  # enough for one 4096-token request in every group

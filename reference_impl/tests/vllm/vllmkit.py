@@ -43,8 +43,8 @@ def hits_by_source(engine) -> dict[str, int]:
 
 def counters(endpoint: str) -> dict:
     """The server's Stats counters (a server started with --admin)."""
-    from hybridkv import protocol as P
     from hybridkv.engine.client import CacheClient
+    from hybridkv.wire import protocol as P
 
     with CacheClient(endpoint, timeout_s=10) as c:
         return c.call(P.Stats())[0].counters

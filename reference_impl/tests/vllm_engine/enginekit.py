@@ -163,7 +163,7 @@ def worker_counters(llm) -> dict[str, int]:
 def connector_layout(llm):
     """The layout and chunk size the engine's connector derived from vLLM's KV-cache config."""
     import msgspec
-    from hybridkv.layout import ModelLayout
+    from hybridkv.model.layout import ModelLayout
 
     (encoded, chunk), *_ = llm.collective_rpc(_connector_layout)
     return msgspec.msgpack.decode(encoded, type=ModelLayout), chunk
@@ -189,9 +189,9 @@ def corrupt_stored(llm, endpoint: str, tokens: list[int], kind: str, salt: str =
 def _stored_objects(llm, endpoint: str, tokens: list[int], salt: str = "", tp_rank: int = 0):
     """(layout, chunk_tokens, the objects a lookup of `tokens`' prefix hands out under TP rank `tp_rank`'s
     namespace (that rank's shard), the server's arena mapped for writing), pinned until the block ends."""
-    from hybridkv import protocol as P
     from hybridkv.engine.client import CacheClient
-    from hybridkv.keys import chunk_keys
+    from hybridkv.model.keys import chunk_keys
+    from hybridkv.wire import protocol as P
 
     layout, chunk = connector_layout(llm)
     with CacheClient(endpoint, timeout_s=10) as c:
@@ -320,7 +320,7 @@ def unlike_stored(llm, endpoint: str, read: PrefixRead, salt: str = "", tp_rank:
     the server's objects of that prefix (that rank's shard), page for page: each block vLLM's block table names
     for an object's chunk, or a missing object or block. Empty when the forward read exactly what the server
     holds."""
-    from hybridkv.policy import object_blocks
+    from hybridkv.model.policy import object_blocks
 
     bad: list[str] = []
     covered: set[tuple[int, int]] = set()

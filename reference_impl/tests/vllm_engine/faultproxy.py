@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 
 import zmq
-from hybridkv import protocol as P
+from hybridkv.wire import protocol as P
 
 
 class FaultProxy:

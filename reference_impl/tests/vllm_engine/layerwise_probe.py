@@ -6,7 +6,7 @@ every attention layer's wait for its own pages. It only reads: vLLM and the conn
 from __future__ import annotations
 
 from enginekit import PrefixRead, _digest, _stored_objects
-from hybridkv.policy import object_blocks
+from hybridkv.model.policy import object_blocks
 
 
 def _attention_digests(ws, job, objects) -> list:

@@ -14,10 +14,10 @@ import time
 import pytest
 from enginekit import BLOCK, close_llm, forget_local, generate, make_llm, prompt, worker_counters
 from faultproxy import FaultProxy
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.server.front.cli import parse
 from hybridkv.server.front.launch import start_server
+from hybridkv.wire import protocol as P
 
 RETRY_S = 3.0
 

@@ -17,8 +17,8 @@ from enginekit import (
     unlike_stored,
     watch_prefix_reads,
 )
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
+from hybridkv.wire import protocol as P
 
 
 def test_fenced_commits_store_what_warm_requests_resume_exactly(model_dir, serve):

@@ -121,9 +121,9 @@ def test_tp2_warm_equals_cold_each_rank_loading_its_shard(llm, server, load_mode
 
 def test_tp2_a_prefix_one_rank_lacks_is_no_hit(llm, server, load_mode):
     import msgspec
-    from hybridkv import protocol as P
     from hybridkv.engine.client import CacheClient
-    from hybridkv.layout import ModelLayout
+    from hybridkv.model.layout import ModelLayout
+    from hybridkv.wire import protocol as P
 
     prompts = [prompt(n, seed=_seed(200, load_mode) + i) for i, n in enumerate(LENGTHS)]
     cold = generate(llm, prompts)

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 from hybridkv.engine.transfer import Hit, KVTransfer
-from hybridkv.policy import chunk_objects
+from hybridkv.model.policy import chunk_objects
 
 from hybridkv_bench.engines.base import EngineSite, RequestResult, gpu_of, refuse_gate
 from hybridkv_bench.engines.hf.model import HFModel, build_model

@@ -1,7 +1,7 @@
 """A real hybrid model from transformers' own classes, random-initialised from a config (nothing downloaded).
 
 The attention and Gated DeltaNet shapes come from a `HybridModelConfig` (a preset plus the scenario's
-overrides), so `hybridkv.presets.aligned.hybrid_layout` of that config is exactly the page layout of the model's
+overrides), so `hybridkv.model.presets.aligned.hybrid_layout` of that config is exactly the page layout of the model's
 cache. The dtypes the layout assumes must be the ones transformers keeps: attention K/V and the conv state
 in the weights' dtype, the recurrent (SSM) state in float32 (both the torch path and fla return fp32).
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from hybridkv.presets.gated_deltanet import HybridModelConfig
+from hybridkv.model.presets.gated_deltanet import HybridModelConfig
 
 from hybridkv_bench.engines.hf.spec import TransformersSpec, transformers_problem
 from hybridkv_bench.model_shape import transformers_config

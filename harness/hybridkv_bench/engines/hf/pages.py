@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 from hybridkv.engine.handles import TransferHandle
-from hybridkv.layout import DTYPE_BYTES, ModelLayout
-from hybridkv.policy import object_blocks
+from hybridkv.model.layout import DTYPE_BYTES, ModelLayout
+from hybridkv.model.policy import object_blocks
 
 from hybridkv_bench.engines.hf.model import HFModel
 from hybridkv_bench.engines.hf.spec import STATE_DTYPE
@@ -105,7 +105,7 @@ class PageCodec:
                 self._kv_view(g, j).index_copy_(0, ids, kv.transpose(1, 2).to(self.hf.dtype))
 
     def state_block(self, blocks: Sequence[Sequence[int]], g: int, chunk: int) -> int:
-        """The block of group g that holds the state after chunk `chunk` (hybridkv.policy's rule)."""
+        """The block of group g that holds the state after chunk `chunk` (hybridkv.model.policy's rule)."""
         return int(object_blocks(self.layout, self.chunk_tokens, g, chunk, blocks[g])[0])
 
     def write_states(self, cache: Any, blocks: Sequence[Sequence[int]], chunk: int) -> None:

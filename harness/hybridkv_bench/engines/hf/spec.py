@@ -2,7 +2,7 @@
 
 Decoded strictly with the scenario (no torch, no transformers imported here: `hybridkv list` and scenario
 validation stay cheap). The attention and Gated DeltaNet shapes come from the scenario's `[model]` preset,
-so the pages the engine moves are exactly the ones `hybridkv.presets` describes; this table adds what the
+so the pages the engine moves are exactly the ones `hybridkv.model.presets` describes; this table adds what the
 cache layout does not decide (vocabulary, MLP widths, experts, weight dtype, seed).
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
-from hybridkv.presets.gated_deltanet import HybridModelConfig
+from hybridkv.model.presets.gated_deltanet import HybridModelConfig
 
 from hybridkv_bench.model_shape import Arch
 

@@ -44,7 +44,7 @@ from hybridkv.engine.vllm.stats import (
     IntervalCounter,
 )
 from hybridkv.engine.vllm.worker_side import WorkerSide
-from hybridkv.layout import LayoutError, ModelLayout
+from hybridkv.model.layout import LayoutError, ModelLayout
 
 if TYPE_CHECKING:
     from collections.abc import Iterable

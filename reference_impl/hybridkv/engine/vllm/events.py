@@ -32,7 +32,7 @@ from vllm.distributed.kv_events import (
     KVConnectorKVEvents,
 )
 
-from hybridkv.layout import ModelLayout
+from hybridkv.model.layout import ModelLayout
 
 if TYPE_CHECKING:
     from concurrent.futures import Future

@@ -23,8 +23,8 @@ from typing import Generic, Literal, TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
+from hybridkv.wire import protocol as P
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from hybridkv.engine.transfer import Hit, KVTransfer, TransferHandle
 from hybridkv.engine.vllm.plan import LoadJob
 from hybridkv.engine.vllm.stats import WorkerStats
-from hybridkv.layout import ModelLayout
+from hybridkv.model.layout import ModelLayout
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

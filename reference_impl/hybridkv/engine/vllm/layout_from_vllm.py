@@ -6,8 +6,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hybridkv.layout import GroupKind, GroupLayout, LayoutError, ModelLayout
-from hybridkv.model_identity import model_identity
+from hybridkv.model.layout import GroupKind, GroupLayout, LayoutError, ModelLayout
+from hybridkv.model.model_identity import model_identity
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -67,7 +67,7 @@ def group_kind_name(spec) -> str:
 
 def check_matches_preset(layout: ModelLayout, preset: str) -> None:
     """LayoutError when vLLM's layout is not the hybridkv preset `preset` at the same TP size."""
-    from hybridkv.presets import preset_layout
+    from hybridkv.model.presets import preset_layout
 
     want = preset_layout(preset, layout.tp_size)
     if layout.signature() != want.signature():
@@ -76,7 +76,7 @@ def check_matches_preset(layout: ModelLayout, preset: str) -> None:
 
 
 def vllm_model_identity(vllm_config: VllmConfig) -> str:
-    """The served model's identity (`hybridkv.model_identity`): its config.json and weights, with the dtypes
+    """The served model's identity (`hybridkv.model.model_identity`): its config.json and weights, with the dtypes
     vLLM runs it in, not the path or hub name it was given. A model whose files are not on this host (not a
     folder, not in the Hugging Face cache) is known by that name, as before."""
     mc, cc = vllm_config.model_config, vllm_config.cache_config

@@ -9,12 +9,12 @@ import msgspec
 from hybridkv_kernels import HOLE
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from hybridkv.layout import ModelLayout
+from hybridkv.model.layout import ModelLayout
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-    from hybridkv import protocol as P
+    from hybridkv.wire import protocol as P
 
 
 @dataclass(slots=True)

@@ -14,14 +14,14 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING
 
-from hybridkv import protocol as P
 from hybridkv.engine.client import ServerError
 from hybridkv.engine.vllm.books import HitTier, PendingHit, RequestTrack, SchedulerStats
 from hybridkv.engine.vllm.plan import LoadJob, PinnedHit, chunk_extras, load_job
 from hybridkv.engine.vllm.scheduler_link import SchedulerLink
-from hybridkv.keys import chunk_keys
-from hybridkv.layout import ModelLayout
-from hybridkv.policy import Policy, check_policy
+from hybridkv.model.keys import chunk_keys
+from hybridkv.model.layout import ModelLayout
+from hybridkv.model.policy import Policy, check_policy
+from hybridkv.wire import protocol as P
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

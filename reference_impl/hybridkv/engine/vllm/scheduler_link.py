@@ -11,11 +11,11 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerError
 from hybridkv.engine.vllm.health import REFUSED, ConnState, Reconnector, Refused
 from hybridkv.engine.vllm.settings import ConnectorSettings, no_server_at_start
-from hybridkv.layout import LayoutError, ModelLayout
+from hybridkv.model.layout import LayoutError, ModelLayout
+from hybridkv.wire import protocol as P
 
 log = logging.getLogger(__name__)
 

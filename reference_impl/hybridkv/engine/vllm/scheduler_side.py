@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from hybridkv import protocol as P
 from hybridkv.engine.vllm.books import HitTier, RequestTrack, SchedulerStats
 from hybridkv.engine.vllm.checkpoints import ask_for_state
 from hybridkv.engine.vllm.health import ConnState
@@ -23,7 +22,8 @@ from hybridkv.engine.vllm.plan import HybridKVMetadata, StoreJob, boundary_store
 from hybridkv.engine.vllm.scheduler_hits import HitBook
 from hybridkv.engine.vllm.scheduler_link import SchedulerLink
 from hybridkv.engine.vllm.settings import ConnectorSettings
-from hybridkv.layout import ModelLayout
+from hybridkv.model.layout import ModelLayout
+from hybridkv.wire import protocol as P
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

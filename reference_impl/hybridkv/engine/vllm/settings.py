@@ -9,9 +9,9 @@ from typing import Any, Literal, get_args, get_type_hints
 
 import msgspec
 
-from hybridkv.endpoints import default_endpoint
 from hybridkv.engine.config import TransferAxes
-from hybridkv.wire_formats import traits
+from hybridkv.wire.endpoints import default_endpoint
+from hybridkv.wire.wire_formats import traits
 
 LoadMode = Literal["async", "layerwise"]
 
@@ -146,7 +146,7 @@ def kv_transfer_config(endpoint: str, **extra: Any) -> dict[str, Any]:
 def no_server_at_start(settings: ConnectorSettings, error: BaseException) -> str:
     """The line a connector logs when no server answers as it starts: where it looked, why there, and what it
     means (a server that never answers there leaves offload doing nothing, request after request)."""
-    from hybridkv.endpoints import ENDPOINT_ENV, why_unreachable
+    from hybridkv.wire.endpoints import ENDPOINT_ENV, why_unreachable
 
     default = settings.endpoint == default_endpoint()
     origin = ("the default, where `hybridkv serve` listens without --endpoint" if default

@@ -16,13 +16,13 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from hybridkv import protocol as P
 from hybridkv.engine.client import ServerError
 from hybridkv.engine.transfer import KVTransfer, TransferConfig
 from hybridkv.engine.vllm.health import DOWN, REFUSED, UP, ConnState, Reconnector, Refused, WorkerHealth
 from hybridkv.engine.vllm.settings import ConnectorSettings
-from hybridkv.layout import LayoutError, ModelLayout
-from hybridkv.protocol import ErrorCode
+from hybridkv.model.layout import LayoutError, ModelLayout
+from hybridkv.wire import protocol as P
+from hybridkv.wire.protocol import ErrorCode
 
 if TYPE_CHECKING:
     import torch

@@ -27,8 +27,8 @@ from hybridkv.engine.vllm.layerwise import LayerwiseLoads
 from hybridkv.engine.vllm.plan import LoadJob, LoadRefused
 from hybridkv.engine.vllm.stats import WorkerStats
 from hybridkv.engine.vllm.worker_link import WorkerLink
-from hybridkv.protocol import ErrorCode
-from hybridkv.wire_formats import traits
+from hybridkv.wire.protocol import ErrorCode
+from hybridkv.wire.wire_formats import traits
 
 if TYPE_CHECKING:
     import torch

@@ -14,7 +14,6 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from hybridkv import protocol as P
 from hybridkv.engine.paged import engine_pages
 from hybridkv.engine.transfer import KVTransfer
 from hybridkv.engine.vllm.events import StoreReports
@@ -26,7 +25,8 @@ from hybridkv.engine.vllm.stats import WorkerStats
 from hybridkv.engine.vllm.worker_link import WorkerLink
 from hybridkv.engine.vllm.worker_loads import WorkerLoads
 from hybridkv.engine.vllm.worker_stores import WorkerStores
-from hybridkv.layout import ModelLayout
+from hybridkv.model.layout import ModelLayout
+from hybridkv.wire import protocol as P
 
 if TYPE_CHECKING:
     import torch

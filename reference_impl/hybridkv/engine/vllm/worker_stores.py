@@ -23,7 +23,7 @@ from hybridkv.engine.vllm.events import StoreReports
 from hybridkv.engine.vllm.plan import StoreJob
 from hybridkv.engine.vllm.stats import WorkerStats
 from hybridkv.engine.vllm.worker_link import WorkerLink
-from hybridkv.protocol import ErrorCode
+from hybridkv.wire.protocol import ErrorCode
 
 if TYPE_CHECKING:
     import torch

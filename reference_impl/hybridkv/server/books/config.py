@@ -5,14 +5,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hybridkv.endpoints import (  # noqa: F401 (re-exported: the server's settings and its socket directory)
+from hybridkv.server.l2.specs import GIB, L2Spec  # noqa: F401 (GIB re-exported: sizes are given in GiB)
+from hybridkv.wire.endpoints import (  # noqa: F401 (re-exported: the server's settings and its socket directory)
     ConfigError,
     check_endpoint,
     default_endpoint,
     default_ipc_dir,
     ensure_private_dir,
 )
-from hybridkv.server.l2.specs import GIB, L2Spec  # noqa: F401 (GIB re-exported: sizes are given in GiB)
 
 EVICTION_POLICIES = ("lru", "fifo")
 MIN_CLIENT_TIMEOUT_S = 0.05

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hybridkv.protocol import ErrorCode
+from hybridkv.wire.protocol import ErrorCode
 
 
 class RequestError(Exception):

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hybridkv.arena import SLOT_ALIGN, Arena
+from hybridkv.memory.arena import SLOT_ALIGN, Arena
 
 if TYPE_CHECKING:
     from hybridkv.server.books.records import Reservation

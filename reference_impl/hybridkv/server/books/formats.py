@@ -1,6 +1,6 @@
 """The server half of each wire format: how a commit's bytes reach the arena and how a retrieve's leave it.
 
-One strategy per format, in one table keyed by the format's name (`hybridkv.wire_formats.WireFormat`), each
+One strategy per format, in one table keyed by the format's name (`hybridkv.wire.wire_formats.WireFormat`), each
 chosen by how the format's bytes move (its `TRAITS[fmt].moves`). A strategy validates on the loop thread (raising
 RequestError) and returns the copy work as a job for a worker thread, or None when no byte has to move (a direct
 format: the engine wrote the arena itself).
@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 import numpy as np
 
-from hybridkv import protocol as P
-from hybridkv.arena import Arena
 from hybridkv.baselines.codec import bytes_to_tensor, copy_tensor_into, decode_tensor, encode_tensor
+from hybridkv.memory.arena import Arena
 from hybridkv.server.books.errors import RequestError
 from hybridkv.server.books.loans import Loans
 from hybridkv.server.books.records import Engine, Lease, Reservation
-from hybridkv.wire_formats import FORMATS, TRAITS, Moves, WireFormat
+from hybridkv.wire import protocol as P
+from hybridkv.wire.wire_formats import FORMATS, TRAITS, Moves, WireFormat
 
 if TYPE_CHECKING:
     from hybridkv.baselines.cuda_ipc import MappedEngine

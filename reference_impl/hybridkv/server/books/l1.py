@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterable, Iterator
 
 import msgspec
 
-from hybridkv.arena import Arena, ExtentAllocator
-from hybridkv.keys import ObjectKey
+from hybridkv.memory.arena import Arena, ExtentAllocator
+from hybridkv.model.keys import ObjectKey
 from hybridkv.server.machinery.lru import LruQueue, Queue, Segment
 from hybridkv.server.machinery.table import KeySet, ObjectTable
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from hybridkv.arena import Arena
+from hybridkv.memory.arena import Arena
 from hybridkv.server.books.l1 import Entry, L1Cache
 
 

@@ -20,7 +20,7 @@ from enum import Enum
 from operator import attrgetter
 from typing import cast
 
-from hybridkv.arena import Arena
+from hybridkv.memory.arena import Arena
 from hybridkv.server.books.config import ServerConfig
 from hybridkv.server.books.counters import Counters
 from hybridkv.server.books.l1 import Entry, L1Cache, NoSlot, ObjectKey, State

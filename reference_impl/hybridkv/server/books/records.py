@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybridkv import protocol as P
-from hybridkv.layout import ModelLayout
+from hybridkv.model.layout import ModelLayout
 from hybridkv.server.books.l1 import Entry
+from hybridkv.wire import protocol as P
 
 
 @dataclass(slots=True, eq=False)

@@ -13,13 +13,13 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from hybridkv import protocol as P
-from hybridkv.layout import ModelLayout
+from hybridkv.model.layout import ModelLayout
 from hybridkv.server.books.counters import Counters
 from hybridkv.server.books.errors import RequestError
 from hybridkv.server.books.fences import Fences
 from hybridkv.server.books.l1 import Entry
 from hybridkv.server.books.records import Engine, Lease, Reservation, Slot
+from hybridkv.wire import protocol as P
 
 E = P.ErrorCode
 log = logging.getLogger("hybridkv.server")

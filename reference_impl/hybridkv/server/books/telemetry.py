@@ -19,13 +19,13 @@ from collections.abc import Callable, Sized
 from dataclasses import dataclass, field
 from typing import Protocol, get_args
 
-from hybridkv import protocol as P
-from hybridkv.arena import Arena
+from hybridkv.memory.arena import Arena
 from hybridkv.server.books.config import ServerConfig
 from hybridkv.server.books.counters import Counters
 from hybridkv.server.books.objects import ObjectStore
 from hybridkv.server.books.sessions import Sessions
 from hybridkv.server.machinery.workers import Workers
+from hybridkv.wire import protocol as P
 
 log = logging.getLogger("hybridkv.server")
 

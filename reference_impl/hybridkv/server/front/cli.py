@@ -33,7 +33,7 @@ def _dest(flag: str) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from hybridkv.endpoints import default_endpoint
+    from hybridkv.wire.endpoints import default_endpoint
 
     p.add_argument("--endpoint", default=default_endpoint(),
                    help="where to listen: ipc://PATH (default, in a 0700 directory) or tcp://127.0.0.1:PORT; "
@@ -164,7 +164,7 @@ def add_l2_and_seed_arguments(p: argparse.ArgumentParser) -> None:
 def apply_seed(args: argparse.Namespace) -> None:
     """Refuse the seed's flags we do not take; fold --port into args.endpoint."""
     from hybridkv.cli import UserError
-    from hybridkv.endpoints import default_endpoint
+    from hybridkv.wire.endpoints import default_endpoint
 
     for flag, instead in SEED_REPLACED.items():
         if getattr(args, f"seed_{_dest(flag)}") is not None:
@@ -306,8 +306,8 @@ def run(args: argparse.Namespace) -> int:
     faulthandler.enable()
     import zmq
 
-    from hybridkv.arena import ArenaError
     from hybridkv.cli import UserError
+    from hybridkv.memory.arena import ArenaError
     from hybridkv.server.books.telemetry import Telemetry
     from hybridkv.server.front.connections import raise_fd_limit
     from hybridkv.server.front.lifecycle import EndpointInUse

@@ -15,8 +15,8 @@ from typing import Any
 import zmq
 from zmq.backend import zmq_poll
 
-from hybridkv import protocol as P
-from hybridkv.endpoints import default_ipc_dir, ensure_private_dir
+from hybridkv.wire import protocol as P
+from hybridkv.wire.endpoints import default_ipc_dir, ensure_private_dir
 
 log = logging.getLogger("hybridkv.server")
 

@@ -18,8 +18,7 @@ from typing import Any, cast
 import zmq
 from zmq.backend import zmq_poll
 
-from hybridkv import protocol as P
-from hybridkv.arena import Arena, remove_dead_arenas
+from hybridkv.memory.arena import Arena, remove_dead_arenas
 from hybridkv.server.books.config import ServerConfig
 from hybridkv.server.books.counters import Counters
 from hybridkv.server.books.fences import Fences, fence_region_bytes
@@ -35,6 +34,7 @@ from hybridkv.server.machinery.workers import Workers
 from hybridkv.server.ops import admin, lookup, prefetch, retrieve, store
 from hybridkv.server.ops.context import Answer, Context, Frames, RequestError
 from hybridkv.server.ops.turns import TURN_S, let_go
+from hybridkv.wire import protocol as P
 
 log = logging.getLogger("hybridkv.server")
 E = P.ErrorCode

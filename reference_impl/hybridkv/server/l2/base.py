@@ -14,7 +14,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterator
 
-from hybridkv.layout import MAX_GROUPS
+from hybridkv.model.layout import MAX_GROUPS
 from hybridkv.server.l2.header import KEY_BYTES, NS_BYTES
 
 

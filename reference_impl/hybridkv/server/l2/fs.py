@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from hybridkv.keys import ObjectKey
+from hybridkv.model.keys import ObjectKey
 from hybridkv.server.l2.base import L2Adapter, L2Error, byte_view, check_key, check_ns
 from hybridkv.server.l2.fs_files import TMP_PREFIX, ObjectDir
 from hybridkv.server.l2.header import BadObject

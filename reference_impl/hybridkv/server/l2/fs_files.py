@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hybridkv.layout import MAX_GROUPS
+from hybridkv.model.layout import MAX_GROUPS
 from hybridkv.server.l2.base import L2Error
 from hybridkv.server.l2.header import BadObject, ObjectHeader, crc32
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import redis
 
-from hybridkv.keys import ObjectKey
+from hybridkv.model.keys import ObjectKey
 from hybridkv.server.l2.base import L2Adapter, L2Error, byte_view, check_key, check_ns
 from hybridkv.server.l2.header import BadObject, ObjectHeader, crc32
 from hybridkv.server.l2.redis_cluster import ClusterLink, store_links

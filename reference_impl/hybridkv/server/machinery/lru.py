@@ -10,7 +10,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 
-from hybridkv.keys import ObjectKey
+from hybridkv.model.keys import ObjectKey
 from hybridkv.server.machinery.table import Keyed, ObjectTable
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Generic, Protocol, TypeVar
 
-from hybridkv.keys import ObjectKey
+from hybridkv.model.keys import ObjectKey
 
 SHARDS = 64  # a piece of a prepare meets one shard's resize, 1/SHARDS of one dict's
 _MASK = SHARDS - 1

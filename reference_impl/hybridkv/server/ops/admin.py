@@ -8,15 +8,15 @@ import os
 import time
 
 from hybridkv import __version__
-from hybridkv import protocol as P
-from hybridkv.keys import namespace
-from hybridkv.layout import LayoutError
+from hybridkv.model.keys import namespace
+from hybridkv.model.layout import LayoutError
 from hybridkv.server.books.records import Engine
 from hybridkv.server.books.telemetry import STATUS_FIGURES, limits, server_figures
 from hybridkv.server.ops import store
 from hybridkv.server.ops.clear import clear as in_turns
 from hybridkv.server.ops.context import Answer, Context, Frames, RequestError, no_frames
 from hybridkv.server.ops.turns import let_go
+from hybridkv.wire import protocol as P
 
 E = P.ErrorCode
 log = logging.getLogger("hybridkv.server")

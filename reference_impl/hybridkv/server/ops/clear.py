@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridkv import protocol as P
 from hybridkv.server.books.records import Engine
 from hybridkv.server.ops.context import Answer, Context
 from hybridkv.server.ops.turns import BIG_OBJECTS, TURN, WAIT, Clock, Work, drive
+from hybridkv.wire import protocol as P
 
 
 class TurnedClearOp:

@@ -7,9 +7,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from hybridkv import protocol as P
-from hybridkv.arena import Arena
-from hybridkv.keys import KEY_BYTES
+from hybridkv.memory.arena import Arena
+from hybridkv.model.keys import KEY_BYTES
 from hybridkv.server.books.clear_lane import ClearLane
 from hybridkv.server.books.config import ServerConfig
 from hybridkv.server.books.counters import Counters
@@ -19,6 +18,7 @@ from hybridkv.server.books.objects import ObjectStore
 from hybridkv.server.books.sessions import Sessions
 from hybridkv.server.books.telemetry import Telemetry
 from hybridkv.server.machinery.workers import Workers
+from hybridkv.wire import protocol as P
 
 E = P.ErrorCode
 Frames = Sequence[Any]

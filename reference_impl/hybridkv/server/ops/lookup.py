@@ -21,8 +21,7 @@ from __future__ import annotations
 from operator import attrgetter
 from typing import Any, cast
 
-from hybridkv import protocol as P
-from hybridkv.policy import resume_bytes, resume_slices
+from hybridkv.model.policy import resume_bytes, resume_slices
 from hybridkv.server.books.l1 import Entry, NoSlot, ObjectKey, State
 from hybridkv.server.books.records import Engine
 from hybridkv.server.machinery.table import SegmentedSet
@@ -41,6 +40,7 @@ from hybridkv.server.ops.turns import (
     probe_l2,
     unpin,
 )
+from hybridkv.wire import protocol as P
 
 E = P.ErrorCode
 _state, _ns, _offset, _length = (attrgetter(a) for a in ("state", "ns", "offset", "length"))

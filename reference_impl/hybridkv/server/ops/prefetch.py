@@ -17,8 +17,7 @@ from __future__ import annotations
 from operator import attrgetter
 from typing import cast
 
-from hybridkv import protocol as P
-from hybridkv.policy import resume_slices
+from hybridkv.model.policy import resume_slices
 from hybridkv.server.books.l1 import Entry, NoSlot, ObjectKey, State
 from hybridkv.server.books.objects import Held
 from hybridkv.server.books.records import Engine
@@ -27,6 +26,7 @@ from hybridkv.server.ops.context import Answer, Context, Frames, RequestError
 from hybridkv.server.ops.hitrule import count_foreign, hit_length_turns
 from hybridkv.server.ops.lookup import op_clock, resume_request
 from hybridkv.server.ops.turns import SLICE_OBJECTS, TURN, WAIT, Clock, TurnedOp, Work, probe_l2, unpin
+from hybridkv.wire import protocol as P
 
 E = P.ErrorCode
 _state, _ns = attrgetter("state"), attrgetter("ns")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridkv import protocol as P
 from hybridkv.server.books.records import Lease
 from hybridkv.server.ops.context import Answer, Context, Frames, RequestError, no_frames
 from hybridkv.server.ops.turns import let_go
+from hybridkv.wire import protocol as P
 
 E = P.ErrorCode
 

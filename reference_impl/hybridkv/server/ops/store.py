@@ -8,7 +8,6 @@ from typing import Any
 
 import msgspec
 
-from hybridkv import protocol as P
 from hybridkv.server.books.fences import Pending
 from hybridkv.server.books.l1 import NoSlot
 from hybridkv.server.books.objects import Held
@@ -16,7 +15,8 @@ from hybridkv.server.books.records import Engine, Reservation, Slot
 from hybridkv.server.ops import turns
 from hybridkv.server.ops.context import Answer, Context, Frames, RequestError, check_keys, no_frames
 from hybridkv.server.ops.turns import TURN, TURN_S, Clock, Steps, Work, drive, encoded_locs
-from hybridkv.wire_formats import traits
+from hybridkv.wire import protocol as P
+from hybridkv.wire.wire_formats import traits
 
 E = P.ErrorCode
 

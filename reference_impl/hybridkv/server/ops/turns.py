@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 
-from hybridkv import protocol as P
 from hybridkv.server.books.l1 import Entry
 from hybridkv.server.books.objects import ObjectStore
 from hybridkv.server.ops.context import Context
+from hybridkv.wire import protocol as P
 
 if TYPE_CHECKING:
     from hybridkv.server.books.records import Engine

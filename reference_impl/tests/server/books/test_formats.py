@@ -1,4 +1,4 @@
-"""The server's strategy per wire format is the one `hybridkv.wire_formats.TRAITS` names by how the format's bytes
+"""The server's strategy per wire format is the one `hybridkv.wire.wire_formats.TRAITS` names by how the format's bytes
 move, and every other trait (direct, torch on the server, CUDA on the server) follows from that one field."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from hybridkv.engine.wire import WIRES, DirectWire
 from hybridkv.server.books.formats import CudaIpcFormat, LegacyFormat, RawFormat, ShmFormat
 from hybridkv.server.front.cli import parse
 from hybridkv.server.front.loop import CacheServer
-from hybridkv.wire_formats import FORMATS, TRAITS
+from hybridkv.wire.wire_formats import FORMATS, TRAITS
 
 STRATEGY = {"arena": ShmFormat, "frames": RawFormat, "tensors": LegacyFormat, "cuda": CudaIpcFormat}
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hybridkv.arena import SLOT_ALIGN, Arena
+from hybridkv.memory.arena import SLOT_ALIGN, Arena
 from hybridkv.server.books.l1 import L1Cache, NoSlot, State
 
 NS = b"n" * 16

@@ -8,8 +8,8 @@ import signal
 import time
 
 import pytest
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
+from hybridkv.wire import protocol as P
 from serverkit import Engine, counters
 
 

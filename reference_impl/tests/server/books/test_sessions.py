@@ -3,8 +3,8 @@ that made them (another connection is answered as if they did not exist), and th
 
 from __future__ import annotations
 
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
+from hybridkv.wire import protocol as P
 from serverkit import Engine, expect
 
 E = P.ErrorCode

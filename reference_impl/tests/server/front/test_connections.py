@@ -8,10 +8,10 @@ import socket
 import time
 
 import pytest
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.server.books.config import GIB, ServerConfig
 from hybridkv.server.front.launch import start_server
+from hybridkv.wire import protocol as P
 from serverkit import process_cpu_s, process_fds
 
 

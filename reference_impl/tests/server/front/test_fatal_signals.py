@@ -6,9 +6,9 @@ import os
 import signal
 
 import pytest
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.engine.pending import ServerTimeout
+from hybridkv.wire import protocol as P
 from serverkit import Engine
 
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
-from hybridkv.presets import preset_layout
+from hybridkv.model.presets import preset_layout
 from hybridkv.server.front.launch import ServerStartError
+from hybridkv.wire import protocol as P
 from serverkit import Engine, alive, small_tmpfs
 
 

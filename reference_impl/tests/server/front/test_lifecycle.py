@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerError
-from hybridkv.keys import chunk_keys
-from hybridkv.layout import GroupLayout, ModelLayout
+from hybridkv.model.keys import chunk_keys
+from hybridkv.model.layout import GroupLayout, ModelLayout
+from hybridkv.wire import protocol as P
 from serverkit import Engine, alive
 
 

@@ -14,13 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
 from hybridkv.engine.transfer import KVTransfer, TransferConfig
-from hybridkv.presets import preset_layout
+from hybridkv.model.presets import preset_layout
 from hybridkv.server.books.config import GIB, ServerConfig
 from hybridkv.server.front.launch import start_server
 from hybridkv.server.front.metrics_http import CONNECTION_S, MAX_CONNECTIONS
+from hybridkv.wire import protocol as P
 from prometheus_client.parser import text_string_to_metric_families
 from serverkit import Engine, process_fds
 

@@ -11,13 +11,13 @@ import subprocess
 import sys
 import time
 
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
-from hybridkv.presets import preset_layout
+from hybridkv.model.presets import preset_layout
 from hybridkv.server.books.config import GIB, ServerConfig
 from hybridkv.server.books.telemetry import HEADLINE_FIGURES
 from hybridkv.server.front import launch
 from hybridkv.server.front.launch import start_server
+from hybridkv.wire import protocol as P
 from serverkit import Engine, counters
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import sys
 
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
-from hybridkv.presets import preset_layout
+from hybridkv.model.presets import preset_layout
+from hybridkv.wire import protocol as P
 from serverkit import Engine
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import hybridkv
 import numpy as np
 import pytest
-from hybridkv.keys import ObjectKey
+from hybridkv.model.keys import ObjectKey
 from hybridkv.server.l2.base import L2Error
 from hybridkv.server.l2.fs import FilesystemL2
 from hybridkv.server.l2.fs_files import DATA_OFFSET, TMP_PREFIX

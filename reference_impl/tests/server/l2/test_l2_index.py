@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import rediskit
-from hybridkv.keys import ObjectKey
+from hybridkv.model.keys import ObjectKey
 from hybridkv.server.l2.base import L2Error
 from hybridkv.server.l2.fs import FilesystemL2, _IndexEntry
 from hybridkv.server.machinery import lru

@@ -11,8 +11,8 @@ import time
 
 import pytest
 import rediskit
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
+from hybridkv.wire import protocol as P
 from serverkit import Engine, counters, lookup_checked, settled
 
 pytestmark = pytest.mark.skipif(rediskit.skip_reason() is not None, reason=str(rediskit.skip_reason()))

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
-from hybridkv.layout import GroupLayout, ModelLayout
-from hybridkv.presets import preset_layout
+from hybridkv.model.layout import GroupLayout, ModelLayout
+from hybridkv.model.presets import preset_layout
 from hybridkv.server.l2.fs_files import DATA_OFFSET
 from hybridkv.server.l2.header import ObjectHeader
+from hybridkv.wire import protocol as P
 from serverkit import ATTN, STATES, Engine, counters, lookup_checked, settled
 
 TESTS = Path(__file__).parent

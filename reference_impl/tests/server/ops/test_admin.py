@@ -3,8 +3,8 @@ reaches its own namespace only."""
 
 from __future__ import annotations
 
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
+from hybridkv.wire import protocol as P
 from serverkit import Engine, expect
 
 E = P.ErrorCode

@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import turns_serve
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerError
-from hybridkv.keys import chunk_keys, namespace
-from hybridkv.layout import GroupLayout, ModelLayout
+from hybridkv.model.keys import chunk_keys, namespace
+from hybridkv.model.layout import GroupLayout, ModelLayout
 from hybridkv.server.front.cli import parse
 from hybridkv.server.front.launch import ServerProcess
 from hybridkv.server.l2.fs import FilesystemL2
+from hybridkv.wire import protocol as P
 from serverkit import counters
 
 CT = 2

@@ -20,13 +20,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import turns_serve
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient, ServerError
-from hybridkv.keys import chunk_keys
-from hybridkv.layout import GroupLayout, ModelLayout
-from hybridkv.policy import resume_objects
+from hybridkv.model.keys import chunk_keys
+from hybridkv.model.layout import GroupLayout, ModelLayout
+from hybridkv.model.policy import resume_objects
 from hybridkv.server.front.cli import parse
 from hybridkv.server.front.launch import ServerProcess
+from hybridkv.wire import protocol as P
 from hybridkv_bench.microbench.lookup_bench import store_chunks
 from serverkit import Engine
 

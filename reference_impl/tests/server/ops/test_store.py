@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
-from hybridkv.keys import chunk_keys
-from hybridkv.layout import GroupLayout, ModelLayout
+from hybridkv.model.keys import chunk_keys
+from hybridkv.model.layout import GroupLayout, ModelLayout
+from hybridkv.wire import protocol as P
 from serverkit import Engine, alive
 
 

@@ -23,7 +23,7 @@ FOLDERS = {
 }
 DOCS = {
     "model": "The model shape and what the cache stores of it: group layouts (`layout`), the model presets\n"
-             "(`presets`, one module per family), chunk keys (`keys`), which objects a chunk stores or loads (`policy`),\n"
+             "(`presets`, a module per family), chunk keys (`keys`), what a chunk stores or loads (`policy`),\n"
              "and a model's identity in namespaces (`model_identity`). Imports nothing else of hybridkv.",
     "wire": "What crosses the socket between engines and the server: the protocol's messages (`protocol`), packed\n"
             "integers (`packed`), the wire formats and their traits (`wire_formats`), where a server listens\n"

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridkv.layout import DTYPE_BYTES, LayoutError, ModelLayout
-from hybridkv.presets.aligned import check_config, check_heads, hybrid_layout
+from hybridkv.model.layout import DTYPE_BYTES, LayoutError, ModelLayout
+from hybridkv.model.presets.aligned import check_config, check_heads, hybrid_layout
 
 
 def _mamba2_groups(n_groups: int, tp: int) -> int:

@@ -1,13 +1,13 @@
 """The sliding-window family (Gemma 3, gpt-oss): full and sliding-window attention layers, no recurrent state, nothing
 to align to. Every page is one attention layer's, the block is FlashAttention's 16 tokens, and sliding and full layers
-split into groups by vLLM's rule (`hybridkv.layout.vllm_groups`); `tests/vllm/test_sliding_window_layout.py`
+split into groups by vLLM's rule (`hybridkv.model.layout.vllm_groups`); `tests/vllm/test_sliding_window_layout.py`
 holds vLLM's planner to these presets."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridkv.layout import DTYPE_BYTES, GroupLayout, LayoutError, ModelLayout, vllm_groups
+from hybridkv.model.layout import DTYPE_BYTES, GroupLayout, LayoutError, ModelLayout, vllm_groups
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,13 +1,13 @@
 """The Gated DeltaNet family (Qwen3.5 / Qwen3.6 / Qwen3-Next): full attention every n-th layer, GDN layers between.
-The one family the harness's scenarios model (`hybridkv.presets.model_config`); its config is the model shape the
+The one family the harness's scenarios model (`hybridkv.model.presets.model_config`); its config is the model shape the
 harness's vLLM planning and tiny real models are written from."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hybridkv.layout import DTYPE_BYTES, LayoutError, ModelLayout
-from hybridkv.presets.aligned import check_config, hybrid_layout
+from hybridkv.model.layout import DTYPE_BYTES, LayoutError, ModelLayout
+from hybridkv.model.presets.aligned import check_config, hybrid_layout
 
 
 @dataclass(frozen=True, slots=True)

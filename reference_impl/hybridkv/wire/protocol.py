@@ -14,10 +14,10 @@ from typing import Annotated
 
 import msgspec
 
-from hybridkv.layout import MAX_GROUPS, MAX_LAYERS, MAX_NAME_CHARS, ModelLayout
-from hybridkv.packed import pack_ints, pack_pairs, packed_field, unpack_ints  # noqa: F401 - the protocol's helpers
-from hybridkv.policy import Policy
-from hybridkv.wire_formats import DEFAULT_FORMAT, DEFAULT_PAYLOAD_FORMAT, WireFormat
+from hybridkv.model.layout import MAX_GROUPS, MAX_LAYERS, MAX_NAME_CHARS, ModelLayout
+from hybridkv.model.policy import Policy
+from hybridkv.wire.packed import pack_ints, pack_pairs, packed_field, unpack_ints  # noqa: F401 - the protocol's helpers
+from hybridkv.wire.wire_formats import DEFAULT_FORMAT, DEFAULT_PAYLOAD_FORMAT, WireFormat
 
 # A request id, an engine name or a tenant salt: kept by the server for as long as a lease, a reservation or
 # an engine lives, so bounded (vLLM's request ids are under 100 characters).

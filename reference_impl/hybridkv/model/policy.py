@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from itertools import repeat
 from typing import Literal, cast, get_args
 
-from hybridkv.layout import ModelLayout
+from hybridkv.model.layout import ModelLayout
 
 Policy = Literal["boundary", "all"]
 POLICIES: tuple[Policy, ...] = get_args(Policy)

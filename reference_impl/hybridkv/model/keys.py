@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-from hybridkv.layout import LayoutError, ModelLayout
+from hybridkv.model.layout import LayoutError, ModelLayout
 
 KEY_BYTES = 16
 ObjectKey = tuple[bytes, int]  # (chunk key, group): one object, in L1, L2 and on the wire

@@ -17,7 +17,7 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from hybridkv.memory_room import check_room
+from hybridkv.memory.memory_room import check_room
 
 SLOT_ALIGN = 4096  # page-aligned slots: DMA and 16-byte vector access both want it
 

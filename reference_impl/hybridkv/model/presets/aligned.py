@@ -15,7 +15,7 @@ from __future__ import annotations
 from math import ceil
 from typing import Protocol
 
-from hybridkv.layout import DTYPE_BYTES, GroupLayout, LayoutError, ModelLayout, vllm_groups
+from hybridkv.model.layout import DTYPE_BYTES, GroupLayout, LayoutError, ModelLayout, vllm_groups
 
 
 class RecurrentHybrid(Protocol):

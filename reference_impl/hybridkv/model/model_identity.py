@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hybridkv.layout import LayoutError
+from hybridkv.model.layout import LayoutError
 
 # config.json keys that say where or by what the file was saved, never what the model computes
 BOOKKEEPING_KEYS = frozenset({"_name_or_path", "name_or_path", "_commit_hash", "transformers_version"})

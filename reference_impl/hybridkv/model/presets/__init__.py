@@ -14,10 +14,10 @@ import importlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol, cast
 
-from hybridkv.layout import LayoutError, ModelLayout
+from hybridkv.model.layout import LayoutError, ModelLayout
 
 if TYPE_CHECKING:
-    from hybridkv.presets.gated_deltanet import HybridModelConfig
+    from hybridkv.model.presets.gated_deltanet import HybridModelConfig
 
 
 class PresetConfig(Protocol):
@@ -41,10 +41,10 @@ def register_family(family: str, module: str) -> None:
     _FAMILIES[family] = module
 
 
-register_family(SCENARIO_FAMILY, "hybridkv.presets.gated_deltanet")
-register_family("mamba2", "hybridkv.presets.mamba2")
-register_family("mamba1", "hybridkv.presets.mamba1")
-register_family("sliding-window", "hybridkv.presets.sliding")
+register_family(SCENARIO_FAMILY, "hybridkv.model.presets.gated_deltanet")
+register_family("mamba2", "hybridkv.model.presets.mamba2")
+register_family("mamba1", "hybridkv.model.presets.mamba1")
+register_family("sliding-window", "hybridkv.model.presets.sliding")
 
 
 def family_presets(family: str) -> Mapping[str, PresetConfig]:
