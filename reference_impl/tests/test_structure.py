@@ -1,5 +1,6 @@
 """The code's shape, checked: no import cycles (type-only imports included), the engine never imports the server,
-the server's layers import only downwards (front -> ops -> books -> l2 -> machinery), the harness's top package
+the server's layers import only downwards (front -> ops -> books -> l2 -> machinery), the core below the server and
+the engine is folders that import only downwards (wire -> model -> memory), the harness's top package
 stays small, no source file over 600 lines, and the wire formats are named in few modules (the rest read
 `hybridkv.wire.wire_formats`). Imports are read from the source (ast); `import_graph(typing=False)` leaves out the ones
 under `if TYPE_CHECKING:`.
@@ -24,6 +25,12 @@ MAX_HARNESS_TOP = 12
 MAX_FORMAT_MODULES = 4
 # The server's folders, top to bottom: a module may import its own folder and the folders below it, never above.
 SERVER_LAYERS = ("front", "ops", "books", "l2", "machinery")
+# The core under the server and the engine, top to bottom: a module may import its own folder and the folders below
+# it, nothing else of hybridkv.
+CORE_LAYERS = ("wire", "model", "memory")
+# The modules left at hybridkv's top: the package's face and the operator command (`hybridkv`, its settings
+# sources and `hybridkv status`), which the engine and the server never import.
+CORE_TOP = ("__init__.py", "cli.py", "settings_sources.py", "status.py")
 # Below the edge nothing reads the environment (settings are passed down); these reads are the named exceptions.
 ENV_READS_BELOW_THE_EDGE = {
     "hybridkv_kernels.dispatch",  # TRITON_INTERPRET: Triton's own switch (its jit then runs on the CPU), not ours
@@ -146,6 +153,25 @@ def upward_imports() -> list[tuple[str, str]]:
     return sorted(out)
 
 
+def core_layer(module: str) -> int | None:
+    """The index in CORE_LAYERS of a core module's folder (None: not in a core folder)."""
+    parts = module.split(".")
+    return CORE_LAYERS.index(parts[1]) if parts[0] == "hybridkv" and len(parts) > 2 and parts[1] in CORE_LAYERS \
+        else None
+
+
+def core_imports_not_downwards() -> list[tuple[str, str]]:
+    """(importer, imported) pairs where a core module imports hybridkv outside its own folder and those below it
+    (type-only imports included)."""
+    out = []
+    for a, bs in import_graph(typing=True).items():
+        if (la := core_layer(a)) is None:
+            continue
+        out.extend((a, b) for b in sorted(bs) if b.startswith("hybridkv.")
+                   and ((lb := core_layer(b)) is None or lb < la))
+    return sorted(out)
+
+
 def env_reads_below_the_edge() -> list[str]:
     """Server modules below the front door, kernel modules and harness modules below its CLI that read os.environ /
     os.getenv."""
@@ -217,6 +243,17 @@ def test_server_imports_only_run_downwards():
     assert upward_imports() == []
 
 
+def test_hybridkv_top_is_folders_and_the_operator_command():
+    loose = sorted(p.name for p in PACKAGES["hybridkv"].glob("*.py"))
+    assert loose == sorted(CORE_TOP)
+    for folder in CORE_LAYERS:
+        assert PACKAGES["hybridkv"].joinpath(folder, "__init__.py").is_file(), folder
+
+
+def test_core_imports_only_run_downwards():
+    assert core_imports_not_downwards() == []
+
+
 def test_no_environment_read_below_the_edge():
     assert set(env_reads_below_the_edge()) <= ENV_READS_BELOW_THE_EDGE
 
@@ -254,6 +291,7 @@ if __name__ == "__main__":
     print("import cycles:", import_cycles() or "none")
     print("import cycles, type-only imports included:", import_cycles(typing=True) or "none")
     print("upward imports between the server's layers:", upward_imports() or "none")
+    print("core imports that do not run downwards:", core_imports_not_downwards() or "none")
     print("harness top modules:", len(harness_top_modules()))
     print("files over", MAX_LINES, "lines:", long_files() or "none")
     fm = format_literal_modules()
