@@ -6,8 +6,7 @@ import os
 import signal
 
 import pytest
-from hybridkv.engine.client import CacheClient
-from hybridkv.engine.pending import ServerTimeout
+from hybridkv.engine.client import CacheClient, ServerTimeout
 from hybridkv.wire import protocol as P
 from serverkit import Engine
 
