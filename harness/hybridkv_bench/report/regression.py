@@ -85,4 +85,5 @@ def rule_text() -> str:
             "the metric's typical repeat spread over the runs' cases. Fewer repeats: *too few repeats*, no verdict "
             "(the scenario's "
             f"`repeats = {MIN_REPEATS}`). Two runs of one commit drift by a few percent as a whole; that alone is "
-            "never called.")
+            "never called. Ratios to a ceiling measured once per run are shown, not judged: the repeats cannot show "
+            "that one measurement's noise.")
