@@ -12,9 +12,10 @@ $H bench scenarios/compare_cpu.toml --out $Q/cmp/b --no-report > $Q/cmp-b.log 2>
 $H bench scenarios/compare_cpu.toml --out $Q/cmp/slow --no-report --planted-slowdown 0.25 > $Q/cmp-slow.log 2>&1; m "slow rc=$?"
 $H report --compare $Q/cmp/a $Q/cmp/b --out $Q/cmp/compare-a-b > $Q/cmp-ab.log 2>&1; m "cmp ab rc=$?"
 $H report --compare $Q/cmp/a $Q/cmp/slow --out $Q/cmp/compare-a-slow > $Q/cmp-aslow.log 2>&1; m "cmp aslow rc=$?"
+# lookup_new.py: ../reshape/lookup_p50.py with its import "from hybridkv.wire import protocol as P" (the new tree)
 m "start lookup"
 for i in 1 2 3; do
   echo "old $i $(PYTHONPATH=/tmp/q-old/reference_impl:/tmp/q-old/kernels:/tmp/q-old/harness .nox/shared/bin/python $Q/lookup_old.py --rounds 400 --json)" >> $Q/lookup.txt
-  echo "new $i $(.nox/shared/bin/python $Q/lookup_new.py  # ../reshape/lookup_p50.py with `from hybridkv.wire import protocol as P` --rounds 400 --json)" >> $Q/lookup.txt
+  echo "new $i $(.nox/shared/bin/python $Q/lookup_new.py --rounds 400 --json)" >> $Q/lookup.txt
 done
 m "end lookup"
