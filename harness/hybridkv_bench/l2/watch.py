@@ -3,8 +3,8 @@
 The spill is over when the last object is in L2, not when the server process has exited (closing an
 arena of tens of GB and the interpreter's exit are not L2 work). A filesystem L2 is watched with
 inotify (the kernel reports each rename onto an object name; the watcher sleeps in between), so the
-watch takes no CPU from the server it times: rescanning 256 subdirectories every 5 ms took about a
-third of a core, which a 2-core host cannot spare. Redis is polled (SCAN of the metas) instead.
+watch takes no CPU from the server it times: rescanning 256 subdirectories every few ms takes a sizeable
+share of a core, which a small host cannot spare. Redis is polled (SCAN of the metas) instead.
 """
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ FIGURES: tuple[tuple[str, str, Direction], ...] = (
     ("server_vram_mib", "server VRAM MiB", "lower"))
 PLOTTED = ("ttft_warm_s", "store_gbps", "load_gbps")
 # Shown, never judged: a ratio to a ceiling measured once per run carries that one measurement's noise, which the
-# run's repeats cannot show (two runs of one commit on a loaded 2-core VM: load / peak 1.22 -> 0.90 with tight
-# repeats, load GB/s within noise). The measured figures they divide are judged.
+# run's repeats cannot show (two runs of one commit on a loaded machine can give ratios far apart with tight
+# repeats and the rates themselves within noise). The measured figures they divide are judged.
 UNJUDGED = ("store_ceiling_ratio", "load_ceiling_ratio")
 
 

@@ -169,8 +169,8 @@ def map_arena(path: str | Path, size: int, writable: bool = True) -> mmap.mmap:
 
 class SortedStarts:
     """Integers in ascending order, kept in runs of at most 2 x RUN: adding or removing one moves the items of one
-    run, not of all (the free extents' starts, one sorted list, moved up to 4 MB per call at 500k extents: a Clear
-    of 524k objects from an arena of 1M spent most of its 5-12 s there, a worst piece of 30 ms)."""
+    run, not of all (the free extents' starts, one sorted list, moved megabytes per call at hundreds of thousands
+    of extents: a Clear of half an arena's objects spent most of its seconds there)."""
     RUN = 1024
     __slots__ = ("_runs", "_maxes")
 

@@ -26,8 +26,9 @@ Text = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
 PROTOCOL_VERSION = 1
 
 # Bulk integers travel packed, as int32 little-endian bytes: msgspec builds one Python object per element of a
-# msgpack array, so one hostile 8 MiB frame of 1.4M (chunk, group) pairs held the server's loop 0.37 s in decode
-# alone, and one of 4M one-block lists 2.5 s; a bytes field decodes in microseconds whatever its length. A
+# msgpack array, so one hostile frame of a million (chunk, group) pairs held the server's loop for a sizeable share
+# of a second in decode alone (one of millions of one-block lists, for seconds); a bytes field decodes in
+# microseconds whatever its length. A
 # hand-written client may still send short lists (their lengths are checked before any element is built).
 MAX_LISTED = 4096        # objects or block lists given as a msgpack list
 MAX_LISTED_BLOCKS = 256  # blocks in one listed block list: a listed message decodes in a few ms

@@ -41,13 +41,13 @@ class TransformersSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     attn_implementation: Attention = "sdpa"
     load: LoadMode = "whole"
     # CPU only: torch threads for the process (0 leaves torch's default). On a shared machine one thread is
-    # 10-50x faster than two spinning OpenMP threads fighting other processes (measured on the CI host).
+    # many times faster than two spinning OpenMP threads fighting other processes.
     cpu_threads: int = 0
     # fp32 bound on |continuation logits - full-prefill logits|; bf16 runs report the difference only
     full_prefill_tolerance: float = 1e-5
     # warm requests: the continuation from the in-memory cache (`forward_alone_s`, warm_pipeline_ratio's divisor) is
     # timed this many times, one before the load and the rest after the warm forward, and the median kept: the eager
-    # forward alone varied 0.166-0.208 s for the same 336 tokens in one H200 run
+    # forward alone varies by tens of percent from call to call for the same tokens
     forward_alone_repeats: int = 3
 
     def __post_init__(self) -> None:

@@ -164,9 +164,8 @@ class _Links(msgspec.Struct, gc=False, eq=False, kw_only=True):
 class Indexed(_Links):
     """An object in an `LruIndex` (an L2 adapter's subclass adds what it knows of the object). Not compared by
     value (an index tells its entries apart by identity, and its segments hash them so), and, as the L1's entries,
-    not tracked by the cycle collector (gc=False, inherited): 700k L2 entries as dataclasses made every full
-    collection walk them (171-178 ms; 71-74 untracked in OrderedDict segments, under 1 ms in plain dicts). So an
-    entry is never left in a cycle that only the collector could free: one that leaves its index is unlinked
+    not tracked by the cycle collector (gc=False, inherited): hundreds of thousands of L2 entries as dataclasses
+    made every full collection walk them all, under the GIL, while the loop waited. So an entry is never left in a cycle that only the collector could free: one that leaves its index is unlinked
     (`LruQueue.remove`), or its segment emptied (`LruIndex.clear`, an index freed)."""
     oid: ObjectKey
     size: int  # the bytes that the index's `bytes` counts
@@ -182,8 +181,8 @@ class Indexed(_Links):
 
 class LruIndex(Generic[E]):
     """A table of objects by oid (`ObjectTable`) kept in one LRU queue, least recently used first: what the L2
-    adapters index their objects with. It was one OrderedDict of every object, which CPython resizes in one step
-    (141 ms at 699k entries, under the GIL, so the loop waited as long); here no dict holds more than a shard of
+    adapters index their objects with. It was one OrderedDict of every object, which CPython resizes in one step,
+    under the GIL, so the loop waited as long as the resize took; here no dict holds more than a shard of
     the table or a segment of the queue. An entry belongs to one index: `put` links it in, `pop` unlinks it."""
     __slots__ = ("table", "queue", "get")
 

@@ -12,7 +12,7 @@ shard's resize, 1/SHARDS of the whole.
 A set of READY keys (one per namespace and group) is asked "does it hold all of these keys?" in C, which a
 sharded set would turn into a question per shard. So it is kept whole up to KEYSET_SEGMENT keys, which is all an
 honest layout's group ever holds (a 1 TiB L1 holds 43,000 objects of a group of Qwen3.6-27B TP8 ranks), and
-grows in further segments past it: a set of 1.4M keys resized in one step of ~60 ms. The same SegmentedSet holds
+grows in further segments past it: a set of millions of keys resizes in one long step. The same SegmentedSet holds
 what a Lookup or Prefetch collects per object (its misses, objects of another namespace): nothing in a
 request's size bounds those across its passes, and a set of (key, group) pairs grown large in one piece of a turn
 stops the loop far past a turn, where in segments each piece is short.
@@ -119,9 +119,9 @@ class SegmentedSet(Generic[K]):
     that are READY in L1 (`KeySet`), and what a large request collects per object (a lookup's misses and
     objects of another namespace). Below KEYSET_SEGMENT keys it is one plain set (`view`: asked in C).
 
-    Sets, which the cycle collector tracks (a full collection walks every key: ~50 ms per million), where dicts of
-    keys would not be: the full-hit question `set.issuperset(list)` is the latency case's hot path, and no dict
-    question answers it as fast (a 71-chunk lookup of 64 groups: 57 us in sets, 95 us in dicts at best)."""
+    Sets, which the cycle collector tracks (a full collection walks every key), where dicts of keys would not
+    be: the full-hit question `set.issuperset(list)` is the latency case's hot path, and no dict question answers
+    it as fast."""
     __slots__ = ("segs",)
 
     def __init__(self) -> None:
