@@ -5,8 +5,11 @@
     specs.py       the registry of kinds (`register_spec`, imported when named), the seed's `--l2-adapter` JSON
                    parsed into a kind's spec; `spec.open()` builds the spec's adapter
     fs_spec.py     `FsL2Spec`: a directory, its capacity, fsync
-    fs.py          `FilesystemL2`: one file per object in a local directory
-    fs_files.py    that directory's syscalls, through directory fds, never following a symlink
+    fs.py          `FilesystemL2`: one file per object in a local directory; its index, LRU and capacity
+    fs_dir.py      that directory: its layout, its lock, every syscall through directory fds, never following a
+                   symlink, and the objects found in it on start
+    fs_record.py   one object file: header block and payload, written (O_DIRECT) and read back checked
+    fs_sync.py     group commit: concurrent durable puts share one syncfs
     redis_spec.py  `RedisL2Spec`: where the store is, its keys, timeouts and secrets
     redis.py       `RedisL2`: objects in a Redis/Valkey shared between hosts
     redis_meta.py  its key names and meta values;  redis_link.py: its clients and the store's health

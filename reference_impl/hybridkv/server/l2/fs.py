@@ -1,11 +1,12 @@
 """Filesystem L2: one file per object, written to a temp name and renamed, checked on every read.
 
 An object file is a 4 KiB header block (the 64-byte ObjectHeader, then zeros) and the payload, so the payload
-moves with O_DIRECT. Every syscall goes through directory fds without following symlinks (`fs_files.ObjectDir`,
-which has the directory's layout). The index (object -> namespace, length, LRU position) lives in memory and is
-rebuilt on start from the headers alone; payload checksums are verified on every read instead, because
-checksumming tens of GB at start would delay the server by minutes. Capacity counts what the files occupy on
-disk: header block plus payload, rounded up to the file system's block.
+moves with O_DIRECT (`fs_record`). Every syscall goes through directory fds without following symlinks
+(`fs_dir.ObjectDir`, which has the directory's layout). This module is the adapter: the index (object ->
+namespace, length, LRU position) lives in memory and is rebuilt on start from the headers alone; payload
+checksums are verified on every read instead, because checksumming tens of GB at start would delay the server by
+minutes. Capacity counts what the files occupy on disk: header block plus payload, rounded up to the file
+system's block.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from hybridkv.model.keys import ObjectKey
 from hybridkv.server.l2.base import L2Adapter, L2Error, byte_view, check_key, check_ns
-from hybridkv.server.l2.fs_files import TMP_PREFIX, ObjectDir
+from hybridkv.server.l2.fs_dir import ObjectDir
 from hybridkv.server.l2.header import BadObject
 from hybridkv.server.machinery.lru import Indexed, LruIndex
 
@@ -278,36 +279,15 @@ class FilesystemL2(L2Adapter):
     # ---- index rebuild ----
 
     def _rebuild(self) -> None:
-        """Index every valid object file from its header; remove temp files and bad files."""
-        found: list[tuple[int, str, _IndexEntry]] = []
-        for i in range(256):
-            for de in self._dir.scan(i):
-                if de.name.startswith(TMP_PREFIX):
-                    # A put killed before its rename: its object was never acknowledged.
-                    self._dir.unlink_in(i, de.name)
-                    self._counters["tmp_removed"] += 1
-                    continue
-                oid = ObjectDir.parse_name(de.name)
-                if oid is None or not de.is_file(follow_symlinks=False):
-                    log.warning("L2: ignoring %s/%02x/%s, not an object file", self.directory, i, de.name)
-                    continue
-                key, group = oid
-                try:
-                    hdr, mtime = self._dir.check_object(i, de.name, key, group)
-                    if self._dir.disk_bytes(hdr.payload_len) > self.capacity_bytes:  # put() refuses one as large
-                        raise BadObject(f"its {hdr.payload_len} B payload outgrows the L2 ({self.capacity_bytes} B)")
-                except (BadObject, OSError) as e:
-                    log.warning("L2: removing bad object file %s/%02x/%s: %s", self.directory, i, de.name, e)
-                    self._dir.unlink_in(i, de.name)
-                    self._counters["corrupt_removed"] += 1
-                    continue
-                found.append((mtime, de.name, _IndexEntry((key, group), hdr.payload_len, hdr.ns, 0)))
-        found.sort(key=lambda f: (f[0], f[1]))
-        for mtime, _, entry in found:
-            entry.gen = next(self._gens)
+        """Index every valid object file from its header (`ObjectDir.survey` removes temp files and bad files)."""
+        survey = self._dir.survey(self.capacity_bytes)
+        self._counters["tmp_removed"] += survey.tmp_removed
+        self._counters["corrupt_removed"] += survey.bad_removed
+        for f in survey.found:
+            entry = _IndexEntry((f.key, f.group), f.payload_len, f.ns, next(self._gens))
             self._index.put(entry)
             self._disk += self._dir.disk_bytes(entry.size)
-            self._last_stamp = max(self._last_stamp, mtime)
+            self._last_stamp = max(self._last_stamp, f.mtime)
         # The capacity may have shrunk since the files were written.
         for key, group in self._evict_until_fits(0):
             self._unlink(key, ObjectDir.name(key, group))

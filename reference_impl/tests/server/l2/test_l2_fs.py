@@ -22,7 +22,8 @@ import pytest
 from hybridkv.model.keys import ObjectKey
 from hybridkv.server.l2.base import L2Error
 from hybridkv.server.l2.fs import FilesystemL2
-from hybridkv.server.l2.fs_files import DATA_OFFSET, TMP_PREFIX
+from hybridkv.server.l2.fs_dir import TMP_PREFIX
+from hybridkv.server.l2.fs_record import DATA_OFFSET
 from hybridkv.server.l2.header import MAGIC
 
 NS_A = b"namespace-a-0001"

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from hybridkv.server.l2 import header as l2mod
 from hybridkv.server.l2.fs import FilesystemL2
-from hybridkv.server.l2.fs_files import DATA_OFFSET
+from hybridkv.server.l2.fs_record import DATA_OFFSET
 
 NS = b"namespace-d-0004"
 PAGE = 4096

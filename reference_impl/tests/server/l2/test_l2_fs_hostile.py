@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from hybridkv.server.l2.base import L2Error
 from hybridkv.server.l2.fs import FilesystemL2
-from hybridkv.server.l2.fs_files import DATA_OFFSET
+from hybridkv.server.l2.fs_record import DATA_OFFSET
 from hybridkv.server.l2.header import ObjectHeader
 from serverkit import small_tmpfs
 

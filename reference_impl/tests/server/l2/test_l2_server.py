@@ -23,7 +23,7 @@ import pytest
 from hybridkv.engine.client import CacheClient
 from hybridkv.model.layout import GroupLayout, ModelLayout
 from hybridkv.model.presets import preset_layout
-from hybridkv.server.l2.fs_files import DATA_OFFSET
+from hybridkv.server.l2.fs_record import DATA_OFFSET
 from hybridkv.server.l2.header import ObjectHeader
 from hybridkv.wire import protocol as P
 from serverkit import ATTN, STATES, Engine, counters, lookup_checked, settled
