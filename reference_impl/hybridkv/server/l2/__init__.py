@@ -13,6 +13,7 @@
     redis_spec.py  `RedisL2Spec`: where the store is, its keys, timeouts and secrets
     redis.py       `RedisL2`: objects in a Redis/Valkey shared between hosts
     redis_meta.py  its key names and meta values;  redis_link.py: its clients and the store's health
+    redis_known.py what this server knows of the store's objects: their lengths, trusted for a while
     redis_cluster.py  its routing on a Redis Cluster (slots, MOVED / ASK, a node down)
 
 A new kind of L2 is its adapter's module and its spec's module beside it, with one `register_spec` line in specs.py.

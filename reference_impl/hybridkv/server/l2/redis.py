@@ -11,9 +11,9 @@ A meta is a claim by whoever can write the store, checked before it costs anythi
 the length the server expects (its layout's), whatever the meta claims (`_read`); removals and clears go by the
 keys that exist (`redis_keys`), so a meta claiming 2**64 bytes costs one window, not a key name per chunk.
 
-The server loop asks `length` for every object of a lookup, so lengths are cached in a local index
-(trusted for `index_ttl_s`, misses for `miss_ttl_s`) and `probe` fills it for many objects in one round
-trip; queries from the loop use their own connections with a short timeout.
+The server loop asks `length` for every object of a lookup, so lengths are kept in a local index (`redis_known`:
+trusted for `index_ttl_s`, misses for `miss_ttl_s`) and `probe` fills it for many objects in one round trip; queries
+from the loop use their own connections with a short timeout.
 """
 
 from __future__ import annotations
@@ -26,14 +26,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import redis
 
-from hybridkv.model.keys import ObjectKey
 from hybridkv.server.l2.base import L2Adapter, L2Error, byte_view, check_key, check_ns
 from hybridkv.server.l2.header import BadObject, ObjectHeader, crc32
 from hybridkv.server.l2.redis_cluster import ClusterLink, store_links
 from hybridkv.server.l2.redis_keys import WINDOW, chunk_rounds, clear_batch
+from hybridkv.server.l2.redis_known import KnownLengths
 from hybridkv.server.l2.redis_link import DOWN, StoreHealth
 from hybridkv.server.l2.redis_meta import Forged, MetaCodec
-from hybridkv.server.machinery.lru import Indexed, LruIndex
 
 if TYPE_CHECKING:
     from hybridkv.server.l2.redis_spec import RedisL2Spec
@@ -47,12 +46,6 @@ _COUNTERS = ("puts", "gets", "hits", "misses", "corrupt_removed", "forged", "evi
              "bytes_read", "store_errors", "probes")
 
 
-class _Known(Indexed):  # oid, size: the length or 0 (the index's `bytes`: the bytes known to be held)
-    length: int | None  # None: known to be missing
-    ns: bytes
-    until: float        # monotonic time after which the store is asked again
-
-
 class RedisL2(L2Adapter):
     """L2 on a Redis or Valkey server that several hybridkv servers may share (see the module doc)."""
 
@@ -61,11 +54,10 @@ class RedisL2(L2Adapter):
         self._codec = MetaCodec(spec.prefix, spec.mac_key)
         self.capacity_bytes = 0  # the store's maxmemory bounds it, not us
         self._data, self._meta = store_links(spec)  # two redis.Redis clients, or two ClusterLinks (redis_cluster)
-        self._lock = threading.Lock()
-        self._known: LruIndex[_Known] = LruIndex()  # oldest first; in pieces, as one dict stalled the loop
-        self._held = 0  # the known objects with a length (not known to be missing)
+        self._lock = threading.Lock()  # the counters and `_closed`
+        self._known = KnownLengths(spec.index_ttl_s, spec.miss_ttl_s, _MAX_INDEX)
         # A store that went away may come back empty (a restart): nothing known before it still holds.
-        self._health = StoreHealth(spec.url, spec.retry_after_s, self._forget_all)
+        self._health = StoreHealth(spec.url, spec.retry_after_s, self._known.forget_all)
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._closed = False
         self._group_span = 1  # groups per chunk seen so far (length() probes them together)
@@ -89,7 +81,7 @@ class RedisL2(L2Adapter):
         size = view.nbytes
         self._check_open()
         okey = (key, group)
-        if self._fresh_length(okey, ns) == size:
+        if self._known.fresh_length(okey, ns) == size:
             self._count(puts=1)
             return
         self._check_up("put")
@@ -101,10 +93,10 @@ class RedisL2(L2Adapter):
         except DOWN as e:
             self._down("put", e)
         if hdr is not None and hdr.ns != ns:
-            self._remember(okey, hdr.payload_len, hdr.ns)
+            self._known.remember(okey, hdr.payload_len, hdr.ns)
             raise L2Error(f"object {key.hex()}-{group} is held under another namespace: not replaced")
         if hdr is not None and hdr.payload_len == size:
-            self._remember(okey, size, ns)  # another host stored it: same key, same bytes
+            self._known.remember(okey, size, ns)  # another host stored it: same key, same bytes
             self._count(puts=1)
             self._health.ok()
             return
@@ -125,7 +117,7 @@ class RedisL2(L2Adapter):
             self._count(store_errors=1)
             raise L2Error(f"redis L2 {self.spec.url} refused object {key.hex()}-{group} ({size} B): {errors[0]}")
         self._health.ok()
-        self._remember(okey, size, ns)
+        self._known.remember(okey, size, ns)
         self._count(puts=1, bytes_written=size)
 
     def get_into(self, key: bytes, group: int, out: memoryview, ns: bytes | None = None) -> bool:
@@ -134,7 +126,7 @@ class RedisL2(L2Adapter):
         out = byte_view(out, writable=True)
         self._check_open()
         okey = (key, group)
-        known = self._fresh_length(okey)
+        known = self._known.fresh_length(okey)
         if known is not None and known != out.nbytes:
             raise ValueError(f"out is {out.nbytes} bytes but object {key.hex()}-{group} is {known} bytes")
         self._count(gets=1)
@@ -168,23 +160,18 @@ class RedisL2(L2Adapter):
         check_key(key, group)
         self._check_open()
         okey = (key, group)
-        with self._lock:
-            k = self._known.get(okey)
-            if k is not None and time.monotonic() < k.until:
-                return k.length if ns is None or k.ns == ns else None
+        fresh, known = self._known.fresh(okey, ns)
+        if fresh:
+            return known
         # The loop asks for every group of a chunk in turn: one round trip answers them all.
         self._group_span = min(max(self._group_span, group + 1), _MAX_GROUP_SPAN)
         self.probe([okey, *((key, g) for g in range(self._group_span) if g != group)])
-        with self._lock:
-            k = self._known.get(okey)
-            return None if k is None or (ns is not None and k.ns != ns) else k.length
+        return self._known.length(okey, ns)
 
     def probe(self, oids: list[tuple[bytes, int]]) -> None:
         """Fetch the meta keys of the objects not freshly known, in pipelines, into the index."""
         self._check_open()
-        now = time.monotonic()
-        with self._lock:
-            todo = [o for o in dict.fromkeys(oids) if (kn := self._known.get(o)) is None or now >= kn.until]
+        todo = self._known.stale(oids)
         if not todo or not self._health.up():
             return
         self._count(probes=1)
@@ -195,15 +182,15 @@ class RedisL2(L2Adapter):
                 metas: list[Any] = self._meta.mget([self._codec.meta_key(k, g) for k, g in batch])
                 for (k, g), raw in zip(batch, metas, strict=True):
                     if raw is None:
-                        self._remember((k, g), None, b"")
+                        self._known.remember((k, g), None, b"")
                         continue
                     try:
                         hdr, _ = self._codec.parse(raw, k, g)
                     except BadObject as e:
                         bad.append((k, g, isinstance(e, Forged)))
-                        self._remember((k, g), None, b"")
+                        self._known.remember((k, g), None, b"")
                         continue
-                    self._remember((k, g), hdr.payload_len, hdr.ns)
+                    self._known.remember((k, g), hdr.payload_len, hdr.ns)
         except DOWN as e:
             self._health.failed("index query", e)
             self._count(store_errors=1)
@@ -221,7 +208,7 @@ class RedisL2(L2Adapter):
         check_key(key, group)
         self._check_open()
         self._check_up("remove")
-        length = self._fresh_length((key, group))
+        length = self._known.fresh_length((key, group))
         chunks: int | None = 0 if length is None else -(-length // self.spec.chunk_bytes)
         try:
             raw: Any = self._data.get(self._codec.meta_key(key, group))
@@ -235,7 +222,7 @@ class RedisL2(L2Adapter):
             sum(chunk_rounds(self._data, "unlink", [(self._codec.data_base(key, group), chunks)]))  # every round
         except DOWN as e:
             self._down("remove", e)
-        self._forget((key, group))
+        self._known.forget((key, group))
         return raw is not None and removed > 0
 
     def clear_walk(self, namespaces: frozenset[bytes] | None) -> Iterator[dict[bytes, int]]:
@@ -254,13 +241,13 @@ class RedisL2(L2Adapter):
         except DOWN as e:
             self._down("clear", e)
         finally:  # also when a Clear stops mid-way
-            self._forget_all()
+            self._known.forget_all()
 
     def touch(self, key: bytes, group: int) -> None:
         """Refresh the keys' LRU clock in the store (TOUCH); a no-op when missing or down."""
         check_key(key, group)
         self._check_open()
-        length = self._fresh_length((key, group))
+        length = self._known.fresh_length((key, group))
         if length is None or not self._health.up():
             return
         try:
@@ -272,8 +259,9 @@ class RedisL2(L2Adapter):
 
     def stats(self) -> dict[str, int]:
         """Counters, the objects this server knows the store holds, and whether the store is up."""
+        objects, held_bytes = self._known.totals()
         with self._lock:
-            return {"objects": self._held, "bytes": self._known.bytes,
+            return {"objects": objects, "bytes": held_bytes,
                     "capacity_bytes": self.capacity_bytes, "store_up": int(self._health.up()),
                     **self._counters, **(self._data.stats() if isinstance(self._data, ClusterLink) else {})}
 
@@ -302,18 +290,18 @@ class RedisL2(L2Adapter):
             meta, chunks = self._fetch(key, group, size, cb)
             if meta is None:
                 # Chunks without a meta may be a put in flight: left alone (the store's LRU or TTL takes orphans).
-                self._forget((key, group))
+                self._known.forget((key, group))
                 return False
             hdr, their_cb = self._codec.parse(meta, key, group)
             if ns is not None and hdr.ns != ns:
-                self._remember((key, group), hdr.payload_len, hdr.ns)
+                self._known.remember((key, group), hdr.payload_len, hdr.ns)
                 return False
             hdr.check_for(key, group, size)
             if their_cb != cb:  # written by a server with another chunk size: its keys, once
                 smallest = min(cb, their_cb)
                 again, chunks = self._fetch(key, group, size, their_cb)
                 if again != meta:  # replaced or removed meanwhile: a miss, not damage (and no third try)
-                    self._forget((key, group))
+                    self._known.forget((key, group))
                     return False
                 cb = their_cb
             pos = 0
@@ -330,11 +318,11 @@ class RedisL2(L2Adapter):
                 raise BadObject("payload checksum mismatch")
             self._codec.check_mac(meta, out)
         except BadObject:
-            self._forget((key, group))
+            self._known.forget((key, group))
             self._delete_quietly([self._codec.meta_key(key, group),
                                   *self._codec.data_keys(key, group, size, smallest)])
             raise
-        self._remember((key, group), size, hdr.ns)
+        self._known.remember((key, group), size, hdr.ns)
         return True
 
     def _fetch(self, key: bytes, group: int, size: int, cb: int) -> tuple[Any, list[Any]]:
@@ -354,30 +342,6 @@ class RedisL2(L2Adapter):
             self._data.unlink(*names)
         except (redis.RedisError, OSError) as e:
             log.debug("L2 redis: cannot delete %d keys: %s", len(names), e)
-
-    def _fresh_length(self, okey: ObjectKey, ns: bytes | None = None) -> int | None:
-        with self._lock:
-            k = self._known.get(okey)
-            return k.length if k is not None and time.monotonic() < k.until and (ns is None or k.ns == ns) else None
-
-    def _remember(self, okey: ObjectKey, length: int | None, ns: bytes) -> None:
-        ttl = self.spec.index_ttl_s if length is not None else self.spec.miss_ttl_s
-        k = _Known(okey, length or 0, length, ns, time.monotonic() + ttl)
-        with self._lock:
-            gone = [self._known.put(k)]
-            while len(self._known) > _MAX_INDEX:
-                gone.append(self._known.pop_oldest())
-            self._held += (length is not None) - sum(g is not None and g.length is not None for g in gone)
-
-    def _forget_all(self) -> None:
-        with self._lock:
-            old, self._known, self._held = self._known, LruIndex(), 0
-        old.clear()  # segment by segment, not under the lock that length() waits on
-
-    def _forget(self, okey: ObjectKey) -> None:
-        with self._lock:
-            k = self._known.pop(okey)
-            self._held -= k is not None and k.length is not None
 
     def _count(self, **inc: int) -> None:
         with self._lock:
