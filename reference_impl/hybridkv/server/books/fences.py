@@ -2,7 +2,8 @@
 
 A store on the shm wire used to be: queue the page copies, wait for them, then send CommitStore and wait for
 its answer. That commit is a round trip made after the copies, while both processes (and ZMQ's I/O threads)
-sleep, several times as long as a round trip made back to back, and the fixed cost that caps short stores. A fenced commit takes it off the path:
+sleep, several times as long as a round trip made back to back, and the fixed cost that caps short stores. A
+fenced commit takes it off the path:
 
 1. Every reservation gets a fence word: 8 bytes in the arena file, above the slots (`Arena.fence_base`),
    zeroed when handed out. `Prepared.fence` is its offset (0: none, the classic commit applies).

@@ -38,9 +38,9 @@ class NoSlot(enum.Enum):
 
 class Entry(msgspec.Struct, gc=False, eq=False):
     """One object in L1. Not tracked by the cycle collector (gc=False): a server of a million objects walked them
-    all in every full collection, the loop stopped meanwhile; nor are the queues and tables that hold it. Its references to its queue
-    and segment are dropped when it leaves them (`LruQueue.remove`), so it is never part of a cycle that only the
-    collector could free."""
+    all in every full collection, the loop stopped meanwhile; nor are the queues and tables that hold it. Its
+    references to its queue and segment are dropped when it leaves them (`LruQueue.remove`), so it is never part of
+    a cycle that only the collector could free."""
     key: bytes
     group: int
     ns: bytes

@@ -165,8 +165,9 @@ class Indexed(_Links):
     """An object in an `LruIndex` (an L2 adapter's subclass adds what it knows of the object). Not compared by
     value (an index tells its entries apart by identity, and its segments hash them so), and, as the L1's entries,
     not tracked by the cycle collector (gc=False, inherited): hundreds of thousands of L2 entries as dataclasses
-    made every full collection walk them all, under the GIL, while the loop waited. So an entry is never left in a cycle that only the collector could free: one that leaves its index is unlinked
-    (`LruQueue.remove`), or its segment emptied (`LruIndex.clear`, an index freed)."""
+    made every full collection walk them all, under the GIL, while the loop waited. So an entry is never left in a
+    cycle that only the collector could free: one that leaves its index is unlinked (`LruQueue.remove`), or its
+    segment emptied (`LruIndex.clear`, an index freed)."""
     oid: ObjectKey
     size: int  # the bytes that the index's `bytes` counts
 
