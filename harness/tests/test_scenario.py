@@ -3,6 +3,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import msgspec
@@ -148,6 +149,10 @@ def test_unknown_field_names_the_key_path_and_file():
      "exclude entry {'wire_format': 'raw'} matches no case"),
     (dict(extra="[matrix]\nexclude = [{ copy_engine = 'auto' }]\n"), "removes every case"),
     (dict(extra="[matrix]\nexclude = [{}]\n"), "an exclude entry needs at least one axis"),
+    (dict(extra="[matrix]\nexclude = [{ stream = 'single' }]\n"), "unknown field `stream` at $.matrix.exclude[0]"),
+    (dict(extra="[matrix]\nexclude = [{ streams = 'both' }]\n"),
+     "invalid enum value 'both' at $.matrix.exclude[0].streams"),
+    (dict(extra="[matrix]\ncommit = ['fenced']\n"), "unknown field `commit` at $.matrix"),
     (dict(replace={'kind = "tokens_per_s"\nrate = 1000.0':
                    'kind = "roofline"\ndevice_tflops = 1.0\nefficiency = 2.0'}),
      "efficiency must lie in (0, 1], got 2.0 at $.prefill"),
@@ -221,10 +226,14 @@ def test_scaling_keeps_chunk_multiples_pressure_and_rejects_bad_factors():
 
 def test_the_matrix_axes_are_typed_as_the_transfer_config_types_them():
 
-    from hybridkv.engine.config import Streams, TransferConfig
-    from hybridkv_bench.scenario import spec
+    from hybridkv.engine.config import TransferConfig
+    from hybridkv_bench.scenario import matrix as spec
 
-    assert spec.Streams is Streams  # one Literal, the engine's
+    # one declaration, the engine's: each matrix axis lists values of its TransferAxes type, an exclude gives one
+    hints = typing.get_type_hints(TransferAxes)
+    assert {f.name: f.type for f in msgspec.structs.fields(spec.Matrix)} == {
+        **{a: tuple[hints[a], ...] for a in AXES}, "exclude": tuple[spec.Exclude, ...]}
+    assert {f.name: f.type for f in msgspec.structs.fields(spec.Exclude)} == {a: hints[a] | None for a in AXES}
     import subprocess
     import sys
 
@@ -232,6 +241,8 @@ def test_the_matrix_axes_are_typed_as_the_transfer_config_types_them():
     assert subprocess.run([sys.executable, "-c", no_torch]).returncode == 0
     assert set(AXES) | {"commit"} == {f.name for f in dataclasses.fields(TransferAxes)}
     assert tuple(spec.Exclude.__struct_fields__) == AXES == tuple(spec.Matrix.__struct_fields__[:-1])
+    with pytest.raises(KeyError, match="'commit' is not a matrix axis; the axes are wire_format, copy_engine"):
+        spec.Matrix().values("commit")
     case = expand_matrix(decode_scenario(BASE))[0]
     assert isinstance(case.transfer, TransferConfig)
     assert {a: getattr(case.transfer, a) for a in AXES} == case.axes

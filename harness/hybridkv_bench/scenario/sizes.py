@@ -75,7 +75,7 @@ def validate(scenario: Scenario, source: str = "<scenario>") -> None:
         expand_matrix(scenario)
     except ScenarioError as e:
         raise fail(str(e).removeprefix(f"{scenario.name}: ")) from None
-    smallest = "boundary" if "boundary" in scenario.matrix.store_policy else "all"
+    smallest = "boundary" if "boundary" in scenario.matrix.values("store_policy") else "all"
     sizing = Sizing(scenario.server, engine_kind(scenario.engine).sends_prefetch, layout, chunk,
                     lambda tokens: prefix_bytes(layout, chunk, tokens, smallest))
     for i, w in enumerate(scenario.workloads):
@@ -94,7 +94,7 @@ def validate(scenario: Scenario, source: str = "<scenario>") -> None:
         if not w.spills or scenario.server.l2_gib > 0:
             # Hits are checked exactly, with no model of eviction: what a case stores must stay cached.
             # Under L1 alone it must fit L1; with an L2 behind it, L1 + L2 (evicted objects spill there).
-            for policy in scenario.matrix.store_policy:
+            for policy in scenario.matrix.values("store_policy"):
                 total = working_set_bytes(w, layout, chunk, policy)
                 if total > room:
                     tiers = (f"server.l1_gib {scenario.server.l1_gib:g} + l2_gib {scenario.server.l2_gib:g}"
@@ -139,7 +139,7 @@ def scaled(scenario: Scenario, factor: float) -> Scenario:
 
     rule = Shrink(prefix=prefix, step=step, tail=tail, count=count)
     workloads = tuple(w.shrink(rule) for w in scenario.workloads)
-    smallest = "boundary" if "boundary" in scenario.matrix.store_policy else "all"
+    smallest = "boundary" if "boundary" in scenario.matrix.values("store_policy") else "all"
     size = lambda w, policy="all": working_set_bytes(w, layout, chunk, policy) / GIB  # noqa: E731
     ratio = max(size(w) for w in workloads) / max(size(w) for w in scenario.workloads)
     l1 = max(scenario.server.l1_gib * ratio, 4 * layout.chunk_bytes(chunk) / GIB)

@@ -4,28 +4,27 @@ A scenario is TOML decoded strictly (`scenario.load`) into the structs below and
 `workloads.registry` (an unknown or misspelt key is an error naming the key path and the file), then
 checked against the model's layout (`scenario.sizes.validate`: chunk size against the block sizes, L1
 against one request, every workload's working set against L1 + L2). `expand_matrix` turns the matrix
-into the list of cases a runner executes; `scenario.sizes.scaled` shrinks a scenario for quick CPU runs.
+(`scenario.matrix`, made from the engine's `TransferAxes`) into the list of cases a runner executes;
+`scenario.sizes.scaled` shrinks a scenario for quick CPU runs.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import re
 from typing import TYPE_CHECKING, Literal
 
 import msgspec
-from hybridkv.engine.config import CommitMode, Streams, TransferAxes, TransferConfig
+from hybridkv.engine.config import CommitMode, TransferAxes, TransferConfig
 from hybridkv.model.layout import ModelLayout
-from hybridkv.model.policy import Policy
 from hybridkv.model.presets import model_config
 from hybridkv.model.presets.gated_deltanet import HybridModelConfig
-from hybridkv.wire.wire_formats import DEFAULT_FORMAT, TRAITS, WireFormat
-from hybridkv_kernels.engines import CopyEngine
+from hybridkv.wire.wire_formats import TRAITS
 
 from hybridkv_bench.engines.hf.spec import TransformersSpec
 from hybridkv_bench.engines.registry import engine_kind
 from hybridkv_bench.model_shape import Overrides, apply
+from hybridkv_bench.scenario.matrix import AXES, Matrix
 from hybridkv_bench.scenario.server import ServerSpec
 from hybridkv_bench.scenario.strict import Strict
 from hybridkv_bench.workloads import registry as workload_registry
@@ -41,10 +40,6 @@ Device = Literal["auto", "cpu", "cuda"]
 # How the engines of a workload that runs several at once run: threads of the runner's process, or a
 # process each (as vLLM runs its TP ranks); auto: processes for the sim engine on CUDA (see engines_in_processes)
 EnginesAs = Literal["auto", "threads", "processes"]
-
-# Matrix axes in case-name order: `shm-kernel-single-boundary-all`: the transfer axes but the commit, which a
-# scenario sets for every case (`Scenario.commit`). Exclude and Matrix hold one field per axis.
-AXES = tuple(f.name for f in dataclasses.fields(TransferAxes) if f.name != "commit")
 
 # What a wire format needs inside the cache server (hybridkv.wire.wire_formats' traits): the gate reads these two
 # sets; nothing else may decide which invariant applies to which format.
@@ -103,43 +98,6 @@ class RatePrefill(Strict, frozen=True, tag_field="kind", tag="tokens_per_s"):
 
 
 PrefillModel = RooflinePrefill | RatePrefill
-
-
-class Exclude(Strict, frozen=True, omit_defaults=True):
-    """A partial assignment of axes; every case that matches all its given axes is left out."""
-
-    wire_format: WireFormat | None = None
-    copy_engine: CopyEngine | None = None
-    streams: Streams | None = None
-    retrieve_policy: Policy | None = None
-    store_policy: Policy | None = None
-
-    def __post_init__(self) -> None:
-        if all(v is None for v in msgspec.structs.astuple(self)):
-            raise ValueError("an exclude entry needs at least one axis")
-
-    def matches(self, axes: TransferAxes) -> bool:
-        values = axes.axes()
-        return all(v is None or values[k] == v for k, v in msgspec.structs.asdict(self).items())
-
-
-class Matrix(Strict, frozen=True):
-    """Lists of values per axis; the cases are their product minus the `exclude` entries."""
-
-    wire_format: tuple[WireFormat, ...] = (DEFAULT_FORMAT,)
-    copy_engine: tuple[CopyEngine, ...] = ("auto",)
-    streams: tuple[Streams, ...] = ("single",)
-    retrieve_policy: tuple[Policy, ...] = ("boundary",)
-    store_policy: tuple[Policy, ...] = ("all",)
-    exclude: tuple[Exclude, ...] = ()
-
-    def __post_init__(self) -> None:
-        for axis in AXES:
-            values = getattr(self, axis)
-            if not values:
-                raise ValueError(f"axis {axis} needs at least one value")
-            if len(set(values)) != len(values):
-                raise ValueError(f"axis {axis} lists a value twice: {list(values)}")
 
 
 class Scenario(Strict, frozen=True):
@@ -222,7 +180,7 @@ def expand_matrix(scenario: Scenario) -> list[Case]:
     m = scenario.matrix
     cases = []
     used = [False] * len(m.exclude)
-    for values in itertools.product(*(getattr(m, a) for a in AXES)):
+    for values in itertools.product(*(m.values(a) for a in AXES)):
         axes = TransferAxes(**dict(zip(AXES, values, strict=True)), commit=scenario.commit)
         hits = [i for i, ex in enumerate(m.exclude) if ex.matches(axes)]
         for i in hits:
