@@ -7,8 +7,9 @@ that time is the spill rate. A second server with its own arena and L1 then look
 (the page cache dropped first when permitted): each object comes back from L2 into L1 before the hit
 is given, and bytes over the lookups is the reload rate; every page retrieved is compared with the
 one stored. With a filesystem L2 the second server is a restart on the same directory; with Redis it
-is another host sharing the store, so the hit is a cross-host hit. Ceilings (`calibration.storage`):
-the disk's O_DIRECT write and read in the L2 directory, or the Redis's SET and GET through the client.
+is another host sharing the store, so the hit is a cross-host hit. The workload file is `l2.spec`'s; the L2,
+its ceilings (the disk's O_DIRECT write and read in the L2 directory, or the Redis's SET and GET through the
+client) and the adapter's own rates are `l2.target`'s; this module runs the two hosts and sums them up.
 """
 
 from __future__ import annotations
@@ -16,200 +17,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
-import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import msgspec
-
-from hybridkv_bench.calibration.storage import MIB, disk_ceiling, drop_page_cache, redis_ceiling
+from hybridkv_bench.calibration.storage import MIB, drop_page_cache
+from hybridkv_bench.l2.spec import GIB, L2Bench, L2BenchError, load_l2_bench
+from hybridkv_bench.l2.target import RedisServer, Target, l2_target
 from hybridkv_bench.l2.watch import DirWatch, Watch, redis_counter
-
-GIB = 1 << 30
-
-
-class L2BenchError(RuntimeError):
-    """The workload could not run or its bytes did not verify; the message says which."""
-
-
-class L2Bench(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """One L2 workload, strictly decoded from TOML."""
-
-    name: str
-    description: str = ""
-    l2: Literal["fs", "redis"]
-    preset: str = "qwen3.6-27b-4layers"
-    docs: int = 8
-    chunks: int = 4                       # chunks per document
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    l2_dir: str = ""                      # fs: where the L2 lives ("" = a temp dir under /tmp)
-    fsync: bool = True                    # fs: a spill is done when the disk has it
-    redis_url: str = ""                   # redis: "" = start a redis-server on loopback for the run
-    redis_chunk_mib: int = 8
-    io_threads: int = 4
-    probe_mib: int = 1024                 # bytes moved by each ceiling probe
-
-    def __post_init__(self) -> None:
-        for f in ("docs", "chunks", "io_threads", "probe_mib", "redis_chunk_mib"):
-            if getattr(self, f) <= 0:
-                raise ValueError(f"{f} must be positive, got {getattr(self, f)}")
-        if self.l2 == "fs" and self.redis_url:
-            raise ValueError("redis_url is for l2 = \"redis\"")
-
-
-def load_l2_bench(path: str | Path, scale: float = 1.0) -> L2Bench:
-    """Decode an L2 workload file; `scale` in (0, 1] shrinks documents and probes (a quick run)."""
-    import tomllib
-
-    try:
-        b = msgspec.convert(tomllib.loads(Path(path).read_text()), L2Bench)
-    except (OSError, tomllib.TOMLDecodeError, msgspec.ValidationError, ValueError) as e:
-        raise L2BenchError(f"{path}: {e}") from None
-    if not 0 < scale <= 1:
-        raise L2BenchError(f"scale must be in (0, 1], got {scale}")
-    if scale < 1:
-        b = msgspec.structs.replace(b, docs=max(2, round(b.docs * scale)),
-                                    probe_mib=max(64, round(b.probe_mib * scale)))
-    return b
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _RedisServer:
-    """A redis-server for the run: loopback, a random port, no persistence, allkeys-lru."""
-
-    def __init__(self, maxmemory: int, workdir: Path) -> None:
-        exe = shutil.which("redis-server") or shutil.which("valkey-server")
-        if exe is None:
-            raise L2BenchError("no redis-server or valkey-server on PATH (apt-get install -y redis-server), "
-                               "or set redis_url to a running one")
-        self.port = _free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(workdir), "--maxmemory", str(maxmemory), "--maxmemory-policy", "allkeys-lru"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        import redis
-
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                redis.Redis(port=self.port, socket_timeout=1).ping()
-                return
-            except redis.ConnectionError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.close()
-                    raise L2BenchError(f"redis-server on port {self.port} did not start") from None
-                time.sleep(0.05)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
-
-
-def adapter_rates(adapter, object_bytes: int, count: int, threads: int) -> dict:
-    """put and get_into GB/s of the adapter alone, in this process, from page-aligned memory on
-    `threads` threads: the L2 path without the server around it, to tell its cost from the server's."""
-    import mmap
-    from concurrent.futures import ThreadPoolExecutor
-
-    slot = -(-object_bytes // 4096) * 4096
-    mem = mmap.mmap(-1, slot * threads)
-    view = memoryview(mem)
-    view[:] = os.urandom(MIB) * (len(mem) // MIB) + os.urandom(len(mem) % MIB)
-    keys = [os.urandom(16) for _ in range(count)]
-    ns = b"l2bench-adapter!"
-
-    def region(i: int) -> memoryview:
-        t = i % threads
-        return view[t * slot:t * slot + object_bytes]
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(threads) as ex:
-        list(ex.map(lambda i: adapter.put(keys[i], 0, ns, region(i)), range(count)))
-    put_s = time.perf_counter() - t0
-    dropped = drop_page_cache()
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(threads) as ex:
-        ok = list(ex.map(lambda i: adapter.get_into(keys[i], 0, region(i)), range(count)))
-    get_s = time.perf_counter() - t0
-    for k in keys:
-        adapter.remove(k, 0)
-    view.release()
-    mem.close()
-    if not all(ok):
-        raise L2BenchError(f"the adapter lost {ok.count(False)} of {count} objects it had just stored")
-    return {"adapter_put_gbps": count * object_bytes / put_s / 1e9,
-            "adapter_get_gbps": count * object_bytes / get_s / 1e9, "adapter_page_cache_dropped": dropped}
-
-
-def _disk_ceilings(l2_dir: Path, nbytes: int, object_bytes: int) -> dict:
-    """The disk's O_DIRECT rates in 16 MiB requests and in requests of the L2's object size (what a
-    spill or a reload of one object asks of the disk); the ceiling is the better of the two."""
-    big = disk_ceiling(l2_dir, nbytes)
-    obj = disk_ceiling(l2_dir, nbytes, block=max(4096, object_bytes - object_bytes % 4096))
-    return {**big.as_dict(), "disk_write_gbps": max(big.disk_write_gbps, obj.disk_write_gbps),
-            "disk_read_gbps": max(big.disk_read_gbps, obj.disk_read_gbps),
-            "disk_16mib_write_gbps": big.disk_write_gbps, "disk_16mib_read_gbps": big.disk_read_gbps,
-            "disk_object_block_bytes": obj.block_bytes, "disk_object_write_gbps": obj.disk_write_gbps,
-            "disk_object_read_gbps": obj.disk_read_gbps}
-
-
-@dataclass
-class _Target:
-    """Where the workload's L2 lives: its directory (fs) or store (redis), and the server's spec of it."""
-
-    l2_dir: Path
-    url: str
-    prefix: str
-    spec: Any  # hybridkv.server.l2.specs.L2Spec
-
-
-def _l2_target(b: L2Bench, work: Path, total: int, object_bytes: int, adapter_count: int, result: dict,
-               started: list[_RedisServer]) -> _Target:
-    """Make the L2 (a directory, or a Redis: the given one or one started for the run, appended to `started`)
-    and measure its ceilings and the adapter's own rates into `result`."""
-    if b.l2 == "fs":
-        base = Path(b.l2_dir) if b.l2_dir else work
-        base.mkdir(parents=True, exist_ok=True)
-        l2_dir = Path(tempfile.mkdtemp(prefix="l2-", dir=base))
-        df = subprocess.run(["df", "-h", str(l2_dir)], capture_output=True, text=True).stdout.splitlines()[-1:]
-        result["l2_where"] = " ".join(df)
-        result.update(_disk_ceilings(l2_dir, b.probe_mib * MIB, object_bytes))
-        from hybridkv.server.l2.fs import FilesystemL2
-        from hybridkv.server.l2.fs_spec import FsL2Spec
-
-        with FilesystemL2(work / "adapter", 4 * adapter_count * object_bytes + GIB, fsync=b.fsync) as fs:
-            result.update(adapter_rates(fs, object_bytes, adapter_count, b.io_threads))
-        return _Target(l2_dir, "", "", FsL2Spec(str(l2_dir), int((2 * total / GIB + 0.01) * GIB), b.fsync))
-    target = _Target(work, b.redis_url, f"hkv-l2bench-{os.getpid()}-{int(time.time())}:", None)
-    if not target.url:
-        started.append(srv := _RedisServer(2 * total + 2 * b.probe_mib * MIB + 256 * MIB, work))
-        target.url = srv.url
-    result["l2_where"] = target.url
-    result.update(redis_ceiling(target.url, b.probe_mib * MIB).as_dict())
-    spec = {"type": "redis", "url": target.url, "prefix": target.prefix, "chunk_mb": b.redis_chunk_mib,
-            "timeout_s": 60.0, "meta_timeout_s": 1.0}
-    from hybridkv.server.l2.redis import RedisL2
-    from hybridkv.server.l2.redis_spec import RedisL2Spec
-    from hybridkv.server.l2.specs import parse_l2_adapter
-
-    target.spec = parse_l2_adapter(json.dumps(spec), {})
-
-    rspec = parse_l2_adapter(json.dumps({**spec, "prefix": target.prefix + "adapter:"}), {})
-    assert isinstance(rspec, RedisL2Spec)
-    with RedisL2(rspec) as rl2:
-        result.update(adapter_rates(rl2, object_bytes, adapter_count, b.io_threads))
-    return target
 
 
 @dataclass
@@ -229,7 +46,7 @@ class _Rig:
     total: int
 
 
-def _spill(b: L2Bench, rig: _Rig, target: _Target, result: dict) -> None:
+def _spill(b: L2Bench, rig: _Rig, target: Target, result: dict) -> None:
     """Host A stores everything in an L1 that holds it, then flushes every object on SIGTERM."""
     from hybridkv.engine.transfer import KVTransfer
     from hybridkv.server.front.launch import start_server
@@ -324,7 +141,7 @@ def run_l2_bench(b: L2Bench, out: Path) -> dict:
     ct = layout.default_chunk_tokens()
     total = b.docs * b.chunks * layout.chunk_bytes(ct)
     work = Path(tempfile.mkdtemp(prefix="hkv-l2w-", dir="/tmp"))
-    redis_srvs: list[_RedisServer] = []
+    redis_srvs: list[RedisServer] = []
     shm_dirs: list[Path] = []
     result: dict = {"name": b.name, "l2": b.l2, "preset": b.preset, "docs": b.docs, "chunks": b.chunks,
                     "stored_bytes": total, "device": device, "io_threads": b.io_threads,
@@ -332,7 +149,7 @@ def run_l2_bench(b: L2Bench, out: Path) -> dict:
     object_bytes = layout.chunk_bytes(ct) // len(layout.groups)
     adapter_count = max(4, min(b.docs * b.chunks * len(layout.groups), (b.probe_mib * MIB) // object_bytes))
     try:
-        target = _l2_target(b, work, total, object_bytes, adapter_count, result, redis_srvs)
+        target = l2_target(b, work, total, object_bytes, adapter_count, result, redis_srvs)
         # Each run's arenas in a private folder of /dev/shm: nothing else sweeping /dev/shm touches them.
         shm = Path(tempfile.mkdtemp(prefix="hkv-l2w-", dir="/dev/shm"))
         shm_dirs.append(shm)
