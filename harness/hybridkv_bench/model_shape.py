@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 from hybridkv.model.presets.gated_deltanet import HybridModelConfig
 
-from hybridkv_bench.scenario.strict import Strict
+from hybridkv_bench.strict import Strict
 
 # transformers' text configs of the family: Qwen3.5 / Qwen3.6 (dense MLP) and Qwen3-Next (MoE)
 Arch = Literal["qwen3_5", "qwen3_next"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import msgspec
 
-from hybridkv_bench.scenario.strict import Strict, positive
+from hybridkv_bench.strict import Strict, positive
 from hybridkv_bench.vllm_real import ModelShape, load_toml, prompt
 
 

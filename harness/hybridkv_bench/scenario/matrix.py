@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from hybridkv.engine.config import TransferAxes
 
-from hybridkv_bench.scenario.strict import Strict
+from hybridkv_bench.strict import Strict
 
 # The swept axes in case-name order (`shm-kernel-single-boundary-all`): the transfer axes but the commit.
 AXES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TransferAxes) if f.name != "commit")

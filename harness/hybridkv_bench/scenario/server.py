@@ -3,7 +3,7 @@ checks without importing the scenario)."""
 
 from __future__ import annotations
 
-from hybridkv_bench.scenario.strict import Strict
+from hybridkv_bench.strict import Strict
 
 GIB = 1 << 30
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal, Self
 
 import numpy as np
 
-from hybridkv_bench.scenario.strict import Strict
+from hybridkv_bench.strict import Strict
 
 if TYPE_CHECKING:
     from hybridkv.model.layout import ModelLayout

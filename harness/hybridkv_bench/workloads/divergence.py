@@ -8,7 +8,7 @@ from typing import Literal
 import msgspec
 import numpy as np
 
-from hybridkv_bench.scenario.strict import positive
+from hybridkv_bench.strict import positive
 from hybridkv_bench.workloads.base import VOCAB, Plan, Request, Shrink, Sizing, WorkloadKind, cat, stream
 
 

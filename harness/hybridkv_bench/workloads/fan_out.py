@@ -7,7 +7,7 @@ from collections.abc import Callable
 import msgspec
 import numpy as np
 
-from hybridkv_bench.scenario.strict import positive
+from hybridkv_bench.strict import positive
 from hybridkv_bench.workloads.base import Plan, Request, Shrink, WorkloadKind, cat, stream, tails
 
 

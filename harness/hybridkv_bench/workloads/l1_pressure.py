@@ -9,7 +9,7 @@ from typing import ClassVar
 import msgspec
 import numpy as np
 
-from hybridkv_bench.scenario.strict import positive
+from hybridkv_bench.strict import positive
 from hybridkv_bench.workloads.base import GIB, Plan, Request, Shrink, Sizing, WorkloadKind, cat, stream, tails
 
 

@@ -1,5 +1,6 @@
-"""The base of every scenario struct (the file's tables and each workload kind's): keyword-only, frozen, and
-an unknown key is an error."""
+"""The base of every struct the harness decodes from a file (a scenario's tables, each workload kind's, the model
+overrides, the replay file's): keyword-only, frozen, and an unknown key is an error. It sits at the bottom of the
+harness, below the scenario and everything a scenario decodes through."""
 
 from __future__ import annotations
 
