@@ -25,7 +25,7 @@ from hybridkv_bench.engines.hf.spec import TransformersSpec
 from hybridkv_bench.engines.registry import engine_kind
 from hybridkv_bench.model_shape import Overrides, apply
 from hybridkv_bench.scenario.matrix import AXES, Matrix
-from hybridkv_bench.scenario.server import ServerSpec
+from hybridkv_bench.server_spec import ServerSpec
 from hybridkv_bench.strict import Strict
 from hybridkv_bench.workloads import registry as workload_registry
 

@@ -25,7 +25,7 @@ from hybridkv_bench.strict import Strict
 if TYPE_CHECKING:
     from hybridkv.model.layout import ModelLayout
 
-    from hybridkv_bench.scenario.server import ServerSpec
+    from hybridkv_bench.server_spec import ServerSpec
 
 GIB = 1 << 30
 VOCAB = 151_936  # Qwen3.5/3.6's vocabulary; token ids only feed chunk keys

@@ -1,5 +1,5 @@
-"""A scenario's `[server]` table: the cache server's capacities (its own module: workload kinds read it in their
-checks without importing the scenario)."""
+"""A scenario's `[server]` table: the cache server's capacities. Below the scenario and the workload kinds: the
+scenario holds it and a kind's checks read it (`workloads.base.Sizing`), and neither imports the other for it."""
 
 from __future__ import annotations
 
