@@ -1,9 +1,8 @@
-"""The harness's one model shape: a Gated DeltaNet preset
-(`hybridkv.model.presets.gated_deltanet.HybridModelConfig`) with
-a scenario's overrides. Everything the harness builds of a model derives from it: the scenario's `[model.overrides]`
-table (`Overrides`: one optional key per config field), the config.json vLLM's planner reads (`vllm_planning`), the
-tiny real models a real vLLM engine runs (`vllm_real`) and the transformers engine's model (`engines.hf.model`), all
-through `transformers_config`.
+"""The harness's one model shape: a Gated DeltaNet preset (`hybridkv.model.presets.gated_deltanet.HybridModelConfig`)
+with a scenario's overrides. Everything the harness builds of a model derives from it: the scenario's `[model]` table
+(`ModelSpec`: the preset, its tensor-parallel size, the chunk, and `[model.overrides]`, `Overrides`: one optional key
+per config field), the config.json vLLM's planner reads (`vllm_planning`), the tiny real models a real vLLM engine runs
+(`vllm_real`) and the transformers engine's model (`engines.hf.model`), all through `transformers_config`.
 """
 
 from __future__ import annotations
@@ -13,6 +12,8 @@ import typing
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
+from hybridkv.model.layout import ModelLayout
+from hybridkv.model.presets import model_config
 from hybridkv.model.presets.gated_deltanet import HybridModelConfig
 
 from hybridkv_bench.strict import Strict
@@ -40,6 +41,27 @@ def apply(cfg: HybridModelConfig, overrides: Overrides) -> HybridModelConfig:
     """`cfg` with the overrides that are set (raises LayoutError on a bad value)."""
     changes = {k: v for k, v in msgspec.structs.asdict(overrides).items() if v is not None}
     return dataclasses.replace(cfg, **changes)
+
+
+class ModelSpec(Strict, frozen=True):
+    """Which model's cache to move: a preset, its tensor-parallel size, the chunk size."""
+
+    preset: str
+    tp: int = 1
+    chunk_tokens: int = 0  # 0: the layout's unified block size
+    overrides: Overrides = Overrides()
+
+    def config(self) -> HybridModelConfig:
+        """The preset's config with the overrides applied (raises LayoutError on a bad preset/value)."""
+        return apply(model_config(self.preset), self.overrides)
+
+    def layout(self) -> ModelLayout:
+        """The layout of one tensor-parallel rank."""
+        return self.config().layout(self.tp)
+
+    def resolved_chunk_tokens(self, layout: ModelLayout | None = None) -> int:
+        layout = layout or self.layout()
+        return self.chunk_tokens or layout.default_chunk_tokens()
 
 
 def transformers_config(cfg: HybridModelConfig, arch: Arch, **extra: Any) -> Any:

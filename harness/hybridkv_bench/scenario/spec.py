@@ -16,14 +16,11 @@ from typing import TYPE_CHECKING, Literal
 
 import msgspec
 from hybridkv.engine.config import CommitMode, TransferAxes, TransferConfig
-from hybridkv.model.layout import ModelLayout
-from hybridkv.model.presets import model_config
-from hybridkv.model.presets.gated_deltanet import HybridModelConfig
 from hybridkv.wire.wire_formats import TRAITS
 
 from hybridkv_bench.engines.hf.spec import TransformersSpec
 from hybridkv_bench.engines.registry import engine_kind
-from hybridkv_bench.model_shape import Overrides, apply
+from hybridkv_bench.model_shape import ModelSpec
 from hybridkv_bench.scenario.matrix import AXES, Matrix
 from hybridkv_bench.server_spec import ServerSpec
 from hybridkv_bench.strict import Strict
@@ -51,27 +48,6 @@ _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 
 class ScenarioError(ValueError):
     """A scenario file that cannot be run as written; the message names the file and the value."""
-
-
-class ModelSpec(Strict, frozen=True):
-    """Which model's cache to move: a preset, its tensor-parallel size, the chunk size."""
-
-    preset: str
-    tp: int = 1
-    chunk_tokens: int = 0  # 0: the layout's unified block size
-    overrides: Overrides = Overrides()
-
-    def config(self) -> HybridModelConfig:
-        """The preset's config with the overrides applied (raises LayoutError on a bad preset/value)."""
-        return apply(model_config(self.preset), self.overrides)
-
-    def layout(self) -> ModelLayout:
-        """The layout of one tensor-parallel rank."""
-        return self.config().layout(self.tp)
-
-    def resolved_chunk_tokens(self, layout: ModelLayout | None = None) -> int:
-        layout = layout or self.layout()
-        return self.chunk_tokens or layout.default_chunk_tokens()
 
 
 class RooflinePrefill(Strict, frozen=True, tag_field="kind", tag="roofline"):
