@@ -1,4 +1,5 @@
-"""The prefill-time model: how long the engine would compute what the cache did not supply.
+"""The prefill-time model: how long the engine would compute what the cache did not supply; the scenario's
+`[prefill]` table is one of its two kinds (`PrefillModel`).
 
 Prefill is modeled, never measured, because the harness moves real KV bytes but runs no model.
 
@@ -22,7 +23,33 @@ from __future__ import annotations
 
 from hybridkv.model.presets.gated_deltanet import HybridModelConfig
 
-from hybridkv_bench.scenario.spec import PrefillModel, RatePrefill, RooflinePrefill
+from hybridkv_bench.strict import Strict
+
+
+class RooflinePrefill(Strict, frozen=True, tag_field="kind", tag="roofline"):
+    """Prefill time = FLOPs (as the module's doc counts them) / (device_tflops * efficiency)."""
+
+    device_tflops: float
+    efficiency: float
+
+    def __post_init__(self) -> None:
+        if not self.device_tflops > 0:
+            raise ValueError(f"device_tflops must be positive, got {self.device_tflops}")
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"efficiency must lie in (0, 1], got {self.efficiency}")
+
+
+class RatePrefill(Strict, frozen=True, tag_field="kind", tag="tokens_per_s"):
+    """Prefill time = uncached tokens / rate (the whole engine, all TP ranks together)."""
+
+    rate: float
+
+    def __post_init__(self) -> None:
+        if not self.rate > 0:
+            raise ValueError(f"rate must be positive, got {self.rate}")
+
+
+PrefillModel = RooflinePrefill | RatePrefill
 
 
 def _tri(n: int) -> int:

@@ -2,8 +2,7 @@ from __future__ import annotations
 
 import pytest
 from hybridkv.model.presets import model_config
-from hybridkv_bench.prefill import prefill_flops, prefill_seconds
-from hybridkv_bench.scenario.spec import RatePrefill, RooflinePrefill
+from hybridkv_bench.prefill import RatePrefill, RooflinePrefill, prefill_flops, prefill_seconds
 
 H200 = RooflinePrefill(device_tflops=790.0, efficiency=0.6)
 

@@ -55,8 +55,7 @@ from hybridkv_bench.engines.sim import SimEngine, sim_transfer
 from hybridkv_bench.engines.step import RepeatInfo, abort_all, align_barriers, rank_overlap, request_index, run_request
 from hybridkv_bench.metrics import RequestRow
 from hybridkv_bench.model_shape import ModelSpec
-from hybridkv_bench.prefill import prefill_seconds
-from hybridkv_bench.scenario.spec import PrefillModel
+from hybridkv_bench.prefill import PrefillModel, prefill_seconds
 from hybridkv_bench.workloads.base import Plan
 from hybridkv_bench.workloads.hits import ExpectedHits
 

@@ -11,7 +11,8 @@ from hybridkv.model.layout import LayoutError, ModelLayout
 
 from hybridkv_bench.engines.hf.spec import transformers_problem
 from hybridkv_bench.engines.registry import engine_kind
-from hybridkv_bench.scenario.spec import RooflinePrefill, Scenario, ScenarioError, expand_matrix
+from hybridkv_bench.prefill import RooflinePrefill
+from hybridkv_bench.scenario.spec import Scenario, ScenarioError, expand_matrix
 from hybridkv_bench.server_spec import GIB
 from hybridkv_bench.workloads.base import Shrink, Sizing, WorkloadKind
 

@@ -21,6 +21,7 @@ from hybridkv.wire.wire_formats import TRAITS
 from hybridkv_bench.engines.hf.spec import TransformersSpec
 from hybridkv_bench.engines.registry import engine_kind
 from hybridkv_bench.model_shape import ModelSpec
+from hybridkv_bench.prefill import PrefillModel
 from hybridkv_bench.scenario.matrix import AXES, Matrix
 from hybridkv_bench.server_spec import ServerSpec
 from hybridkv_bench.strict import Strict
@@ -48,32 +49,6 @@ _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 
 class ScenarioError(ValueError):
     """A scenario file that cannot be run as written; the message names the file and the value."""
-
-
-class RooflinePrefill(Strict, frozen=True, tag_field="kind", tag="roofline"):
-    """Prefill time = FLOPs / (device_tflops * efficiency); see hybridkv_bench.prefill."""
-
-    device_tflops: float
-    efficiency: float
-
-    def __post_init__(self) -> None:
-        if not self.device_tflops > 0:
-            raise ValueError(f"device_tflops must be positive, got {self.device_tflops}")
-        if not 0 < self.efficiency <= 1:
-            raise ValueError(f"efficiency must lie in (0, 1], got {self.efficiency}")
-
-
-class RatePrefill(Strict, frozen=True, tag_field="kind", tag="tokens_per_s"):
-    """Prefill time = uncached tokens / rate (the whole engine, all TP ranks together)."""
-
-    rate: float
-
-    def __post_init__(self) -> None:
-        if not self.rate > 0:
-            raise ValueError(f"rate must be positive, got {self.rate}")
-
-
-PrefillModel = RooflinePrefill | RatePrefill
 
 
 class Scenario(Strict, frozen=True):
