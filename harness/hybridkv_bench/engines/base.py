@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     from hybridkv.model.layout import ModelLayout
     from hybridkv.model.presets.gated_deltanet import HybridModelConfig
 
+    from hybridkv_bench.engines.hf.spec import TransformersSpec
     from hybridkv_bench.engines.pools import EnginePools
-    from hybridkv_bench.scenario.spec import Scenario
 
 CLIENT_TIMEOUT_S = 300.0  # one call may carry a legacy-format payload of GBs through a serializer
 
@@ -109,10 +109,11 @@ class Engine(Protocol):
 
 @dataclass(slots=True)
 class EngineSite:
-    """What the runner knows of one engine of a case: the scenario, the engine's rank and place, and the
-    resources it hands out (`pools()`, `client()`: a new client the runner closes after the case)."""
+    """What the runner knows of one engine of a case: the model, the case's transfer settings, the engine's rank and
+    place, and the resources it hands out (`pools()`, `client()`: a new client the runner closes after the case).
+    The scenario itself stays with the runner: the engines sit below it."""
 
-    scenario: Scenario
+    transformers: TransformersSpec  # the scenario's [transformers] table, read by that engine kind
     cfg: HybridModelConfig
     layout: ModelLayout
     chunk: int

@@ -271,8 +271,9 @@ class Runner:
 
         transfer = self._transfer(case)
         for e, rank in enumerate(plan.ranks):
-            site = EngineSite(scenario=self.scenario, cfg=self.cfg, layout=self.layout, chunk=self.chunk,
-                              endpoint=endpoint, transfer=transfer, salt=salt, name=f"{label}#{e}", engine=e, rank=rank,
+            site = EngineSite(transformers=self.scenario.transformers, cfg=self.cfg, layout=self.layout,
+                              chunk=self.chunk, endpoint=endpoint, transfer=transfer, salt=salt, name=f"{label}#{e}",
+                              engine=e, rank=rank,
                               device=devices[e], run_device=self.device, max_tokens=plan.max_tokens(e),
                               timeout_s=CLIENT_TIMEOUT_S, prefill=self._prefill,
                               pools=functools.partial(self._pools_for, e, devices[e]), client=client,

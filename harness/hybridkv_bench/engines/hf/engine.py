@@ -235,6 +235,6 @@ def build(site: EngineSite) -> HFEngine:
     kv = sim_transfer(site.endpoint, site.layout, pools.pages, site.transfer, site.chunk, site.rank, site.salt,
                       site.name, client)
     if "transformers" not in site.shared:
-        site.shared["transformers"] = build_model(site.scenario.transformers, site.cfg, site.run_device)
+        site.shared["transformers"] = build_model(site.transformers, site.cfg, site.run_device)
     return HFEngine(kv, site.shared["transformers"], pools, site.prefill, timeout_s=site.timeout_s,
                     before_retrieve=site.before_retrieve)
