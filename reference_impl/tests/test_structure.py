@@ -1,9 +1,9 @@
 """The code's shape, checked: no import cycles (type-only imports included), the engine never imports the server,
 the server's layers import only downwards (front -> ops -> books -> l2 -> machinery), the core below the server and
-the engine is folders that import only downwards (wire -> model -> memory), the harness's top package
-stays small, no source file over 600 lines, and the wire formats are named in few modules (the rest read
-`hybridkv.wire.wire_formats`). Imports are read from the source (ast); `import_graph(typing=False)` leaves out the ones
-under `if TYPE_CHECKING:`.
+the engine is folders that import only downwards (wire -> model -> memory), the harness's folders and top modules
+import each other in no loop (so they stack with no up-import), the harness's top package stays small, no source
+file over 600 lines, and the wire formats are named in few modules (the rest read `hybridkv.wire.wire_formats`).
+Imports are read from the source (ast); `import_graph(typing=False)` leaves out the ones under `if TYPE_CHECKING:`.
 
     python reference_impl/tests/test_structure.py   # prints the figures these tests hold to
 """
@@ -92,9 +92,13 @@ def import_graph(typing: bool = False) -> dict[str, frozenset[str]]:
 
 
 def import_cycles(typing: bool = False) -> list[list[str]]:
-    """Strongly connected groups of more than one module (Tarjan, iterative); `typing`: counting the imports
-    under `if TYPE_CHECKING:` too."""
-    graph = import_graph(typing)
+    """Strongly connected groups of more than one module; `typing`: counting the imports under `if TYPE_CHECKING:`
+    too."""
+    return strong_groups(import_graph(typing))
+
+
+def strong_groups(graph: dict[str, frozenset[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one node of `graph` (Tarjan, iterative)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -172,6 +176,34 @@ def core_imports_not_downwards() -> list[tuple[str, str]]:
     return sorted(out)
 
 
+def harness_room(module: str) -> str | None:
+    """The harness's room a module is in: its folder under hybridkv_bench, or the top module itself (None: not
+    the harness's, or its package face)."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "hybridkv_bench" and len(parts) > 1 else None
+
+
+def harness_room_graph() -> dict[str, frozenset[str]]:
+    """Room -> the other rooms its modules import (type-only and in-function imports included)."""
+    rooms: dict[str, set[str]] = {}
+    for a, bs in import_graph(typing=True).items():
+        if (ra := harness_room(a)) is None:
+            continue
+        rooms.setdefault(ra, set()).update(rb for b in bs if (rb := harness_room(b)) not in (None, ra))
+    return {r: frozenset(bs) for r, bs in rooms.items()}
+
+
+def harness_room_cycles() -> list[list[str]]:
+    """The groups of the harness's rooms that import each other round."""
+    return strong_groups(harness_room_graph())
+
+
+def room_ties(group: list[str]) -> list[str]:
+    """The module imports between the rooms of `group`: each lies on a loop of the group's rooms."""
+    return sorted(f"{a} -> {b}" for a, bs in import_graph(typing=True).items() if harness_room(a) in group
+                  for b in bs if harness_room(b) in group and harness_room(b) != harness_room(a))
+
+
 def env_reads_below_the_edge() -> list[str]:
     """Server modules below the front door, kernel modules and harness modules below its CLI that read os.environ /
     os.getenv."""
@@ -229,6 +261,16 @@ def test_no_import_cycles_in_the_harness_and_kernels_type_only_imports_included(
     server and the engine kind's traits rather than the scenario, and the compute load types the sizes it reads."""
     assert [c for c in import_cycles(typing=True)
             if any(m.startswith(("hybridkv_bench.", "hybridkv_kernels.")) for m in c)] == []
+
+
+def test_the_harness_folders_import_one_way():
+    """The harness's rooms (each folder under hybridkv_bench and each top module) import each other in no loop, so
+    they stack in one order with no up-import: a scenario decodes through the engines and the workload kinds,
+    which build on the tables below them (`strict`, `model_shape`, `prefill`, `server_spec`). A loop of rooms
+    needs no loop of files: `workloads` importing `scenario.strict` while `scenario.spec` imported the workload
+    registry was one."""
+    loops = harness_room_cycles()
+    assert loops == [], "\n".join(f"{group}: {', '.join(room_ties(group))}" for group in loops)
 
 
 def test_the_server_is_only_layer_folders():
@@ -292,6 +334,7 @@ if __name__ == "__main__":
     print("import cycles, type-only imports included:", import_cycles(typing=True) or "none")
     print("upward imports between the server's layers:", upward_imports() or "none")
     print("core imports that do not run downwards:", core_imports_not_downwards() or "none")
+    print("harness rooms that import each other round:", harness_room_cycles() or "none")
     print("harness top modules:", len(harness_top_modules()))
     print("files over", MAX_LINES, "lines:", long_files() or "none")
     fm = format_literal_modules()
