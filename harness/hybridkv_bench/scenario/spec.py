@@ -1,6 +1,7 @@
 """Scenario files: a model, a server, a prefill model, workloads and a matrix of transfer axes.
 
-A scenario is TOML decoded strictly (`scenario.load`) into the structs below and the workload kinds of
+A scenario is TOML decoded strictly (`scenario.load`) into the structs below, the tables it shares with the
+engines (`model_shape.ModelSpec`, `prefill.PrefillModel`, `server_spec.ServerSpec`) and the workload kinds of
 `workloads.registry` (an unknown or misspelt key is an error naming the key path and the file), then
 checked against the model's layout (`scenario.sizes.validate`: chunk size against the block sizes, L1
 against one request, every workload's working set against L1 + L2). `expand_matrix` turns the matrix
