@@ -39,6 +39,7 @@ from hybridkv.server.ops.turns import (
     encoded_locs,
     probe_l2,
     unpin,
+    unpin_off,
 )
 from hybridkv.wire import protocol as P
 
@@ -234,8 +235,9 @@ class LookupOp(TurnedOp):
     def _answer(self, n: int, entries: list[Entry], locs: list[P.ObjectLoc]) -> Work:
         """Let go of what earlier passes pinned, lease `entries` (this pass's pins, every one READY) and answer."""
         ctx, eng, msg, clock, objects = self.ctx, self.eng, self.msg, self.clock, self.ctx.objects
-        stale, self.stale = self.stale, []
-        yield from unpin(objects, stale, clock)  # what earlier passes pinned (each object pinned again since)
+        # what earlier passes pinned (each object pinned again since, or past a shorter hit): taken off self.stale as
+        # each piece is let go, so that an engine gone between two of these turns finds the rest there (_let_go)
+        yield from unpin_off(objects, self.stale, clock)
         # in turns, the places are encoded in pieces (in the reply's one piece they would hold the loop); in one
         # turn they go into the reply as they are, which is cheaper
         raw = locs if clock.endless else (yield from encoded_locs(locs, clock))
