@@ -232,6 +232,15 @@ class LookupOp(TurnedOp):
                 yield TURN
         return pins, locs, complete
 
+    def _refuse(self, message: str) -> Work:
+        """Answer `limit` instead of a lease, and let go of this pass's pins (taken off as they go, as the stale's)."""
+        ctx = self.ctx
+        ctx.counters.limit_refusals += 1
+        self.answered = True
+        ctx.fail(self.ident, self.req_id, E.LIMIT, message)
+        yield from unpin_off(ctx.objects, self.pins, self.clock)
+        self._finished(False)
+
     def _answer(self, n: int, entries: list[Entry], locs: list[P.ObjectLoc]) -> Work:
         """Let go of what earlier passes pinned, lease `entries` (this pass's pins, every one READY) and answer."""
         ctx, eng, msg, clock, objects = self.ctx, self.eng, self.msg, self.clock, self.ctx.objects
@@ -241,6 +250,12 @@ class LookupOp(TurnedOp):
         # in turns, the places are encoded in pieces (in the reply's one piece they would hold the loop); in one
         # turn they go into the reply as they are, which is cheaper
         raw = locs if clock.endless else (yield from encoded_locs(locs, clock))
+        if entries:  # asked when it came too, but lookups of one engine that worked together each found room then
+            try:
+                ctx.sessions.lease_room(eng)
+            except RequestError as e:
+                yield from self._refuse(e.message)
+                return
         lease = ctx.sessions.add_lease(eng, msg.request, entries, locs) if entries else None
         self.pins = []  # the lease holds them now
         count_hit(ctx, eng, n, sum(1 for c in self.from_l2 if c < n), probe=False)

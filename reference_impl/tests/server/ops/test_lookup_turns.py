@@ -529,3 +529,28 @@ def test_an_engine_gone_while_its_lookup_lets_go_of_an_earlier_pass_leaves_no_pi
         time.sleep(0.2)
         c = settled(watcher)
         assert c["l1_pinned_objects"] == 0 and c["leases"] == 0 and c["parked"] == 0, c
+
+
+def test_large_lookups_of_one_engine_working_together_get_no_more_leases_than_its_limit(servers):
+    """20 large lookups of one engine sent together, on a server with --max-leases 2: each found room when it came
+    (none had answered yet), and each took a lease when it answered: 20 leases held, the limit (and the memory bound
+    of docs/protocol.md that counts on it) passed ten times. Now 2 answer with a lease, 18 `limit`, leaving no pin."""
+    s = servers("s", "--max-leases", "2", l1_gib=0.2, turn_s=0.0, slice_objects=2)
+    with CacheClient(s.endpoint, timeout_s=60) as c:
+        eng, keys = stored(c, 2000)
+        futs = [c.submit(P.Lookup(engine=eng.id, request=f"r{i}", keys=keys)) for i in range(20)]
+        leases, refused = [], 0
+        for f in futs:
+            try:
+                res = f.result(timeout=60)[0]
+                assert res.hit_chunks == 2000
+                eng.check(keys, res)
+                leases.append(res.lease)
+            except ServerError as e:
+                assert e.code == "limit" and "--max-leases 2" in e.message, e
+                refused += 1
+        assert (len(leases), refused) == (2, 18)
+        assert stats(c)["leases_max_engine"] == 2
+        for lease in leases:
+            c.call(P.Release(engine=eng.id, lease=lease))
+        no_pins_left(c)
