@@ -71,7 +71,8 @@ class CacheServer:
         self.started = time.monotonic()
         for path in remove_dead_arenas(config.l1_dir):
             log.info("removed the arena of a dead server: %s", path)
-        self.arena = Arena(config.l1_bytes, config.l1_dir, fence_bytes=fence_region_bytes(config.l1_bytes))
+        self.arena = Arena(config.l1_bytes, config.l1_dir, fence_bytes=fence_region_bytes(config.l1_bytes),
+                           sealed=config.l1_memfd)
         try:  # from here on, any failure (a bad --l2-dir, SIGTERM during start) must remove the arena
             l2: L2Adapter | None = config.l2.open() if config.l2 is not None else None
             self.workers = Workers(config.io_threads)
