@@ -1,6 +1,6 @@
 """Chaos: honest engines (salt A) check every byte they get; hostile clients (salt B, knowing A's keys) race
 big lookups/prefetches against release/end/unregister/clear, pause themselves, send garbage; the parent pauses the
-server. Prints a summary; exit 1 on any wrong byte or a dead server.
+server. Prints a summary; exit 1 on any wrong byte or a dead server. MEMFD=1: a server of --l1-memfd.
 
     PYTHONPATH=$PWD/reference_impl:$PWD/reference_impl/tests:$PWD/reference_impl/tests/server DUR=90 python chaos.py
 """
@@ -223,24 +223,11 @@ def hostile(ep: str, idx: int, out: mp.Queue) -> None:
                             "request": "",
                             "keys": [b"\0" * 16] * 3,
                         },
-                        {
-                            "t": "prepare_store",
-                            "v": P.PROTOCOL_VERSION,
-                            "id": 1,
-                            "engine": eng.id,
-                            "request": "p",
-                            "keys": keys[:10],
-                            "objects": b"\xff" * 8 * 1000,
-                        },
-                        {
-                            "t": "prepare_store",
-                            "v": P.PROTOCOL_VERSION,
-                            "id": 1,
-                            "engine": eng.id,
-                            "request": "p",
-                            "keys": keys[:10],
-                            "objects": (2**31 - 1).to_bytes(4, "little") * 2,
-                        },
+                        *[
+                            {"t": "prepare_store", "v": P.PROTOCOL_VERSION, "id": 1, "engine": eng.id,
+                             "request": "p", "keys": keys[:10], "objects": objects}
+                            for objects in (b"\xff" * 8 * 1000, (2**31 - 1).to_bytes(4, "little") * 2)
+                        ],
                         {
                             "t": "commit_store",
                             "v": P.PROTOCOL_VERSION,
@@ -338,6 +325,7 @@ def main() -> int:
             f"--l2-dir={l2}",
             "--l2-gib=0.05",
             "--io-threads=2",
+            *(["--l1-memfd"] if os.environ.get("MEMFD") == "1" else []),
         ]
     )
     s = (
