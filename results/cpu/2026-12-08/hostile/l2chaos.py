@@ -1,6 +1,7 @@
 """Honest engine stores sets bigger than L1 (spills to a fs L2) and looks them up (reads back from L2), checking every
 byte; a vandal thread damages L2 files meanwhile: flips bytes, truncates, swaps two files, replaces one by another
-object's file, by a directory, chmods it 000, plants a huge sparse file under an object's name.
+object's file, by a directory, chmods it 000, plants a huge sparse file under an object's name. CLEAR=1: another
+engine of the namespace clears it every 50 ms too (VANDAL=0: without the vandal).
 
     PYTHONPATH=$PWD/reference_impl:$PWD/reference_impl/tests python l2chaos.py
 """
@@ -87,8 +88,24 @@ def vandal():
         time.sleep(0.002)
 
 
+clears = [0]
+
+
+def clearer():
+    """Another engine of the same namespace clears it (L1 and L2) every 50 ms: misses, never other bytes."""
+    with CacheClient(s.endpoint, timeout_s=60) as c:
+        other = Engine(c, layout=lay, chunk_tokens=4)
+        while not stop.is_set():
+            c.call(P.Clear(engine=other.id))
+            clears[0] += 1
+            time.sleep(0.05)
+
+
 t = threading.Thread(target=vandal, daemon=True)
-t.start()
+if os.environ.get("VANDAL", "1") == "1":
+    t.start()
+if os.environ.get("CLEAR") == "1":
+    threading.Thread(target=clearer, daemon=True).start()
 bad = checked = hits = 0
 with CacheClient(s.endpoint, timeout_s=60) as c:
     e = Engine(c, layout=lay, chunk_tokens=4)
@@ -117,7 +134,7 @@ with CacheClient(s.endpoint, timeout_s=60) as c:
             c.call(P.Release(engine=e.id, lease=res.lease))
     stop.set()
     st = settled(c)
-print("vandal acts", acts)
+print("vandal acts", acts, "clears", clears[0])
 print("checked", checked, "hits", hits, "BAD", bad)
 print({k: v for k, v in st.items() if k.startswith("l2_") or "corrupt" in k or "pinned" in k})
 print("alive", s.proc.poll() is None)
