@@ -35,20 +35,22 @@ class Arena:
     """A shared-memory file mapped read-write by this process."""
 
     def __init__(self, size: int, directory: str | Path = "/dev/shm", prefix: str = "hybridkv",
-                 fence_bytes: int = 0):
+                 fence_bytes: int = 0, sealed: bool = False):
         """`size`: the slots' bytes; `fence_bytes` (a multiple of SLOT_ALIGN) more follow them in the file, the
         fence words (`hybridkv.server.books.fences`): engines map the whole file (`file_bytes`), slots lie below
-        `size`."""
+        `size`. `sealed`: a memfd sealed against shrinking instead of a file in `directory` (`_sealed_memfd`)."""
         if fence_bytes % SLOT_ALIGN or fence_bytes < 0:
             raise ArenaError(f"fence region {fence_bytes} B is not a multiple of {SLOT_ALIGN} B")
         if size < SLOT_ALIGN:
             raise ArenaError(f"L1 size {size} B is smaller than one {SLOT_ALIGN} B slot")
         directory = Path(directory)
-        if not directory.is_dir():
+        if not sealed and not directory.is_dir():
             raise ArenaError(f"arena directory {directory} does not exist")
         # the quick answer, before a byte is taken: the mount's free space, the RAM and the memory cgroup's room
-        # (memory_room says why all three); posix_fallocate below is the one that holds when others share them
-        refused = check_room(size + fence_bytes + SLOT_ALIGN, directory, shm_free_bytes(directory))
+        # (memory_room says why all three); posix_fallocate below is the one that holds when others share them.
+        # A memfd lies on the kernel's own tmpfs, which has no size: the RAM and the cgroup alone bound it.
+        free = 1 << 62 if sealed else shm_free_bytes(directory)
+        refused = check_room(size + fence_bytes + SLOT_ALIGN, "a memfd" if sealed else directory, free)
         if refused:
             raise ArenaError(refused)
         self.size = size
@@ -56,6 +58,12 @@ class Arena:
         self.fence_base = -(-size // SLOT_ALIGN) * SLOT_ALIGN
         self.file_bytes = self.fence_base + fence_bytes if fence_bytes else size
         name = f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.sealed = sealed
+        if sealed:
+            self._fd, self.path = _sealed_memfd(name, self.file_bytes)
+            self._mm = mmap.mmap(self._fd, self.file_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self.buf = memoryview(self._mm)
+            return
         # Created under a temporary name and locked before it gets its final one, so a starting server that
         # sweeps dead arenas (remove_dead_arenas) never sees an arena whose owner has not locked it yet.
         tmp = directory / f".{name}{CREATING_SUFFIX}"
@@ -85,8 +93,10 @@ class Arena:
         return self.buf[offset:offset + length]
 
     def close(self) -> None:
-        """Unmap and unlink; engines that still map the file keep their mapping until they unmap. Idempotent."""
-        self.path.unlink(missing_ok=True)
+        """Unmap and unlink; engines that still map the file keep their mapping until they unmap. Idempotent. (A
+        memfd has no name to unlink: its memory goes once no process holds or maps it.)"""
+        if not self.sealed:
+            self.path.unlink(missing_ok=True)
         try:
             self.buf.release()
             self._mm.close()
@@ -96,6 +106,23 @@ class Arena:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def _sealed_memfd(name: str, file_bytes: int) -> tuple[int, Path]:
+    """A memfd of `file_bytes`, every page backed, sealed so that nobody can shrink or grow it, and the path engines
+    open it by: `/proc/<our pid>/fd/<fd>`, which a process of our uid opens as it would the file (the link leads
+    to the memfd itself; `map_arena` opens without O_NOFOLLOW). A process that may write a named arena file may
+    truncate it, and the server's next copy past the new end is a SIGBUS; a shrink of this one fails with EPERM.
+    It needs engines in the server's pid namespace (a container that shares only /dev/shm sees no /proc/<pid>)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, file_bytes)
+        os.posix_fallocate(fd, 0, file_bytes)  # as for a file: a page the RAM cannot back fails here, not at a copy
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    except OSError as e:
+        os.close(fd)
+        raise ArenaError(f"cannot back a sealed memfd arena of {file_bytes} B: {e}") from e
+    return fd, Path(f"/proc/{os.getpid()}/fd/{fd}")
 
 
 ARENA_SUFFIX = ".arena"

@@ -23,6 +23,7 @@ class ServerConfig:
     l1_bytes: int
     endpoint: str = ""
     l1_dir: str = "/dev/shm"
+    l1_memfd: bool = False          # the arena a sealed memfd (nobody can shrink it) instead of a file in l1_dir
     l2: L2Spec | None = None        # the L2 below L1 (a directory, a Redis shared between hosts), or none
     chunk_tokens: int = 0           # 0: each engine chooses; otherwise engines must register with it
     eviction: str = "lru"

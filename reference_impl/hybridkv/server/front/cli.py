@@ -24,7 +24,8 @@ MAX_GIB = float(1 << 32)  # 4 EiB: any larger size (inf among them) is a typo, n
 FIELD_FLAGS = ("--l1-dir", "--chunk-tokens", "--eviction", "--client-timeout", "--quarantine", "--io-threads",
                "--spill-watermark", "--flush-on-exit", "--cuda-ipc", "--admin", "--max-keys", "--max-message-bytes",
                "--max-frame-bytes", "--max-clients", "--max-engines", "--max-engines-per-client", "--max-leases",
-               "--max-reservations", "--max-queued-replies", "--max-pending", "--max-prefetches")
+               "--max-reservations", "--max-queued-replies", "--max-pending", "--max-prefetches",
+               "--l1-memfd")
 FIELD_OF = {"--client-timeout": "client_timeout_s", "--quarantine": "quarantine_s"}
 
 
@@ -43,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="size of the shared-memory L1 arena in GiB (default: %(default)s)")
     p.add_argument("--l1-dir", default="/dev/shm",
                    help="tmpfs directory for the L1 arena file, mode 0600 (default: %(default)s)")
+    p.add_argument("--l1-memfd", action="store_true",
+                   help="make the arena a memfd sealed against shrinking, which engines open as /proc/PID/fd/N, "
+                        "instead of a file in --l1-dir: nobody can truncate it under the server (a SIGBUS); "
+                        "engines must run in the server's pid namespace")
     p.add_argument("--l2-dir", default=None, help="directory of the filesystem L2 (default: no L2)")
     p.add_argument("--l2-gib", type=float, default=0.0, help="L2 capacity in GiB; 0 disables L2 (default: 0)")
     p.add_argument("--l2-fsync", action="store_true",

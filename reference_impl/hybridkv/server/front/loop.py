@@ -28,6 +28,7 @@ from hybridkv.server.books.sessions import STALLED_S, SessionLimits, Sessions
 from hybridkv.server.books.telemetry import Telemetry
 from hybridkv.server.front.connections import ConnectionGate, bind_gated
 from hybridkv.server.front.lifecycle import claim_ipc_path, refuse_meanwhile, refuse_queued, refuse_until_quiet
+from hybridkv.server.front.routing_ids import unpredictable_routing_ids
 from hybridkv.server.l2.base import L2Adapter
 from hybridkv.server.machinery.heap import LARGE_FRAME, HeapTrim
 from hybridkv.server.machinery.workers import Workers
@@ -70,7 +71,8 @@ class CacheServer:
         self.started = time.monotonic()
         for path in remove_dead_arenas(config.l1_dir):
             log.info("removed the arena of a dead server: %s", path)
-        self.arena = Arena(config.l1_bytes, config.l1_dir, fence_bytes=fence_region_bytes(config.l1_bytes))
+        self.arena = Arena(config.l1_bytes, config.l1_dir, fence_bytes=fence_region_bytes(config.l1_bytes),
+                           sealed=config.l1_memfd)
         try:  # from here on, any failure (a bad --l2-dir, SIGTERM during start) must remove the arena
             l2: L2Adapter | None = config.l2.open() if config.l2 is not None else None
             self.workers = Workers(config.io_threads)
@@ -103,6 +105,7 @@ class CacheServer:
         ep = self.config.endpoint
         if ep.startswith("ipc://"):
             claim_ipc_path(ep[len("ipc://"):])
+        unpredictable_routing_ids()  # its first made-up routing id is drawn as it is made (routing_ids.py)
         sock = self._zctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         # No ROUTER_HANDOVER: a connection must never take over another's routing id, which is what

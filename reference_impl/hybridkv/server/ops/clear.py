@@ -3,10 +3,10 @@ piece at a time on the loop (`ObjectStore.clear_l1_steps`), then from L2 on an I
 (`L2Adapter.clear_steps`: its lock held per piece, never for the whole walk), so that a Clear of a million objects,
 which any client may send for its own namespace, does not hold the loop (in one step it held it for seconds, and
 a filesystem L2's files unlinked on the loop for minutes): every other client's
-requests are answered meanwhile. A Clear that finishes in its first turn (a small L1, a small or no local L2 index)
-answers at once, as before. L2 walks run one at a time, and the Clears that wait for one share it, whatever their
-namespaces (`clear_lane`): a flood of Clears holds one I/O thread, not all of them, and no Clear waits more than two
-walks.
+requests are answered meanwhile. A Clear that finishes in its first turn (a small L1, a local L2 index of a few
+dozen objects or none) answers at once, as before. L2 walks run one at a time, and the Clears that wait for one
+share it, whatever their namespaces (`clear_lane`): a flood of Clears holds one I/O thread, not all of them, and no
+Clear waits more than two walks.
 
 What it drops: the objects of the namespace that are present and evictable (READY, unpinned, not being spilled)
 when their piece is reached; pinned ones, and ones stored or unpinned after their piece passed, stay. Clears that
@@ -22,8 +22,13 @@ from typing import Any
 
 from hybridkv.server.books.records import Engine
 from hybridkv.server.ops.context import Answer, Context
-from hybridkv.server.ops.turns import BIG_OBJECTS, TURN, WAIT, Clock, Work, drive
+from hybridkv.server.ops.turns import TURN, WAIT, Clock, Work, drive
 from hybridkv.wire import protocol as P
+
+# A local L2 index of at most this many objects is cleared in the Clear's own turn. Its clear removes a file per
+# object of the namespace (tens of microseconds each, more on a loaded disk): a turn's share is a few dozen, and an
+# index of 4,096 (turns.BIG_OBJECTS, the bound before) held the loop for as long as its files took to remove.
+L2_HERE_OBJECTS = 64
 
 
 class TurnedClearOp:
@@ -47,7 +52,7 @@ class TurnedClearOp:
         l2 = objects.l2
         if l2 is None:
             return
-        if not objects.probes_l2 and l2.stats()["objects"] <= BIG_OBJECTS:  # a small local index: here and now
+        if not objects.probes_l2 and l2.stats()["objects"] <= L2_HERE_OBJECTS:  # a tiny local index: here and now
             self.count += l2.clear(self.ns)
             return
         self.ctx.clear_lane.join(self, self.ctx.workers, objects, self.ctx.counters)  # one walk at a time, shared

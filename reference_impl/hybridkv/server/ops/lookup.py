@@ -39,6 +39,7 @@ from hybridkv.server.ops.turns import (
     encoded_locs,
     probe_l2,
     unpin,
+    unpin_off,
 )
 from hybridkv.wire import protocol as P
 
@@ -231,14 +232,30 @@ class LookupOp(TurnedOp):
                 yield TURN
         return pins, locs, complete
 
+    def _refuse(self, message: str) -> Work:
+        """Answer `limit` instead of a lease, and let go of this pass's pins (taken off as they go, as the stale's)."""
+        ctx = self.ctx
+        ctx.counters.limit_refusals += 1
+        self.answered = True
+        ctx.fail(self.ident, self.req_id, E.LIMIT, message)
+        yield from unpin_off(ctx.objects, self.pins, self.clock)
+        self._finished(False)
+
     def _answer(self, n: int, entries: list[Entry], locs: list[P.ObjectLoc]) -> Work:
         """Let go of what earlier passes pinned, lease `entries` (this pass's pins, every one READY) and answer."""
         ctx, eng, msg, clock, objects = self.ctx, self.eng, self.msg, self.clock, self.ctx.objects
-        stale, self.stale = self.stale, []
-        yield from unpin(objects, stale, clock)  # what earlier passes pinned (each object pinned again since)
+        # what earlier passes pinned (each object pinned again since, or past a shorter hit): taken off self.stale as
+        # each piece is let go, so that an engine gone between two of these turns finds the rest there (_let_go)
+        yield from unpin_off(objects, self.stale, clock)
         # in turns, the places are encoded in pieces (in the reply's one piece they would hold the loop); in one
         # turn they go into the reply as they are, which is cheaper
         raw = locs if clock.endless else (yield from encoded_locs(locs, clock))
+        if entries:  # asked when it came too, but lookups of one engine that worked together each found room then
+            try:
+                ctx.sessions.lease_room(eng)
+            except RequestError as e:
+                yield from self._refuse(e.message)
+                return
         lease = ctx.sessions.add_lease(eng, msg.request, entries, locs) if entries else None
         self.pins = []  # the lease holds them now
         count_hit(ctx, eng, n, sum(1 for c in self.from_l2 if c < n), probe=False)

@@ -92,6 +92,17 @@ def unpin(objects: ObjectStore, entries: Sequence[Entry], clock: Clock) -> Work:
             yield TURN
 
 
+def unpin_off(objects: ObjectStore, entries: list[Entry], clock: Clock) -> Work:
+    """Drop one pin of each of `entries`, taking each piece off the list's end as it is let go: the work closed
+    between two turns (its engine gone) leaves in `entries` exactly the pins still held, for whoever lets go next."""
+    while entries:
+        piece = entries[-SLICE_OBJECTS:]
+        del entries[-SLICE_OBJECTS:]
+        objects.unpin_all(piece)
+        if entries and clock.over():
+            yield TURN
+
+
 def empty(lists: Sequence[list], clock: Clock) -> Work:
     """Empty `lists` from their ends, in pieces: the objects they alone hold are freed a piece at a time (a closed
     lease's locations, or a reservation's slots, freed in one step are one long stop of the loop)."""

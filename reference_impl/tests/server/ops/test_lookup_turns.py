@@ -486,3 +486,71 @@ def test_shutdown_mid_lookup_answers_shutting_down(servers):
         assert err.value.code == "shutting_down"
     assert s.proc.wait(30) == 0
     assert not Path(s.arena_path).exists()
+
+
+def damage(l2_dir: Path, key: bytes, group: int) -> None:
+    """Flip the last payload byte of an object's L2 file: its read fails its checksum."""
+    (path,) = l2_dir.rglob(f"{key.hex()}-{group}.obj")
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+def test_an_engine_gone_while_its_lookup_lets_go_of_an_earlier_pass_leaves_no_pin(servers, tmp_path):
+    """A lookup whose L2 reads failed partly starts over at a shorter hit, and before answering lets go, in turns, of
+    what its earlier pass pinned past it; the engine unregistered in one of those turns. Those pins were held by the
+    answering step alone: the lookup answered unknown_engine and they stayed pinned for good (an object nobody holds
+    and nothing evicts). The watcher sends the Unregister once it sees the pinned count fall (that letting go under
+    way)."""
+    l2 = ("--l2-dir", str(tmp_path / "l2"), "--l2-gib", "1")
+    first = servers("first", *l2, "--flush-on-exit", l1_gib=0.3)
+    with CacheClient(first.endpoint, timeout_s=60) as c:
+        _, keys = stored(c, 6000)
+    assert first.stop() == 0
+    damage(tmp_path / "l2", keys[600], 0)  # the hit of the pass after the reads ends there
+    s = servers("s", *l2, "--io-threads", "2", l1_gib=0.3, turn_s=0.0, slice_objects=2)
+    with CacheClient(s.endpoint, timeout_s=60) as c, CacheClient(s.endpoint, timeout_s=60) as watcher:
+        eng = Engine(c, MIXED, chunk_tokens=CT)  # the namespace the first server stored under
+        c.keepalive(eng.id, 0.1)
+        fut = c.submit(P.Lookup(engine=eng.id, request="r", keys=keys, policy="all"))
+        most = 0
+        deadline = time.monotonic() + 60
+        while not fut.done():
+            pinned = stats(watcher)["l1_pinned_objects"]
+            most = max(most, pinned)
+            if most - pinned > 1000:  # the earlier pass's pins past the shorter hit are being let go
+                c.call(P.Unregister(engine=eng.id))
+                break
+            assert time.monotonic() < deadline
+        with pytest.raises(ServerError) as err:
+            fut.result(timeout=60)
+        assert err.value.code == "unknown_engine", err.value
+        time.sleep(0.2)
+        c = settled(watcher)
+        assert c["l1_pinned_objects"] == 0 and c["leases"] == 0 and c["parked"] == 0, c
+
+
+def test_large_lookups_of_one_engine_working_together_get_no_more_leases_than_its_limit(servers):
+    """20 large lookups of one engine sent together, on a server with --max-leases 2: each found room when it came
+    (none had answered yet), and each took a lease when it answered: 20 leases held, the limit (and the memory bound
+    of docs/protocol.md that counts on it) passed ten times. Now 2 answer with a lease, 18 `limit`, leaving no pin."""
+    s = servers("s", "--max-leases", "2", l1_gib=0.2, turn_s=0.0, slice_objects=2)
+    with CacheClient(s.endpoint, timeout_s=60) as c:
+        eng, keys = stored(c, 2000)
+        futs = [c.submit(P.Lookup(engine=eng.id, request=f"r{i}", keys=keys)) for i in range(20)]
+        leases, refused = [], 0
+        for f in futs:
+            try:
+                res = f.result(timeout=60)[0]
+                assert res.hit_chunks == 2000
+                eng.check(keys, res)
+                leases.append(res.lease)
+            except ServerError as e:
+                assert e.code == "limit" and "--max-leases 2" in e.message, e
+                refused += 1
+        assert (len(leases), refused) == (2, 18)
+        assert stats(c)["leases_max_engine"] == 2
+        for lease in leases:
+            c.call(P.Release(engine=eng.id, lease=lease))
+        no_pins_left(c)
