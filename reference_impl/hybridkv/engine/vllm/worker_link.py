@@ -78,8 +78,8 @@ class WorkerLink:
         s = self.settings
         assert self.pages is not None
         # the settings' transfer axes as they are (their policies are vLLM's one, boundary: ConnectorSettings checks)
-        cfg = TransferConfig(**s.axes(), chunk_tokens=self.chunk_tokens, tp_rank=self.tp_rank, salt=s.salt,
-                             timeout_s=timeout_s, name=f"vllm-rank{self.tp_rank}")
+        cfg = TransferConfig(**s.axes(), **s.pacing(), chunk_tokens=self.chunk_tokens, tp_rank=self.tp_rank,
+                             salt=s.salt, timeout_s=timeout_s, name=f"vllm-rank{self.tp_rank}")
         t = KVTransfer(s.endpoint, self.layout, self.pages, cfg)
         t.client.timeout_s = s.timeout_s
         return t
