@@ -81,11 +81,6 @@ class ConnectorSettings(TransferAxes):
                              f"got {self.state_every_chunks}")
         check_pacing(self.max_link_fraction, self.max_compute_cost, self.link_gbps, "kv_connector_extra_config ")
 
-    def pacing(self) -> dict[str, float]:
-        """The pacing settings by name, as TransferConfig takes them."""
-        return {"max_link_fraction": self.max_link_fraction, "max_compute_cost": self.max_compute_cost,
-                "link_gbps": self.link_gbps}
-
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None, environ: Mapping[str, str] | None = None) -> ConnectorSettings:
         """Settings from vLLM's extra-config dict over HYBRIDKV_<KEY> variables of `environ` (default: this
