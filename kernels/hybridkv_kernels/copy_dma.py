@@ -29,15 +29,14 @@ def copy_runs(plan: PageCopyPlan) -> tuple[np.ndarray, np.ndarray]:
     obj_storage = plan.object_storage
     if obj_storage is None:
         obj_storage = np.array([t.obj.untyped_storage().data_ptr() for t in plan.transfers], dtype=np.int64)
-    obj_storage = obj_storage[plan.page_transfer]
     pb = plan.page_bytes
     # A run may cross layers or objects, but never allocations: a copy must stay inside one storage.
-    cont = (
-        (np.diff(plan.src_addr) == pb)
-        & (np.diff(plan.dst_addr) == pb)
-        & (np.diff(plan.engine_storage) == 0)
-        & (np.diff(obj_storage) == 0)
-    )
+    cont = np.diff(plan.src_addr) == pb
+    cont &= np.diff(plan.dst_addr) == pb
+    if not cont.any():  # no two pages adjacent (one block per layer and object): every page is its own run
+        return np.arange(p, dtype=np.int64), np.ones(p, dtype=np.int64)
+    cont &= np.diff(plan.engine_storage) == 0
+    cont &= np.diff(obj_storage[plan.page_transfer]) == 0
     starts = np.flatnonzero(np.concatenate(([True], ~cont)))
     lengths = np.diff(np.append(starts, p))
     return starts, lengths
@@ -50,8 +49,11 @@ def dma_runs(plan: PageCopyPlan) -> DmaRuns:
     """The driver's arguments for `plan`'s runs (`copy_runs`), made ahead of the copies: a caller that binds a
     plan before its copies are due (a prepared store) passes them to `copy_pages_dma`, off the critical path."""
     starts, lengths = copy_runs(plan)
-    return (plan.dst_addr[starts].astype(np.uint64), plan.src_addr[starts].astype(np.uint64),
-            (lengths * plan.page_bytes).astype(np.uint64))
+    if starts.size == plan.num_pages:  # one run per page: the plan's own addresses, reread as the driver's type
+        return (plan.dst_addr.view(np.uint64), plan.src_addr.view(np.uint64),
+                np.full(starts.size, plan.page_bytes, dtype=np.uint64))
+    return (plan.dst_addr[starts].view(np.uint64), plan.src_addr[starts].view(np.uint64),
+            (lengths * plan.page_bytes).view(np.uint64))
 
 
 _local = threading.local()
@@ -66,6 +68,12 @@ SLICE_RUNS = 512
 # and join (two event records, two waits): a short plan queues faster that way and its copies end no later, while
 # long plans finish alike either way (stores measured with issue_parts: results/h100/2026-12-07/README.md).
 SPLIT_MIN_RUNS = 256
+# A short plan's first this many runs go in a driver call of their own before the rest (0: one call). The driver's
+# time in a call grows with its copies (results/h100/2026-12-07/profile/issue_parts.txt: a 2-chunk TP8 plan's one
+# call is most of its queueing) and, if the copy engines start only once it returns, a short store or load waits that
+# long for its first byte; a first call of a few runs starts them sooner, and the rest is queued while they copy.
+# Off until measured on a GPU (`fixed_cost --first-slice-runs`, results/h100/2026-12-08/PLAN.md).
+FIRST_SLICE_RUNS = 0
 
 
 class _Side:
@@ -110,10 +118,12 @@ def copy_pages_dma(plan: PageCopyPlan, batched: bool | None = None, stream: torc
         device = plan.device.index if plan.device.index is not None else torch.cuda.current_device()
         dst, src, sizes = runs if runs is not None else dma_runs(plan)  # uint64, contiguous: sliced as they are
         if len(dst) < max(2, SPLIT_MIN_RUNS):
-            if len(dst):
-                for lo in range(0, len(dst), 2 * SLICE_RUNS):
-                    batch(dst[lo:lo + 2 * SLICE_RUNS], src[lo:lo + 2 * SLICE_RUNS], sizes[lo:lo + 2 * SLICE_RUNS],
-                          stream.cuda_stream, device)
+            first = FIRST_SLICE_RUNS if 0 < FIRST_SLICE_RUNS < len(dst) else 0
+            if first:  # the copy engines start on these while the rest is queued
+                batch(dst[:first], src[:first], sizes[:first], stream.cuda_stream, device)
+            for lo in range(first, len(dst), 2 * SLICE_RUNS):
+                batch(dst[lo:lo + 2 * SLICE_RUNS], src[lo:lo + 2 * SLICE_RUNS], sizes[lo:lo + 2 * SLICE_RUNS],
+                      stream.cuda_stream, device)
             return
         side = _side_stream(stream)
         side.fork.record(stream)
