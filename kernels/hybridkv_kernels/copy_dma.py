@@ -68,12 +68,12 @@ SLICE_RUNS = 512
 # and join (two event records, two waits): a short plan queues faster that way and its copies end no later, while
 # long plans finish alike either way (stores measured with issue_parts: results/h100/2026-12-07/README.md).
 SPLIT_MIN_RUNS = 256
-# A short plan's first this many runs go in a driver call of their own before the rest (0: one call). The driver's
-# time in a call grows with its copies (results/h100/2026-12-07/profile/issue_parts.txt: a 2-chunk TP8 plan's one
-# call is most of its queueing) and, if the copy engines start only once it returns, a short store or load waits that
-# long for its first byte; a first call of a few runs starts them sooner, and the rest is queued while they copy.
-# Off until measured on a GPU (`fixed_cost --first-slice-runs`, results/h100/2026-12-08/PLAN.md).
-FIRST_SLICE_RUNS = 0
+# A short plan's first this many runs go in a driver call of their own before the rest (0: one call; a plan of
+# fewer than twice as many runs: one call). The driver's time in a call grows with its copies (a 2-chunk TP8 plan's
+# one call is most of its queueing: results/h100/2026-12-07/profile/issue_parts.txt) and the copy engines start only
+# once it returns (kernels/README.md, "Batched DMA"): a first call of a few runs starts them sooner, and the rest is
+# queued while they copy. `fixed_cost --first-slice-runs 0` compares (results/h100/2026-12-08/PLAN.md).
+FIRST_SLICE_RUNS = 16
 
 
 class _Side:
@@ -118,7 +118,7 @@ def copy_pages_dma(plan: PageCopyPlan, batched: bool | None = None, stream: torc
         device = plan.device.index if plan.device.index is not None else torch.cuda.current_device()
         dst, src, sizes = runs if runs is not None else dma_runs(plan)  # uint64, contiguous: sliced as they are
         if len(dst) < max(2, SPLIT_MIN_RUNS):
-            first = FIRST_SLICE_RUNS if 0 < FIRST_SLICE_RUNS < len(dst) else 0
+            first = FIRST_SLICE_RUNS if 0 < 2 * FIRST_SLICE_RUNS <= len(dst) else 0  # a short call: one call
             if first:  # the copy engines start on these while the rest is queued
                 batch(dst[:first], src[:first], sizes[:first], stream.cuda_stream, device)
             for lo in range(first, len(dst), 2 * SLICE_RUNS):

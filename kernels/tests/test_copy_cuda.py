@@ -202,10 +202,11 @@ def _gather_and_scatter_back(n: int, pb: int) -> None:
     assert torch.equal(pool[ids], want)
 
 
-@pytest.mark.parametrize("first", [1, 4, 79, 80, 200])
+@pytest.mark.parametrize("first", [0, 1, 4, 16, 40, 41, 200])
 def test_a_short_plans_first_slice_and_the_rest_move_every_run(first, monkeypatch):
-    """A short plan's first runs in a driver call of their own (`FIRST_SLICE_RUNS`, any count: fewer runs than
-    the plan, all of them, more), the rest after: every page lands, gathered and scattered back."""
+    """A short plan's first runs in a driver call of their own (`FIRST_SLICE_RUNS`: off, a few, half the plan's 80
+    runs; more than half, and more than the plan, leave it one call), the rest after: every page lands, gathered and
+    scattered back."""
     if not cuda_batch.available():
         pytest.skip("the driver has no batched memcpy")
     monkeypatch.setattr("hybridkv_kernels.copy_dma.FIRST_SLICE_RUNS", first)

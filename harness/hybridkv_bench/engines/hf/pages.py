@@ -170,6 +170,10 @@ class PageCodec:
                 k, v = cache.layers[li].keys, cache.layers[li].values  # the tensors the forward will read
                 filled = None
                 if side is not None:
+                    # written on `side`: their memory is not reused before that work is done, even if the forward
+                    # never reaches the layer (an error) and frees the cache with its fill still queued
+                    k.record_stream(side)
+                    v.record_stream(side)
                     with torch.cuda.stream(side):
                         load.wait_layer(names[j], stream=side)
                         self._fill_kv(g, j, ids, k, v)

@@ -15,3 +15,11 @@ for pass in $(seq 1 "$passes"); do
   done
 done
 echo "== end $(uptime)" >> "$out/uptime.txt"
+# the plan a load builds before its first copy, the same alternation
+for pass in $(seq 1 "$passes"); do
+  for tree in old new; do
+    dir=$old; [ $tree = new ] && dir=$new
+    PYTHONPATH=$dir/reference_impl:$dir/kernels:$dir/harness $py "$(dirname "$0")/plan_build.py" $tree >> "$out/plan_build.jsonl"
+  done
+done
+echo "== end plan_build $(uptime)" >> "$out/uptime.txt"

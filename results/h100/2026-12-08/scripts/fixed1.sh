@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Call 1 for branch h-fixed (issue 37 items 2-3), about 8 device minutes: the CUDA tests of the branch, fixed_cost
-# main vs h-fixed alternated (and h-fixed's first driver call of a short plan off / 16 runs), the batched memcpy probe.
+# main vs h-fixed alternated (h-fixed with a short plan's first driver call of 16 runs, its default, and off), the
+# batched memcpy probe.
 # From the lead's checkout, after `bash harness/campaign/device_trees.sh h-fixed main` (.device/cand = h-fixed,
 # .device/base = main), with `.device` and `.whl` carried:  OUT=$OUT bash results/h100/2026-12-08/scripts/fixed1.sh
 set -uo pipefail
@@ -16,7 +17,7 @@ left tests  # ~50 s: the branch's CUDA tests (new: first slice, attribute varian
 use cand; (cd $D/cand && timeout 150 python3 -m pytest -q -p no:cacheprovider -m cuda reference_impl/tests/engine \
   kernels/tests reference_impl/tests/server/test_prepare_store.py harness/tests/test_memcpy_probe.py -rs \
   > $OUT/cuda-tests.log 2>&1); echo "cuda tests rc=$?"; tail -2 $OUT/cuda-tests.log; grep -E "^(FAILED|ERROR)" $OUT/cuda-tests.log | head
-left fixed_cost  # ~4 min: 2 passes x (main, h-fixed, h-fixed with a 16-run first slice), alternated
+left fixed_cost  # ~4 min: 2 passes x (main, h-fixed, h-fixed with the first slice off), alternated
 fc() {  # fc TREE LABEL [ARGS]: one fixed_cost row set, tagged
   use $1; local label=$2; shift 2
   (cd $D/$1 && timeout 70 python3 -m hybridkv_bench.microbench.fixed_cost --device cuda --page-bytes 0 --l1-gib 8 \
@@ -24,7 +25,7 @@ fc() {  # fc TREE LABEL [ARGS]: one fixed_cost row set, tagged
     | sed "s/^{/{\"tree\": \"$label\", \"pass\": $pass, /" >> $OUT/fixed_cost.jsonl || echo "fixed_cost $label rc=$?"
 }
 for pass in 1 2; do
-  fc base main; fc cand fixed --first-slice-runs 0; fc cand fixed-fs16 --first-slice-runs 16
+  fc base main; fc cand fixed; fc cand fixed-fs0 --first-slice-runs 0
 done
 python3 - $OUT/fixed_cost.jsonl <<'PY'
 import collections, json, statistics, sys
