@@ -68,12 +68,29 @@ SLICE_RUNS = 512
 # and join (two event records, two waits): a short plan queues faster that way and its copies end no later, while
 # long plans finish alike either way (stores measured with issue_parts: results/h100/2026-12-07/README.md).
 SPLIT_MIN_RUNS = 256
-# A short plan's first this many runs go in a driver call of their own before the rest (0: one call; a plan of
-# fewer than twice as many runs: one call). The driver's time in a call grows with its copies (a 2-chunk TP8 plan's
-# one call is most of its queueing: results/h100/2026-12-07/profile/issue_parts.txt) and the copy engines start only
-# once it returns (kernels/README.md, "Batched DMA"): a first call of a few runs starts them sooner, and the rest is
-# queued while they copy. `fixed_cost --first-slice-runs 0` compares (results/h100/2026-12-08/PLAN.md).
+# A plan's first this many runs go in a driver call of their own, and the calls after it grow from there (`slices`;
+# 0: calls of the cap from the start; a plan of fewer than twice as many runs: one call). The copy engines start only
+# once a call returns (kernels/README.md, "Batched DMA") and the driver's time in a call grows with its copies (a
+# 2-chunk TP8 plan's one call is most of its queueing: results/h100/2026-12-07/profile/issue_parts.txt; a long
+# plan's first calls held SLICE_RUNS runs each): a first call of a few runs starts them sooner, and each later call
+# is queued while the one before copies. `fixed_cost --first-slice-runs 0`
+# compares (results/h100/2026-12-08/PLAN.md).
 FIRST_SLICE_RUNS = 16
+SLICE_GROWTH = 4  # each call after the first this many times the one before (up to the cap): queued while it copies
+
+
+def slices(n: int, cap: int) -> list[tuple[int, int]]:
+    """The (start, end) runs of each driver call for `n` runs: `FIRST_SLICE_RUNS` first, each next call
+    `SLICE_GROWTH` times the one before, none over `cap`; calls of `cap` runs from the start where the first slice
+    is off or the plan is short (fewer than twice its runs)."""
+    size = FIRST_SLICE_RUNS if 0 < 2 * FIRST_SLICE_RUNS <= n else cap
+    out: list[tuple[int, int]] = []
+    lo = 0
+    while lo < n:
+        out.append((lo, min(n, lo + size)))
+        lo += size
+        size = min(cap, size * SLICE_GROWTH)
+    return out
 
 
 class _Side:
@@ -118,22 +135,18 @@ def copy_pages_dma(plan: PageCopyPlan, batched: bool | None = None, stream: torc
         device = plan.device.index if plan.device.index is not None else torch.cuda.current_device()
         dst, src, sizes = runs if runs is not None else dma_runs(plan)  # uint64, contiguous: sliced as they are
         if len(dst) < max(2, SPLIT_MIN_RUNS):
-            first = FIRST_SLICE_RUNS if 0 < 2 * FIRST_SLICE_RUNS <= len(dst) else 0  # a short call: one call
-            if first:  # the copy engines start on these while the rest is queued
-                batch(dst[:first], src[:first], sizes[:first], stream.cuda_stream, device)
-            for lo in range(first, len(dst), 2 * SLICE_RUNS):
-                batch(dst[lo:lo + 2 * SLICE_RUNS], src[lo:lo + 2 * SLICE_RUNS], sizes[lo:lo + 2 * SLICE_RUNS],
-                      stream.cuda_stream, device)
+            for lo, hi in slices(len(dst), 2 * SLICE_RUNS):
+                batch(dst[lo:hi], src[lo:hi], sizes[lo:hi], stream.cuda_stream, device)
             return
         side = _side_stream(stream)
         side.fork.record(stream)
         side.stream.wait_event(side.fork)  # the side half starts after what the caller queued, as the main half does
         halves = ((dst[1::2].copy(), src[1::2].copy(), sizes[1::2].copy(), side.stream.cuda_stream),
                   (dst[0::2].copy(), src[0::2].copy(), sizes[0::2].copy(), stream.cuda_stream))
-        for lo in range(0, len(halves[1][0]), SLICE_RUNS):  # the main half is the longer one
+        for lo, hi in slices(len(halves[1][0]), SLICE_RUNS):  # the main half is the longer one
             for d, s, n, handle in halves:
                 if lo < len(d):
-                    batch(d[lo:lo + SLICE_RUNS], s[lo:lo + SLICE_RUNS], n[lo:lo + SLICE_RUNS], handle, device)
+                    batch(d[lo:hi], s[lo:hi], n[lo:hi], handle, device)
         side.join.record(side.stream)
         stream.wait_event(side.join)  # the plan is done on the caller's stream when both halves are
         return

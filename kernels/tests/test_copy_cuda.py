@@ -176,11 +176,13 @@ def test_batched_dma_from_a_thread_that_never_used_cuda(shm_arena):
         np.testing.assert_array_equal(obj.cpu().numpy(), pool.expected_object(blocks))
 
 
-def test_batched_dma_in_slices_moves_every_run():
+@pytest.mark.parametrize("first", [0, 16])
+def test_batched_dma_in_slices_moves_every_run(first, monkeypatch):
     """A plan of more runs than one slice (and a partial last slice) goes out in several driver calls on two
-    streams: every page lands, gathered and scattered back."""
+    streams, growing from a first slice or not: every page lands, gathered and scattered back."""
     if not cuda_batch.available():
         pytest.skip("the driver has no batched memcpy")
+    monkeypatch.setattr("hybridkv_kernels.copy_dma.FIRST_SLICE_RUNS", first)
     _gather_and_scatter_back(3 * SLICE_RUNS + 7, 256)
 
 

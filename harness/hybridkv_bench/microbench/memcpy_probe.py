@@ -7,8 +7,8 @@ The driver offers more: `CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE` (flags) and
 1. `call_us`: the host time of one driver call queueing a plan of R runs (pages of `page_bytes`, every page its own
    run, as a Qwen3.6-27B TP8 chunk's pages are), p50 over rounds, the stream drained between calls;
 2. `issue_to_done_us`: from the first call to the copies' end (host clock, the stream synchronized), for the same
-   plan queued by `copy_pages_dma` with a short plan's first slice off and on (`copy_dma.FIRST_SLICE_RUNS`): does
-   a first call of a few runs start the copy engines sooner?
+   plan queued by `copy_pages_dma` with its first slice off, of 8 and of 16 runs (`copy_dma.FIRST_SLICE_RUNS`,
+   the later calls growing from it): does a first call of a few runs start the copy engines sooner?
 3. with `--compute`: `compute_beside`'s decode attention (CUDA graphs) beside DMA loads and stores of the same
    pages, with the engine's stream at default and at high priority. A copy stream cannot be given a lower priority
    than the default one (0 is CUDA's lowest): a high-priority engine stream is the same order between the two.
@@ -62,6 +62,7 @@ def probe_calls(runs_list: list[int], page_bytes: int, rounds: int) -> list[dict
     stream = torch.cuda.Stream(device)
     batch = cuda_batch.get()
     assert batch is not None
+    default_first = copy_dma.FIRST_SLICE_RUNS
     rows = []
     for order, flags in VARIANTS:
         cuda_batch.set_attributes(order, flags)
@@ -91,7 +92,7 @@ def probe_calls(runs_list: list[int], page_bytes: int, rounds: int) -> list[dict
                                  "call_us": statistics.median(calls) * 1e6,
                                  "issue_to_done_us": statistics.median(spans) * 1e6,
                                  "gbps": runs * page_bytes / statistics.median(spans) / 1e9})
-                copy_dma.FIRST_SLICE_RUNS = 0
+                copy_dma.FIRST_SLICE_RUNS = default_first
     cuda_batch.set_attributes()  # the library's again
     return rows
 
