@@ -223,10 +223,9 @@ class PageCodec:
         # (kvh, n, B, hd) views of the cache tensors: block-major token order, as the pages hold them
         kd = k.view(self.kv_heads, -1, B, self.head_dim)
         vd = v.view(self.kv_heads, -1, B, self.head_dim)
-        if ids.runs is None:
-            kv = src.index_select(0, ids.tensor)
-            kd.copy_(kv[:, 0].permute(2, 0, 1, 3))
-            vd.copy_(kv[:, 1].permute(2, 0, 1, 3))
+        if ids.runs is None:  # K, then V: each gathered (n, B, kvh, hd), then laid out as the cache holds it
+            kd.copy_(src[:, 0].index_select(0, ids.tensor).permute(2, 0, 1, 3))
+            vd.copy_(src[:, 1].index_select(0, ids.tensor).permute(2, 0, 1, 3))
             return
         for pos, first, n in ids.runs:
             kd[:, pos:pos + n].copy_(src[first:first + n, 0].permute(2, 0, 1, 3))
