@@ -240,6 +240,19 @@ def test_kv_filled_from_runs_or_gathered_equals_the_pages(server, model, monkeyp
         eng.kv.close()
 
 
+def test_the_cache_holds_the_filled_tensors_themselves(model):
+    """`_hold_kv` makes the filled K/V the cache's own (no copy of every byte), at their full length: what the
+    forward's masks and positions read before layer 0 runs."""
+    from hybridkv_bench.engines.hf.pages import _hold_kv
+
+    cache = model.new_cache()
+    li = next(i for i, kind in enumerate(model.layer_kinds) if kind == "attention")
+    k, v = torch.randn(1, CFG.num_kv_heads, 96, CFG.head_dim), torch.randn(1, CFG.num_kv_heads, 96, CFG.head_dim)
+    _hold_kv(cache, li, k, v)
+    assert cache.layers[li].keys.data_ptr() == k.data_ptr() and cache.layers[li].values.data_ptr() == v.data_ptr()
+    assert cache.get_seq_length(li) == 96
+
+
 def test_a_layerwise_cache_whose_layers_are_never_filled_fails_the_oracle(server, model, monkeypatch):
     """The control: the cache's attention tensors are allocated up front and filled by the layers' hooks;
     without the hooks the continuation reads unfilled K/V, and the oracle must say so."""

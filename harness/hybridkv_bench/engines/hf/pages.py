@@ -36,6 +36,14 @@ class _Ids:
     runs: list[tuple[int, int, int]] | None  # (position, first block, blocks); None: too many runs
 
 
+def _hold_kv(cache: Any, li: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Make `k` and `v` layer li's K/V in transformers' `cache` as they are, not a copy: `update` with them would
+    append them to its empty tensors (a pass over every byte); an update of no tokens sets the layer up instead."""
+    cache.update(k[:, :, :0], v[:, :, :0], li)
+    layer = cache.layers[li]
+    layer.keys, layer.values = k, v
+
+
 class PageShapeError(ValueError):
     """The model's cache tensors do not fit the layout's pages."""
 
@@ -142,7 +150,7 @@ class PageCodec:
             for j, li in enumerate(self.layer_index[g]):
                 k, v = self._empty_kv(g, len(ids.tensor))
                 self._fill_kv(g, j, ids, k, v)
-                cache.update(k, v, li)
+                _hold_kv(cache, li, k, v)
         self._read_states(cache, blocks, n_chunks)
         return cache
 
@@ -161,36 +169,37 @@ class PageCodec:
         side = torch.cuda.Stream(self.hf.device) if cuda else None
         if side is not None:  # the cache's tensors are made on the model's stream: the fills come after that
             side.wait_stream(torch.cuda.current_stream(self.hf.device))
-        for g in self.layout.attention_groups:
-            ids = self._attention_ids(blocks, g, n_chunks)
-            names = self.layout.groups[g].layer_names
-            for j, li in enumerate(self.layer_index[g]):
-                # the right lengths from the start (masks and positions read them before layer 0 runs)
-                cache.update(*self._empty_kv(g, len(ids.tensor)), li)
-                k, v = cache.layers[li].keys, cache.layers[li].values  # the tensors the forward will read
-                filled = None
-                if side is not None:
-                    # written on `side`: their memory is not reused before that work is done, even if the forward
-                    # never reaches the layer (an error) and frees the cache with its fill still queued
-                    k.record_stream(side)
-                    v.record_stream(side)
-                    with torch.cuda.stream(side):
-                        load.wait_layer(names[j], stream=side)
-                        self._fill_kv(g, j, ids, k, v)
-                        filled = torch.cuda.Event()
-                        filled.record(side)
+        # every attention layer, in the order the forward reaches them (and the load writes them): a fill queued
+        # behind another group's later layer would wait for that layer's pages
+        todo = sorted((li, g, j) for g in self.layout.attention_groups for j, li in enumerate(self.layer_index[g]))
+        ids_of = {g: self._attention_ids(blocks, g, n_chunks) for g in self.layout.attention_groups}
+        for li, g, j in todo:
+            ids, name = ids_of[g], self.layout.groups[g].layer_names[j]
+            # the right lengths from the start (masks and positions read them before layer 0 runs)
+            k, v = self._empty_kv(g, len(ids.tensor))
+            _hold_kv(cache, li, k, v)
+            filled = None
+            if side is not None:
+                # written on `side`: their memory is not reused before that work is done, even if the forward
+                # never reaches the layer (an error) and frees the cache with its fill still queued
+                k.record_stream(side)
+                v.record_stream(side)
+                with torch.cuda.stream(side):
+                    load.wait_layer(name, stream=side)
+                    self._fill_kv(g, j, ids, k, v)
+                    filled = torch.cuda.Event()
+                    filled.record(side)
 
-                def fill(module: Any, args: Any, g: int = g, j: int = j, ids: _Ids = ids, k: torch.Tensor = k,
-                         v: torch.Tensor = v, name: str = names[j], pos: int = len(hooks),
-                         filled: Any = filled) -> None:
-                    if filled is not None:
-                        torch.cuda.current_stream(self.hf.device).wait_event(filled)
-                    else:
-                        load.wait_layer(name)
-                        self._fill_kv(g, j, ids, k, v)
-                    hooks[pos].remove()  # once: a later segment's forward finds the layer filled
+            def fill(module: Any, args: Any, g: int = g, j: int = j, ids: _Ids = ids, k: torch.Tensor = k,
+                     v: torch.Tensor = v, name: str = name, pos: int = len(hooks), filled: Any = filled) -> None:
+                if filled is not None:
+                    torch.cuda.current_stream(self.hf.device).wait_event(filled)
+                else:
+                    load.wait_layer(name)
+                    self._fill_kv(g, j, ids, k, v)
+                hooks[pos].remove()  # once: a later segment's forward finds the layer filled
 
-                hooks.append(layers[li].register_forward_pre_hook(fill))
+            hooks.append(layers[li].register_forward_pre_hook(fill))
         for g in self.layout.recurrent_groups:
             for name in self.layout.groups[g].layer_names:
                 load.wait_layer(name)
