@@ -2,7 +2,7 @@
 only (so that every tree runs it): the plan of a Qwen3.6-27B TP8 load's objects over the arena's slots
 (`plan_pages` + `bind`) and its DMA runs (`dma_runs`). One JSON line per chunk count: p50 microseconds.
 
-    PYTHONPATH=TREE/reference_impl:TREE/kernels:TREE/harness python plan_build.py TAG [--rounds 2000]
+    PYTHONPATH=TREE/reference_impl:TREE/kernels:TREE/harness python plan_build.py [--rounds 2000]
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from hybridkv_kernels.copy_dma import dma_runs
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("tag")
     ap.add_argument("--rounds", type=int, default=2000)
     ap.add_argument("--chunks", type=int, nargs="+", default=[2, 17, 71])
     args = ap.parse_args()
@@ -57,7 +56,7 @@ def main() -> None:
                     t0 = time.perf_counter()
                     dma_runs(plan_pages("scatter", transfers).bind(objects))
                     spans.append(time.perf_counter() - t0)
-                print(json.dumps({"tree": args.tag, "chunks": chunks, "objects": len(objects),
+                print(json.dumps({"chunks": chunks, "objects": len(objects),
                                   "plan_build_and_runs_p50_us": statistics.median(spans) * 1e6}), flush=True)
     finally:
         srv.close()

@@ -2,7 +2,7 @@
 with the public API only (every tree runs it): a small hybrid model with wider K/V heads than the tiny preset (so
 the bytes, not Python, dominate), `tokens` cached tokens, blocks in one run and scattered. One JSON line per case.
 
-    PYTHONPATH=TREE/reference_impl:TREE/kernels:TREE/harness python read_cache.py TAG [--tokens 8192] [--rounds 20]
+    PYTHONPATH=TREE/reference_impl:TREE/kernels:TREE/harness python read_cache.py [--tokens 8192] [--rounds 20]
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from hybridkv_bench.engines.pools import EnginePools
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("tag")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--rounds", type=int, default=20)
     args = ap.parse_args()
@@ -51,7 +50,7 @@ def main() -> None:
             t0 = time.perf_counter()
             codec.read_cache(blocks, n_chunks)
             spans.append(time.perf_counter() - t0)
-        print(json.dumps({"tree": args.tag, "blocks": order, "tokens": n_chunks * chunk,
+        print(json.dumps({"blocks": order, "tokens": n_chunks * chunk,
                           "read_cache_p50_ms": statistics.median(spans) * 1e3}), flush=True)
 
 
