@@ -209,6 +209,50 @@ def test_a_layerwise_warm_start_passes_the_oracle_and_times_its_overlap(server, 
         eng.kv.close()
 
 
+@pytest.mark.parametrize("blocks", [[0, 1, 2, 3, 4, 5], [5, 0, 1, 4, 3, 2], [7, 9, 2, 3, 11, 1]])
+def test_kv_filled_from_runs_or_gathered_equals_the_pages(server, model, monkeypatch, blocks):
+    """An attention layer's K/V read from its pages in place, run by run of consecutive blocks, or gathered first
+    (more runs than `MAX_RUNS`), equal the pages' bytes laid out as transformers' cache holds them."""
+    from hybridkv_bench.engines.hf import pages as hf_pages
+
+    eng = _engine(server, model, "shm", "boundary", f"fill-{model.spec.arch}")
+    try:
+        codec = eng.codec
+        g = LAYOUT.attention_groups[0]
+        gen = torch.Generator().manual_seed(len(blocks))
+        for t in codec.pages[g]:
+            t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen))
+        B = LAYOUT.groups[g].block_tokens
+        n = len(blocks) * B // CHUNK
+        ids = torch.as_tensor(blocks)
+        kv = codec._kv_view(g, 0).index_select(0, ids)  # (n, 2, B, kvh, hd): the pages, block by block
+        want = kv.permute(1, 3, 0, 2, 4).reshape(2, 1, codec.kv_heads, -1, codec.head_dim)
+        for max_runs in (8, 0):
+            monkeypatch.setattr(hf_pages, "MAX_RUNS", max_runs)
+            per_group = [blocks if i == g else [0] * len(blocks) for i in range(len(LAYOUT.groups))]
+            got_ids = codec._attention_ids(per_group, g, n)
+            assert (got_ids.runs is None) == (max_runs == 0 or len(got_ids.runs or ()) > max_runs)
+            k, v = codec._empty_kv(g, len(blocks))
+            codec._fill_kv(g, 0, got_ids, k, v)
+            assert torch.equal(k.view(torch.uint8), want[0].view(torch.uint8))
+            assert torch.equal(v.view(torch.uint8), want[1].view(torch.uint8))
+    finally:
+        eng.kv.close()
+
+
+def test_the_cache_holds_the_filled_tensors_themselves(model):
+    """`_hold_kv` makes the filled K/V the cache's own (no copy of every byte), at their full length: what the
+    forward's masks and positions read before layer 0 runs."""
+    from hybridkv_bench.engines.hf.pages import _hold_kv
+
+    cache = model.new_cache()
+    li = next(i for i, kind in enumerate(model.layer_kinds) if kind == "attention")
+    k, v = torch.randn(1, CFG.num_kv_heads, 96, CFG.head_dim), torch.randn(1, CFG.num_kv_heads, 96, CFG.head_dim)
+    _hold_kv(cache, li, k, v)
+    assert cache.layers[li].keys.data_ptr() == k.data_ptr() and cache.layers[li].values.data_ptr() == v.data_ptr()
+    assert cache.get_seq_length(li) == 96
+
+
 def test_a_layerwise_cache_whose_layers_are_never_filled_fails_the_oracle(server, model, monkeypatch):
     """The control: the cache's attention tensors are allocated up front and filled by the layers' hooks;
     without the hooks the continuation reads unfilled K/V, and the oracle must say so."""

@@ -29,15 +29,14 @@ def copy_runs(plan: PageCopyPlan) -> tuple[np.ndarray, np.ndarray]:
     obj_storage = plan.object_storage
     if obj_storage is None:
         obj_storage = np.array([t.obj.untyped_storage().data_ptr() for t in plan.transfers], dtype=np.int64)
-    obj_storage = obj_storage[plan.page_transfer]
     pb = plan.page_bytes
     # A run may cross layers or objects, but never allocations: a copy must stay inside one storage.
-    cont = (
-        (np.diff(plan.src_addr) == pb)
-        & (np.diff(plan.dst_addr) == pb)
-        & (np.diff(plan.engine_storage) == 0)
-        & (np.diff(obj_storage) == 0)
-    )
+    cont = np.diff(plan.src_addr) == pb
+    cont &= np.diff(plan.dst_addr) == pb
+    if not cont.any():  # no two pages adjacent (one block per layer and object): every page is its own run
+        return np.arange(p, dtype=np.int64), np.ones(p, dtype=np.int64)
+    cont &= np.diff(plan.engine_storage) == 0
+    cont &= np.diff(obj_storage[plan.page_transfer]) == 0
     starts = np.flatnonzero(np.concatenate(([True], ~cont)))
     lengths = np.diff(np.append(starts, p))
     return starts, lengths
@@ -50,8 +49,11 @@ def dma_runs(plan: PageCopyPlan) -> DmaRuns:
     """The driver's arguments for `plan`'s runs (`copy_runs`), made ahead of the copies: a caller that binds a
     plan before its copies are due (a prepared store) passes them to `copy_pages_dma`, off the critical path."""
     starts, lengths = copy_runs(plan)
-    return (plan.dst_addr[starts].astype(np.uint64), plan.src_addr[starts].astype(np.uint64),
-            (lengths * plan.page_bytes).astype(np.uint64))
+    if starts.size == plan.num_pages:  # one run per page: the plan's own addresses, reread as the driver's type
+        return (plan.dst_addr.view(np.uint64), plan.src_addr.view(np.uint64),
+                np.full(starts.size, plan.page_bytes, dtype=np.uint64))
+    return (plan.dst_addr[starts].view(np.uint64), plan.src_addr[starts].view(np.uint64),
+            (lengths * plan.page_bytes).view(np.uint64))
 
 
 _local = threading.local()
@@ -66,6 +68,29 @@ SLICE_RUNS = 512
 # and join (two event records, two waits): a short plan queues faster that way and its copies end no later, while
 # long plans finish alike either way (stores measured with issue_parts: results/h100/2026-12-07/README.md).
 SPLIT_MIN_RUNS = 256
+# A plan's first this many runs go in a driver call of their own, and the calls after it grow from there (`slices`;
+# 0: calls of the cap from the start; a plan of fewer than twice as many runs: one call). The copy engines start only
+# once a call returns (kernels/README.md, "Batched DMA") and the driver's time in a call grows with its copies (a
+# 2-chunk TP8 plan's one call is most of its queueing: results/h100/2026-12-07/profile/issue_parts.txt; a long
+# plan's first calls held SLICE_RUNS runs each): a first call of a few runs starts them sooner, and each later call
+# is queued while the one before copies. `fixed_cost --first-slice-runs 0`
+# compares (results/h100/2026-12-08/PLAN.md).
+FIRST_SLICE_RUNS = 16
+SLICE_GROWTH = 4  # each call after the first this many times the one before (up to the cap): queued while it copies
+
+
+def slices(n: int, cap: int) -> list[tuple[int, int]]:
+    """The (start, end) runs of each driver call for `n` runs: `FIRST_SLICE_RUNS` first, each next call
+    `SLICE_GROWTH` times the one before, none over `cap`; calls of `cap` runs from the start where the first slice
+    is off or the plan is short (fewer than twice its runs)."""
+    size = FIRST_SLICE_RUNS if 0 < 2 * FIRST_SLICE_RUNS <= n else cap
+    out: list[tuple[int, int]] = []
+    lo = 0
+    while lo < n:
+        out.append((lo, min(n, lo + size)))
+        lo += size
+        size = min(cap, size * SLICE_GROWTH)
+    return out
 
 
 class _Side:
@@ -110,20 +135,18 @@ def copy_pages_dma(plan: PageCopyPlan, batched: bool | None = None, stream: torc
         device = plan.device.index if plan.device.index is not None else torch.cuda.current_device()
         dst, src, sizes = runs if runs is not None else dma_runs(plan)  # uint64, contiguous: sliced as they are
         if len(dst) < max(2, SPLIT_MIN_RUNS):
-            if len(dst):
-                for lo in range(0, len(dst), 2 * SLICE_RUNS):
-                    batch(dst[lo:lo + 2 * SLICE_RUNS], src[lo:lo + 2 * SLICE_RUNS], sizes[lo:lo + 2 * SLICE_RUNS],
-                          stream.cuda_stream, device)
+            for lo, hi in slices(len(dst), 2 * SLICE_RUNS):
+                batch(dst[lo:hi], src[lo:hi], sizes[lo:hi], stream.cuda_stream, device)
             return
         side = _side_stream(stream)
         side.fork.record(stream)
         side.stream.wait_event(side.fork)  # the side half starts after what the caller queued, as the main half does
         halves = ((dst[1::2].copy(), src[1::2].copy(), sizes[1::2].copy(), side.stream.cuda_stream),
                   (dst[0::2].copy(), src[0::2].copy(), sizes[0::2].copy(), stream.cuda_stream))
-        for lo in range(0, len(halves[1][0]), SLICE_RUNS):  # the main half is the longer one
+        for lo, hi in slices(len(halves[1][0]), SLICE_RUNS):  # the main half is the longer one
             for d, s, n, handle in halves:
                 if lo < len(d):
-                    batch(d[lo:lo + SLICE_RUNS], s[lo:lo + SLICE_RUNS], n[lo:lo + SLICE_RUNS], handle, device)
+                    batch(d[lo:hi], s[lo:hi], n[lo:hi], handle, device)
         side.join.record(side.stream)
         stream.wait_event(side.join)  # the plan is done on the caller's stream when both halves are
         return

@@ -20,7 +20,12 @@ import threading
 import numpy as np
 
 MAX_COPIES_PER_CALL = 4096  # the driver states no limit; bounded anyway so one call stays short
-_SRC_ACCESS_ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: sources read in stream order
+# CUmemcpySrcAccessOrder: `stream` (what the library runs) reads a source in stream order, after the work queued
+# before the copy; `during_api_call` and `any` let the driver read it earlier, which only a probe may ask for (a
+# store's pages are written by the model's kernels queued right before it)
+SRC_ACCESS_ORDERS = {"stream": 1, "during_api_call": 2, "any": 3}
+MEMCPY_FLAGS = {"default": 0, "prefer_overlap_with_compute": 1}  # CUmemcpyFlags
+_SRC_ACCESS_ORDER_STREAM = SRC_ACCESS_ORDERS["stream"]
 
 
 class _Attrs(ctypes.Structure):
@@ -107,6 +112,22 @@ def _driver() -> BatchMemcpy | None:
     if not (hasattr(lib, "cuMemcpyBatchAsync_v2") or hasattr(lib, "cuMemcpyBatchAsync")):
         return None
     return BatchMemcpy(lib)
+
+
+def set_attributes(src_access_order: str = "stream", flags: str = "default") -> None:
+    """The attributes every batched copy of this process runs with from now on (`SRC_ACCESS_ORDERS`, `MEMCPY_FLAGS`);
+    the defaults are what the library runs. For probes only, at the process's edge (a benchmark's command line):
+    any source order but `stream` may read a store's pages before the kernels writing them are done."""
+    if src_access_order not in SRC_ACCESS_ORDERS:
+        raise ValueError(f"src_access_order must be one of {sorted(SRC_ACCESS_ORDERS)}, got {src_access_order!r}")
+    if flags not in MEMCPY_FLAGS:
+        raise ValueError(f"flags must be one of {sorted(MEMCPY_FLAGS)}, got {flags!r}")
+    batch = _driver()
+    if batch is None:
+        raise RuntimeError("no batched memcpy here (no CUDA driver, or one before 12.8 without cuMemcpyBatchAsync): "
+                           "its attributes cannot be set")
+    batch._attrs.srcAccessOrder = SRC_ACCESS_ORDERS[src_access_order]
+    batch._attrs.flags = MEMCPY_FLAGS[flags]
 
 
 def available() -> bool:

@@ -73,6 +73,8 @@ class PageCopyPlan:
 
 def _block_ids(ids: Sequence[int] | np.ndarray | torch.Tensor, index: int) -> np.ndarray:
     """Block ids as a 1-d int64 numpy array; a device tensor is copied to the host (and syncs)."""
+    if type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1:
+        return ids  # what the transfer library passes: nothing to convert or check
     if isinstance(ids, torch.Tensor):
         ids = ids.detach().cpu().numpy()
     arr = np.asarray(ids)
@@ -166,30 +168,60 @@ class EnginePages:
     engine_addr: np.ndarray  # int64 (P,)
     engine_storage: np.ndarray  # int64 (P,)
     anchor: torch.Tensor
+    object_bytes: np.ndarray  # int64 (T,): the size each transfer's object must have
+
+    def _check_objects(self, objects: Sequence[torch.Tensor | None]) -> tuple[list[int], list[int], list[int]]:
+        """The transfers given an object, and each object's address and its allocation's, every object checked
+        (`_check_object` names what is wrong with one). One pass of cheap tests per object: the slots of one
+        arena are views of one base, whose page-locked test and storage address are looked up once."""
+        if len(objects) != len(self.layers):
+            raise ValueError(f"{len(objects)} objects given for {len(self.layers)} transfers")
+        want = self.object_bytes.tolist()
+        cuda = self.device.type == "cuda"
+        index = self.device.index
+        bases: dict[int, tuple[bool, int]] = {}  # id(base) -> (reachable, storage address): the objects hold
+        keep: list[int] = []                       # their bases alive, so ids stay unique during the loop
+        addrs: list[int] = []
+        storage: list[int] = []
+        for i, o in enumerate(objects):
+            if o is None:
+                continue
+            if not (isinstance(o, torch.Tensor) and o.dtype == torch.uint8 and o.is_contiguous()
+                    and o.numel() == want[i]):
+                _check_object(o, self.layers[i], self.block_ids[i].size, self.device, i)
+            base = o._base if o._base is not None else o
+            seen = bases.get(id(base))
+            if seen is None:
+                # A GPU reaches host memory only when it is page-locked (pinned, or cudaHostRegister'ed): a
+                # pinned allocation or registered mapping is locked whole, so a view is when its base is.
+                ok = ((base.is_cuda and base.get_device() == index) or (base.is_cpu and base.is_pinned())) if cuda \
+                    else base.is_cpu
+                seen = bases[id(base)] = (ok, base.untyped_storage().data_ptr())
+            if not seen[0]:
+                _check_object(o, self.layers[i], self.block_ids[i].size, self.device, i)
+            keep.append(i)
+            addrs.append(o.data_ptr())
+            storage.append(seen[1])
+        if not keep:
+            raise ValueError("a plan needs at least one transfer")
+        return keep, addrs, storage
 
     def bind(self, objects: Sequence[torch.Tensor | None]) -> PageCopyPlan:
         """The plan moving transfer i's pages to or from objects[i] (None: transfer i is left out)."""
-        if len(objects) != len(self.layers):
-            raise ValueError(f"{len(objects)} objects given for {len(self.layers)} transfers")
-        given = [(i, o) for i, o in enumerate(objects) if o is not None]
-        if not given:
-            raise ValueError("a plan needs at least one transfer")
-        pinned: dict[int, bool] = {}  # the objects hold their bases alive: ids stay unique during the loop
-        for i, o in given:
-            _check_object(o, self.layers[i], self.block_ids[i].size, self.device, i, pinned)
-        keep = [i for i, _ in given]
-        transfers = tuple(PageTransfer(self.layers[i], self.block_ids[i], o) for i, o in given)
-        renumber = np.full(len(objects), -1, dtype=np.int64)
-        renumber[keep] = np.arange(len(keep))
-        if len(keep) == len(objects):
+        keep, addrs, storage = self._check_objects(objects)
+        transfers = tuple(PageTransfer(self.layers[i], self.block_ids[i], o)
+                          for i in keep if (o := objects[i]) is not None)
+        if len(keep) == len(objects):  # every transfer bound (a load, a store of every object): no selection
             sel: slice | np.ndarray = slice(None)
+            page_tr = self.page_transfer
         else:
+            renumber = np.full(len(objects), -1, dtype=np.int64)
+            renumber[keep] = np.arange(len(keep))
             sel = np.repeat(renumber >= 0, self.counts)
-        page_tr = renumber[self.page_transfer[sel]]
+            page_tr = renumber[self.page_transfer[sel]]
         k, layer, block = self.page_k[sel], self.page_layer[sel], self.page_block[sel]
-        obj_addr = np.array([t.obj.data_ptr() for t in transfers], dtype=np.int64)
-        storages: dict[int, int] = {}  # per base tensor: the slots of one arena share one storage
-        obj_storage = np.array([_storage_addr(t.obj, storages) for t in transfers], dtype=np.int64)
+        obj_addr = np.array(addrs, dtype=np.int64)
+        obj_storage = np.array(storage, dtype=np.int64)
         objects_addr = obj_addr[page_tr] + k * self.page_bytes
         engine = self.engine_addr[sel]
         src, dst = (engine, objects_addr) if self.direction == "gather" else (objects_addr, engine)
@@ -218,60 +250,73 @@ def plan_pages(direction: Direction, transfers: Sequence[tuple[PagedLayers, Sequ
             raise ValueError(f"transfer {i}: layers must be PagedLayers, got {type(t[0]).__name__}")
     first = transfers[0][0]
     page_bytes, device = first.page_bytes, first.device
-    groups: dict[int, int] = {}  # id(PagedLayers) -> index into group_layers
+    group_first: dict[int, int] = {}  # id(PagedLayers) -> its first layer among all groups' layers, in order
     group_layers: list[PagedLayers] = []
     ids_list: list[np.ndarray] = []
-    tr_group: list[int] = []
+    per: list[tuple[int, int, int, int]] = []  # per transfer: blocks, layers, its group's first layer, its blocks
+    layer_count = 0
     for i, (layers, ids) in enumerate(transfers):
-        if layers.page_bytes != page_bytes:
-            raise ValueError(f"transfer {i}: page_bytes {layers.page_bytes} differs from the plan's "
-                             f"{page_bytes}; groups with other page sizes need their own plan")
-        if layers.device != device:
-            raise ValueError(f"transfer {i}: layers on {layers.device}, the plan's engine device is {device}")
-        g = groups.setdefault(id(layers), len(group_layers))
-        if g == len(group_layers):
+        g0 = group_first.get(id(layers))
+        if g0 is None:  # a group's page size and device are checked once: its other transfers share them
+            if layers.page_bytes != page_bytes:
+                raise ValueError(f"transfer {i}: page_bytes {layers.page_bytes} differs from the plan's "
+                                 f"{page_bytes}; groups with other page sizes need their own plan")
+            if layers.device != device:
+                raise ValueError(f"transfer {i}: layers on {layers.device}, the plan's engine device is {device}")
+            g0 = group_first[id(layers)] = layer_count
             group_layers.append(layers)
-        tr_group.append(g)
-        ids_list.append(_block_ids(ids, i))
+            layer_count += layers.num_layers
+        arr = _block_ids(ids, i)
+        ids_list.append(arr)
+        per.append((arr.size, layers.num_layers, g0, layers.num_blocks))
 
-    n = np.array([a.size for a in ids_list], dtype=np.int64)
-    tr_group_arr = np.array(tr_group, dtype=np.int64)
-    num_blocks = np.array([g.num_blocks for g in group_layers], dtype=np.int64)[tr_group_arr]
-    ids_all = np.concatenate(ids_list)
-    tr_of_id = np.repeat(np.arange(len(transfers)), n)
+    # One table of the per-transfer figures (a few small numpy calls, whatever the number of transfers: a short
+    # plan's time is the count of calls, not their size).
+    n, num_layers_t, layer_off_t, num_blocks_t = np.array(per, dtype=np.int64).reshape(len(per), 4).T
+    ids_all = np.concatenate(ids_list) if len(ids_list) > 1 else ids_list[0]
+    low = int(ids_all.min()) if ids_all.size else 0
+    if low < (HOLE if direction == "scatter" else 0) or (ids_all >= np.repeat(num_blocks_t, n)).any():
+        _refuse_block_ids(direction, ids_all, n, num_blocks_t)
+    holes = low == HOLE  # a scatter's (a gather's were refused)
+
+    # Page p of transfer t is (layer l, block j) with p - start[t] = l * n[t] + j: layer-major objects.
+    if len(group_layers) == 1:
+        base_all, stride_all, storage_all = first.base, first.stride, first.storage_base
+    else:
+        base_all = np.concatenate([g.base for g in group_layers])
+        stride_all = np.concatenate([g.stride for g in group_layers])
+        storage_all = np.concatenate([g.storage_base for g in group_layers])
+    counts = num_layers_t * n
+    ends = np.cumsum(counts)
+    total = int(ends[-1])
+    page_tr = np.repeat(np.arange(len(transfers), dtype=np.int64), counts)
+    k = np.arange(total, dtype=np.int64) - (ends - counts)[page_tr]
+    n_p = np.maximum(n, 1)[page_tr]
+    layer = k // n_p
+    block = ids_all[(np.cumsum(n) - n)[page_tr] + k - layer * n_p]
+    if holes:  # a scatter's holes: those pages of the objects go nowhere (k still counts them)
+        keep = block != HOLE
+        page_tr, k, layer, block = page_tr[keep], k[keep], layer[keep], block[keep]
+        counts = np.bincount(page_tr, minlength=len(transfers)).astype(np.int64)
+    glayer = layer_off_t[page_tr] + layer
+    engine = base_all[glayer] + block * stride_all[glayer]
+    return EnginePages(direction, device, page_bytes, tuple(t[0] for t in transfers), tuple(ids_list), counts,
+                       page_tr, k, layer, block, engine, storage_all[glayer], first.views[0],
+                       num_layers_t * n * page_bytes)
+
+
+def _refuse_block_ids(direction: Direction, ids_all: np.ndarray, n: np.ndarray, num_blocks_t: np.ndarray) -> None:
+    """Raise for the first block id out of range (or a hole in a gather), naming its transfer."""
+    tr_of_id = np.repeat(np.arange(n.size), n)
     holes = ids_all == HOLE
     if direction == "gather" and holes.any():
         which = int(tr_of_id[np.flatnonzero(holes)[0]])
         raise ValueError(f"transfer {which}: block id {HOLE} (a hole) in a gather: every page of the object "
                          "must come from an engine block")
-    bad = np.flatnonzero(((ids_all < 0) & ~holes) | (ids_all >= num_blocks[tr_of_id]))
-    if bad.size:
-        which = int(tr_of_id[bad[0]])
-        raise ValueError(f"transfer {which}: block id {int(ids_all[bad[0]])} is out of range "
-                         f"[0, {int(num_blocks[which])})")
-
-    # Page p of transfer t is (layer l, block j) with p - start[t] = l * n[t] + j: layer-major objects.
-    num_layers = np.array([g.num_layers for g in group_layers], dtype=np.int64)
-    layer_off = np.concatenate(([0], np.cumsum(num_layers)[:-1]))
-    base_all = np.concatenate([g.base for g in group_layers])
-    stride_all = np.concatenate([g.stride for g in group_layers])
-    storage_all = np.concatenate([g.storage_base for g in group_layers])
-    counts = num_layers[tr_group_arr] * n
-    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
-    id_starts = np.concatenate(([0], np.cumsum(n)[:-1]))
-    page_tr = np.repeat(np.arange(len(transfers), dtype=np.int64), counts)
-    k = np.arange(int(counts.sum()), dtype=np.int64) - starts[page_tr]
-    n_p = n[page_tr]
-    layer = k // np.maximum(n_p, 1)
-    block = ids_all[id_starts[page_tr] + k % np.maximum(n_p, 1)]
-    if holes.any():  # a scatter's holes: those pages of the objects go nowhere (k still counts them)
-        keep = block != HOLE
-        page_tr, k, layer, block = page_tr[keep], k[keep], layer[keep], block[keep]
-        counts = np.bincount(page_tr, minlength=len(transfers)).astype(np.int64)
-    glayer = layer_off[tr_group_arr][page_tr] + layer
-    engine = base_all[glayer] + block * stride_all[glayer]
-    return EnginePages(direction, device, page_bytes, tuple(t[0] for t in transfers), tuple(ids_list), counts,
-                       page_tr, k, layer, block, engine, storage_all[glayer], first.views[0])
+    bad = np.flatnonzero(((ids_all < 0) & ~holes) | (ids_all >= num_blocks_t[tr_of_id]))
+    which = int(tr_of_id[bad[0]])
+    raise ValueError(f"transfer {which}: block id {int(ids_all[bad[0]])} is out of range "
+                     f"[0, {int(num_blocks_t[which])})")
 
 
 def build_plan(direction: Direction, transfers: Sequence[PageTransfer | tuple]) -> PageCopyPlan:

@@ -169,3 +169,24 @@ def test_shm_mmap_object_round_trip(cpu_impl, gen):
             del arena, obj
         finally:
             mm.close()
+
+
+@pytest.mark.parametrize("first", [0, 1, 16, 40])
+@pytest.mark.parametrize("n", [1, 2, 31, 32, 80, 255, 592, 2400])
+def test_driver_call_slices_cover_every_run_once_in_order(monkeypatch, n, first):
+    """The batched calls' slices: every run once, in order; a first slice of FIRST_SLICE_RUNS where the plan has at
+    least twice as many runs, each next one SLICE_GROWTH times larger, none over the cap."""
+    from hybridkv_kernels import copy_dma
+
+    monkeypatch.setattr(copy_dma, "FIRST_SLICE_RUNS", first)
+    cap = 512
+    bounds = copy_dma.slices(n, cap)
+    assert bounds[0][0] == 0 and bounds[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
+    sizes = [hi - lo for lo, hi in bounds]
+    assert all(0 < s <= cap for s in sizes)
+    if first and n >= 2 * first:
+        assert sizes[0] == first
+        assert all(b == min(cap, a * copy_dma.SLICE_GROWTH) for a, b in zip(sizes, sizes[1:-1], strict=False))
+    else:
+        assert sizes == [min(cap, n - lo) for lo, _ in bounds]

@@ -176,12 +176,19 @@ def test_batched_dma_from_a_thread_that_never_used_cuda(shm_arena):
         np.testing.assert_array_equal(obj.cpu().numpy(), pool.expected_object(blocks))
 
 
-def test_batched_dma_in_slices_moves_every_run():
+@pytest.mark.parametrize("first", [0, 16])
+def test_batched_dma_in_slices_moves_every_run(first, monkeypatch):
     """A plan of more runs than one slice (and a partial last slice) goes out in several driver calls on two
-    streams: every page lands, gathered and scattered back."""
+    streams, growing from a first slice or not: every page lands, gathered and scattered back."""
     if not cuda_batch.available():
         pytest.skip("the driver has no batched memcpy")
-    n, pb = 3 * SLICE_RUNS + 7, 256
+    monkeypatch.setattr("hybridkv_kernels.copy_dma.FIRST_SLICE_RUNS", first)
+    _gather_and_scatter_back(3 * SLICE_RUNS + 7, 256)
+
+
+def _gather_and_scatter_back(n: int, pb: int) -> None:
+    """`n` pages of `pb` bytes, no two of them one run, gathered into pinned memory by batched DMA and scattered
+    back over a sentinel: every page lands both ways."""
     pool = torch.randint(0, 256, (2 * n, pb), dtype=torch.uint8, device="cuda")
     layers = PagedLayers.from_tensors([pool], pb)
     ids = list(range(2 * n - 1, 0, -2))  # descending, every other block: no two pages make one run
@@ -195,3 +202,14 @@ def test_batched_dma_in_slices_moves_every_run():
     copy_pages_dma(plan_scatter([(layers, ids, obj)]), batched=True, stream=stream)
     stream.synchronize()
     assert torch.equal(pool[ids], want)
+
+
+@pytest.mark.parametrize("first", [0, 1, 4, 16, 40, 41, 200])
+def test_a_short_plans_first_slice_and_the_rest_move_every_run(first, monkeypatch):
+    """A short plan's first runs in a driver call of their own (`FIRST_SLICE_RUNS`: off, a few, half the plan's 80
+    runs; more than half, and more than the plan, leave it one call), the rest after: every page lands, gathered and
+    scattered back."""
+    if not cuda_batch.available():
+        pytest.skip("the driver has no batched memcpy")
+    monkeypatch.setattr("hybridkv_kernels.copy_dma.FIRST_SLICE_RUNS", first)
+    _gather_and_scatter_back(80, 4096)

@@ -229,3 +229,88 @@ def test_a_part_of_a_plan_moves_its_pages_alone_and_refuses_indices_outside_it(g
     assert not per_layer[0].any() and not per_layer[2].any()  # the other layers' pages were not copied
     with pytest.raises(ValueError, match="1-d selection"):
         plan.take(np.array([plan.num_pages]))
+
+
+def _reference_pages(direction, transfers):
+    """Per page, in plan order, by a loop over objects, layers and blocks: (src, dst, transfer index among the
+    bound ones, layer, engine storage); a scatter's hole writes nowhere."""
+    rows, bound = [], 0
+    for layers, ids, obj in transfers:
+        if obj is None:
+            continue
+        for layer, v in enumerate(layers.views):
+            for j, b in enumerate(ids):
+                if b == HOLE:
+                    continue
+                engine = v[b].data_ptr()
+                o = obj.data_ptr() + (layer * len(ids) + j) * layers.page_bytes
+                rows.append((engine, o, bound, layer, v.untyped_storage().data_ptr()) if direction == "gather"
+                            else (o, engine, bound, layer, v.untyped_storage().data_ptr()))
+        bound += 1
+    return rows
+
+
+def _reference_runs(plan):
+    """Runs of pages adjacent on both sides and inside one allocation each side, by a loop."""
+    starts, lengths = [], []
+    stor = [t.obj.untyped_storage().data_ptr() for t in plan.transfers]
+    for p in range(plan.num_pages):
+        if p and (plan.src_addr[p] - plan.src_addr[p - 1] == plan.page_bytes
+                  and plan.dst_addr[p] - plan.dst_addr[p - 1] == plan.page_bytes
+                  and plan.engine_storage[p] == plan.engine_storage[p - 1]
+                  and stor[plan.page_transfer[p]] == stor[plan.page_transfer[p - 1]]):
+            lengths[-1] += 1
+        else:
+            starts.append(p)
+            lengths.append(1)
+    return starts, lengths
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("direction", ["gather", "scatter"])
+def test_plans_and_runs_equal_a_loop_over_random_transfers(direction, seed):
+    """Random transfers over groups sharing one pool (multi-block objects, runs of consecutive blocks, a scatter's
+    holes, some transfers left unbound, objects in one arena and alone): the plan's pages and the DMA runs
+    equal a per-page loop's."""
+    from hybridkv_kernels.copy_dma import dma_runs
+
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    groups = [p.layers() for p in qwen_like_groups(gen, layers=3, groups=3, blocks=40, page_bytes=64)]
+    arena = torch.empty(1 << 16, dtype=torch.uint8)
+    free = iter(rng.permutation(40).tolist())
+    transfers, off = [], 0
+    for t in range(int(rng.integers(1, 9))):
+        layers = groups[int(rng.integers(0, 3))]
+        n = int(rng.integers(1, 4))
+        if rng.random() < 0.5 and t:  # consecutive blocks: runs join within a layer
+            first = next(free)
+            ids = [min(first + j, 39) for j in range(n)] if first + n <= 40 else [first]
+            ids = list(dict.fromkeys(ids))
+        else:
+            ids = [next(free) for _ in range(n)]
+        if direction == "scatter" and rng.random() < 0.3:
+            ids[int(rng.integers(0, len(ids)))] = HOLE
+        size = layers.object_bytes(len(ids))
+        if rng.random() < 0.7:  # a slot of the arena, right after the last one (runs may cross objects)
+            obj = arena[off:off + size]
+            off += size
+        else:
+            obj = torch.empty(size, dtype=torch.uint8)
+        transfers.append((layers, ids, obj if rng.random() < 0.8 or t == 0 else None))
+    try:  # the same engine block in two transfers of a scatter is refused; draw blocks without it
+        half = plan_pages(direction, [(layers, ids) for layers, ids, _ in transfers])
+        plan = half.bind([obj for _, _, obj in transfers])
+    except ValueError as e:
+        assert "overlap" in str(e)
+        return
+    ref = _reference_pages(direction, transfers)
+    got = list(zip(plan.src_addr.tolist(), plan.dst_addr.tolist(), plan.page_transfer.tolist(),
+                   plan.page_layer.tolist(), plan.engine_storage.tolist(), strict=True))
+    assert got == ref
+    starts, lengths = copy_runs(plan)
+    assert (starts.tolist(), lengths.tolist()) == _reference_runs(plan)
+    dst, src, sizes = dma_runs(plan)
+    assert dst.dtype == src.dtype == sizes.dtype == np.uint64
+    assert dst.tolist() == plan.dst_addr[starts].tolist() and src.tolist() == plan.src_addr[starts].tolist()
+    assert sizes.tolist() == [n * plan.page_bytes for n in lengths.tolist()]

@@ -29,7 +29,7 @@ CONFIG_ENV = "HYBRIDKV_CONFIG"
 OTHER_ENV = frozenset({"HYBRIDKV_CONNECTOR_CONFIG"} | {ENV_PREFIX + k.upper() for k in (
     "salt", "wire_format", "copy_engine", "streams", "commit", "store_policy", "retrieve_policy", "chunk_tokens",
     "lookup_timeout_s", "step_timeout_s", "l2_wait_s", "timeout_s", "retry_s", "expect_preset", "load_mode",
-    "state_every_chunks")})
+    "state_every_chunks", "max_link_fraction", "max_compute_cost", "link_gbps")})
 # `hybridkv serve`'s variables, one per long flag (a test holds this list to its parser), which the connector leaves
 # alone: this module cannot ask the server's parser itself (the engine side never imports the server)
 SERVE_ENV = frozenset(ENV_PREFIX + k.upper().replace("-", "_") for k in (

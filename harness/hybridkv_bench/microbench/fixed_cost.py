@@ -48,7 +48,7 @@ from hybridkv.model.presets import preset_layout
 from hybridkv.server.books.config import GIB, ServerConfig
 from hybridkv.server.front.launch import start_server
 from hybridkv.wire import protocol as P
-from hybridkv_kernels import build_plan, cuda_batch, run_plan
+from hybridkv_kernels import build_plan, copy_dma, cuda_batch, run_plan
 
 from hybridkv_bench.pools import BlockAllocator, fill_random, vllm_pools
 
@@ -369,8 +369,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cprofile", type=int, default=0, metavar="TOP",
                     help="instead: cProfile the queueing of a prepared store's and a load's copies, top TOP lines")
     ap.add_argument("--dma-batch", choices=["on", "off"], default="on", help="off: CUDA copies not batched")
+    ap.add_argument("--first-slice-runs", type=int, default=None, metavar="N",
+                    help="a short plan's first N runs in a driver call of their own (copy_dma.FIRST_SLICE_RUNS; "
+                         "0: one call; default: the library's)")
     args = ap.parse_args(argv)
     cuda_batch.set_enabled(args.dma_batch == "on")
+    if args.first_slice_runs is not None:
+        if args.first_slice_runs < 0:
+            ap.error(f"--first-slice-runs must be >= 0, got {args.first_slice_runs}")
+        if not hasattr(copy_dma, "FIRST_SLICE_RUNS"):
+            ap.error("--first-slice-runs: this tree's copy_dma has no FIRST_SLICE_RUNS")
+        copy_dma.FIRST_SLICE_RUNS = args.first_slice_runs
     if args.rounds < 1 or args.page_bytes < 0 or args.page_bytes % 16 or any(c < 1 for c in args.chunks):
         ap.error("--rounds and --chunks must be >= 1, --page-bytes 0 or a multiple of 16")
     if args.device == "cuda" and not torch.cuda.is_available():

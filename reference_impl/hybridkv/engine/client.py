@@ -137,8 +137,13 @@ class CacheClient:
 
     # ---- public --------------------------------------------------------------------------------
 
-    def submit(self, msg: P.Message, frames: list | tuple = ()) -> Future:
-        """Send `msg` (+ payload frames); the future gives (reply, reply frames) or raises ServerError."""
+    def submit(self, msg: P.Message, frames: list | tuple = (), reply_soon: bool = True) -> Future:
+        """Send `msg` (+ payload frames); the future gives (reply, reply frames) or raises ServerError.
+
+        `reply_soon=False`: nobody waits on the reply (a lease's release, sent before its load is reported done):
+        the I/O thread is not woken to receive it, which would take the interpreter from the thread about to wake
+        the waiting caller; the next thread that leads receives it, or the I/O thread within IDLE_S. The request
+        itself leaves now either way."""
         fut: Future = Future()
         msg.id = next(self._ids)
         entry = Pending(time.monotonic() + self.timeout_s, type(msg).__name__, fut)
@@ -157,7 +162,7 @@ class CacheClient:
                 entry.finish(None, e)
         finally:
             if not mine:
-                self._give()
+                self._give(wake_io=reply_soon)
         return fut
 
     def call(self, msg: P.Message, frames: list | tuple = (), timeout: float | None = None) -> Any:
@@ -243,14 +248,15 @@ class CacheClient:
                     self._want -= 1
         self._owner = threading.get_ident()
 
-    def _give(self) -> None:
-        """Give the socket back; a follower takes it over, else the I/O thread if replies are still owed."""
+    def _give(self, wake_io: bool = True) -> None:
+        """Give the socket back; a follower takes it over, else the I/O thread if replies are still owed (unless
+        `wake_io` is False: they may wait for its next look, within IDLE_S)."""
         self._owner = 0
         self._sock_lock.release()
         if self._followers:
             with self._turn:
                 self._turn.notify_all()
-        elif self._unwaited:
+        elif self._unwaited and wake_io:
             self._io_wake.poke()
 
     def _send(self, msg: P.Message, frames: list | tuple) -> None:

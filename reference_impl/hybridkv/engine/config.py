@@ -27,6 +27,21 @@ COMPUTE_COST_AT_FULL_LINK = {"load": 0.07, "store": 0.017}
 MIN_LINK_FRACTION = 0.05  # the slowest pace: below it a long load would outlast the client's timeouts
 
 
+def check_pacing(max_link_fraction: float, max_compute_cost: float, link_gbps: float, where: str = "") -> None:
+    """Reject a pace no copy can keep (`TransferConfig`'s pacing fields, also the vLLM connector's settings); each
+    message names the setting (after `where`, e.g. "kv_connector_extra_config ") and the bad value."""
+    if not MIN_LINK_FRACTION <= max_link_fraction <= 1:
+        raise ValueError(f"{where}max_link_fraction must lie in [{MIN_LINK_FRACTION}, 1], got {max_link_fraction!r}")
+    if not 0 <= max_compute_cost < 1:
+        raise ValueError(f"{where}max_compute_cost must lie in [0, 1) (0: no cap), got {max_compute_cost!r}")
+    if max_compute_cost and (low := min(max_compute_cost / c for c in COMPUTE_COST_AT_FULL_LINK.values())
+                             ) < MIN_LINK_FRACTION:
+        raise ValueError(f"{where}max_compute_cost {max_compute_cost!r} would pace copies to {low:.3f} of the "
+                         f"link, below the slowest pace {MIN_LINK_FRACTION}")
+    if not 0 <= link_gbps < float("inf"):
+        raise ValueError(f"{where}link_gbps must be a finite rate >= 0 (0: measured), got {link_gbps!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class TransferAxes:
     """The transfer axes, declared once: how bytes move between an engine and the server, whoever moves them
@@ -78,16 +93,7 @@ class TransferConfig(TransferAxes):
         TransferAxes.__post_init__(self)  # zero-argument super() does not reach it in a slots dataclass
         if self.chunk_tokens < 0 or self.timeout_s <= 0:
             raise ValueError(f"chunk_tokens must be >= 0 and timeout_s > 0, got {self.chunk_tokens}, {self.timeout_s}")
-        if not MIN_LINK_FRACTION <= self.max_link_fraction <= 1:
-            raise ValueError(f"max_link_fraction must lie in [{MIN_LINK_FRACTION}, 1], got {self.max_link_fraction!r}")
-        if not 0 <= self.max_compute_cost < 1:
-            raise ValueError(f"max_compute_cost must lie in [0, 1) (0: no cap), got {self.max_compute_cost!r}")
-        if self.max_compute_cost and (low := min(self.max_compute_cost / c for c in COMPUTE_COST_AT_FULL_LINK.values())
-                                      ) < MIN_LINK_FRACTION:
-            raise ValueError(f"max_compute_cost {self.max_compute_cost!r} would pace copies to {low:.3f} of the "
-                             f"link, below the slowest pace {MIN_LINK_FRACTION}")
-        if not 0 <= self.link_gbps < float("inf"):
-            raise ValueError(f"link_gbps must be a finite rate >= 0 (0: measured), got {self.link_gbps!r}")
+        check_pacing(self.max_link_fraction, self.max_compute_cost, self.link_gbps)
 
     def link_fraction(self, kind: Literal["store", "load"]) -> float:
         """The share of the link `kind`'s copies may move: `max_link_fraction`, lowered to what keeps their cost

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from hybridkv_kernels import PagedLayers, build_plan, plan_pages, run_plan
-from hybridkv_kernels.copy_dma import dma_runs
+from hybridkv_kernels.copy_dma import copy_pages_dma, dma_runs
 from hybridkv_kernels.pace import Pace, Pacer, measure_link_gbps
 
 from hybridkv.engine.handles import TransferHandle
@@ -137,6 +137,8 @@ class PageCopies:
         event recorded after it (None on a CPU: the copies are done)."""
         if pacer is not None:
             pacer.run(plan, self.impl, runs)
+        elif self.impl == "dma":  # chosen and checked once, in KVTransfer: not again per plan
+            copy_pages_dma(plan, stream=s, runs=runs)
         else:
             run_plan(plan, self.impl, s, runs)
         if s is None:

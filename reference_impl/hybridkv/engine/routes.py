@@ -227,7 +227,8 @@ class Route(ABC):
             return  # a part of a hit whose lease another retrieve releases
         try:
             msg = P.Release(engine=self.engine_id, lease=lease)
-            self.client.call(msg) if wait else self.client.submit(msg)
+            # without waiting: nobody reads the answer, so none is hurried (a load's caller wakes right after)
+            self.client.call(msg) if wait else self.client.submit(msg, reply_soon=False)
         except Exception:
             pass  # end_session or the server's reclaim drops the pins anyway
 

@@ -67,6 +67,7 @@ class KVTransfer:
         self.copies = PageCopies(self.groups, self.impl, len(self.groups) if config.streams == "per_group" else 1,
                                  {k: config.link_fraction(k) for k in ("store", "load")}, config.link_gbps)
         self._layer_steps = layer_steps(layout)
+        self._layer_page_bytes = [g.num_layers * g.page_bytes for g in self.groups]  # a block's bytes, per group
         # the format's route, chosen once: a direct wire's copies reach the arena, a payload wire sends frames
         self.route = open_route(self.wire, self.client, self.engine_id, self.copies, config.timeout_s,
                                 fenced=config.commit == "fenced")
@@ -131,9 +132,7 @@ class KVTransfer:
         the copies anyway; a payload wire's load waits for the server's frames: both ignore it.)"""
         h = TransferHandle("load", hit.request_id)
         jobs = self._object_blocks(hit.objects, block_ids)  # validate in the caller's thread
-        # the bytes written: a hole's pages (a sliding-window block the engine does not hold) stay in the object
-        h.nbytes = sum(int((ids != HOLE).sum()) * self.groups[o.group].num_layers * self.groups[o.group].page_bytes
-                       for o, ids in jobs)
+        h.nbytes = self._bytes_written(jobs)
         if not hit.objects:
             h.t_copy_start = h.t_done = h.t_committed = time.perf_counter()
             h.done.set_result(h)
@@ -293,6 +292,16 @@ class KVTransfer:
     def _all_blocks(self, objects: list[tuple[int, int]], block_ids: Sequence[Sequence[int]]) -> list[ObjectJob]:
         """Every (chunk, group) object's blocks, validated in the caller's thread before anything is reserved."""
         return self._object_blocks([P.ObjectLoc(c, g, 0, self.object_bytes[g]) for c, g in objects], block_ids)
+
+    def _bytes_written(self, jobs: list[ObjectJob]) -> int:
+        """The bytes a load of `jobs` writes: a hole's pages (a sliding-window block the engine does not hold)
+        stay in the object. Holes are rare: one look at every block id finds there are none."""
+        if not jobs:
+            return 0
+        page = self._layer_page_bytes
+        if not (np.concatenate([ids for _, ids in jobs]) == HOLE).any():
+            return sum(page[o.group] * ids.size for o, ids in jobs)
+        return sum(page[o.group] * int((ids != HOLE).sum()) for o, ids in jobs)
 
     def _object_blocks(self, objects: Sequence[P.ObjectLoc], block_ids: Sequence[Sequence[int]]) -> list[ObjectJob]:
         """For each object, its group's block ids: a chunk's blocks (attention) or its last block (state)."""

@@ -82,6 +82,28 @@ def test_a_call_whose_reply_comes_after_a_submits_gets_its_own(client):
     assert not client._pending
 
 
+def test_a_submit_whose_reply_nobody_hurries_still_gets_it(client, monkeypatch):
+    """`submit(reply_soon=False)` (a release nobody waits on) wakes no I/O thread: its reply is received by the next
+    call's leader, or by the I/O thread's next look when no call comes."""
+    eng = Engine(client)
+    keys = eng.keys(3)
+    eng.store(keys)
+    pokes = []
+    poke = client._io_wake.poke
+    monkeypatch.setattr(client._io_wake, "poke", lambda: (pokes.append(1), poke()))
+    lone = client.submit(P.Lookup(engine=eng.id, request="a", keys=keys, pin=False), reply_soon=False)
+    assert not pokes
+    assert lone.result(5)[0].hit_chunks == 3  # the I/O thread's next look, within IDLE_S
+    for _ in range(50):
+        fut = client.submit(P.Lookup(engine=eng.id, request="b", keys=keys[:2], pin=False), reply_soon=False)
+        res, _ = client.call(P.Lookup(engine=eng.id, request="c", keys=keys[:1], pin=False))
+        assert res.hit_chunks == 1 and fut.result(5)[0].hit_chunks == 2
+    assert not pokes
+    hurried = client.submit(P.Lookup(engine=eng.id, request="d", keys=keys, pin=False))
+    assert pokes and hurried.result(5)[0].hit_chunks == 3  # the default still wakes it
+    assert not client._pending
+
+
 def test_a_reply_callback_may_submit_but_not_call(client):
     inner: list = []
     errors: list[BaseException] = []

@@ -187,6 +187,12 @@ def test_bad_extra_config_names_the_key(serve, make_engine):
     ({"lookup_timeout_s": 0}, "lookup_timeout_s must be > 0"),
     ({"endpoint": "http://x"}, "endpoint must be ipc:// or tcp://"),
     ({"state_every_chunks": -1}, "state_every_chunks must be >= 0, got -1"),
+    ({"max_link_fraction": 0.01}, r"max_link_fraction must lie in \[0.05, 1\], got 0.01"),
+    ({"max_link_fraction": 1.5}, r"max_link_fraction must lie in \[0.05, 1\], got 1.5"),
+    ({"max_compute_cost": 1}, r"max_compute_cost must lie in \[0, 1\) \(0: no cap\), got 1.0"),
+    ({"max_compute_cost": 0.001}, "max_compute_cost 0.001 would pace copies to 0.014 of the link"),
+    ({"link_gbps": -3}, "link_gbps must be a finite rate >= 0 \\(0: measured\\), got -3.0"),
+    ({"max_link_fraction": "half"}, "max_link_fraction must be float, got 'half'"),
 ])
 def test_extra_config_errors_name_the_key_and_value(extra, says):
     with pytest.raises(ValueError, match="kv_connector_extra_config " + says):
@@ -196,6 +202,19 @@ def test_extra_config_errors_name_the_key_and_value(extra, says):
 def test_extra_config_takes_ints_for_floats():
     s = ConnectorSettings.from_extra({"timeout_s": 5, "wire_format": "raw", "copy_engine": "dma"})
     assert (s.timeout_s, s.wire_format, s.copy_engine) == (5.0, "raw", "dma") and isinstance(s.timeout_s, float)
+
+
+def test_pacing_reaches_the_ranks_transfer_config(serve, make_engine):
+    """The pacing settings are the engine rank's TransferConfig's (each direction's share of the link as that
+    config derives it), and the variables HYBRIDKV_<KEY> set them as the extra-config keys do."""
+    srv = serve()
+    eng = make_engine(srv.endpoint, max_link_fraction=0.5, max_compute_cost=0.03, link_gbps=40)
+    run(eng, "A", tokens(2 * C + 5, 70))
+    cfg = eng.worker.worker_side.link.transfer.config
+    assert (cfg.max_link_fraction, cfg.max_compute_cost, cfg.link_gbps) == (0.5, 0.03, 40.0)
+    assert cfg.link_fraction("load") == pytest.approx(0.03 / 0.07) and cfg.link_fraction("store") == 0.5
+    s = ConnectorSettings.from_extra({}, environ={"HYBRIDKV_MAX_LINK_FRACTION": "0.25", "HYBRIDKV_LINK_GBPS": "50"})
+    assert (s.max_link_fraction, s.max_compute_cost, s.link_gbps) == (0.25, 0.0, 50.0)
 
 
 def test_one_pin_set_per_request_however_often_vllm_asks(serve, make_engine):

@@ -25,6 +25,24 @@ from hybridkv.model.policy import object_blocks
 from hybridkv_bench.engines.hf.model import HFModel
 from hybridkv_bench.engines.hf.spec import STATE_DTYPE
 
+MAX_RUNS = 8  # a layer's blocks in more runs of consecutive ids than this are gathered in one call instead
+
+
+@dataclass(frozen=True, slots=True)
+class _Ids:
+    """A group's block ids for a cache: on the model's device, and as runs of consecutive ids when few."""
+
+    tensor: torch.Tensor
+    runs: list[tuple[int, int, int]] | None  # (position, first block, blocks); None: too many runs
+
+
+def _hold_kv(cache: Any, li: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Make `k` and `v` layer li's K/V in transformers' `cache` as they are, not a copy: `update` with them would
+    append them to its empty tensors (a pass over every byte); an update of no tokens sets the layer up instead."""
+    cache.update(k[:, :, :0], v[:, :, :0], li)
+    layer = cache.layers[li]
+    layer.keys, layer.values = k, v
+
 
 class PageShapeError(ValueError):
     """The model's cache tensors do not fit the layout's pages."""
@@ -130,52 +148,97 @@ class PageCodec:
         for g in self.layout.attention_groups:
             ids = self._attention_ids(blocks, g, n_chunks)
             for j, li in enumerate(self.layer_index[g]):
-                k, v = self._attention_kv(g, j, ids)
-                cache.update(k.contiguous(), v.contiguous(), li)
+                k, v = self._empty_kv(g, len(ids.tensor))
+                self._fill_kv(g, j, ids, k, v)
+                _hold_kv(cache, li, k, v)
         self._read_states(cache, blocks, n_chunks)
         return cache
 
     def read_cache_layerwise(self, blocks: Sequence[Sequence[int]], n_chunks: int, load: TransferHandle,
                              layers: Sequence[torch.nn.Module]) -> tuple[Any, list[Any]]:
-        """The cache `read_cache` makes, filled as the forward reaches each layer: the recurrent states now
-        (after their pages, which a layer-wise load writes first), each attention layer's K/V by a pre-hook
-        on its decoder layer `layers[li]` that orders the fill after that layer's pages alone (`load`'s
-        `wait_layer`, on the GPU). Returns the cache and the hooks, which the caller removes after the forward."""
+        """The cache `read_cache` makes, filled as the load writes each layer: the recurrent states now (after
+        their pages, which a layer-wise load writes first), each attention layer's K/V as soon as its pages are
+        written. On the GPU every fill is queued now on a stream of its own, each after its layer's pages alone
+        (`load`'s `wait_layer`), so a fill runs beside the forward's earlier layers rather than in its stream; a
+        pre-hook on decoder layer `layers[li]` orders the forward after that layer's fill only. Elsewhere the hook
+        fills the layer itself (after the whole load). Returns the cache and the hooks, which the caller removes
+        after the forward."""
         cache = self.hf.new_cache()
         hooks: list[Any] = []
-        for g in self.layout.attention_groups:
-            ids = self._attention_ids(blocks, g, n_chunks)
-            names = self.layout.groups[g].layer_names
-            for j, li in enumerate(self.layer_index[g]):
-                # the right lengths from the start (masks and positions read them before layer 0 runs)
-                shape = (1, self.kv_heads, len(ids) * self.layout.groups[g].block_tokens, self.head_dim)
-                cache.update(torch.empty(shape, dtype=self.hf.dtype, device=self.hf.device),
-                             torch.empty(shape, dtype=self.hf.dtype, device=self.hf.device), li)
+        cuda = self.hf.device.type == "cuda"
+        side = torch.cuda.Stream(self.hf.device) if cuda else None
+        if side is not None:  # the cache's tensors are made on the model's stream: the fills come after that
+            side.wait_stream(torch.cuda.current_stream(self.hf.device))
+        # every attention layer, in the order the forward reaches them (and the load writes them): a fill queued
+        # behind another group's later layer would wait for that layer's pages
+        todo = sorted((li, g, j) for g in self.layout.attention_groups for j, li in enumerate(self.layer_index[g]))
+        ids_of = {g: self._attention_ids(blocks, g, n_chunks) for g in self.layout.attention_groups}
+        for li, g, j in todo:
+            ids, name = ids_of[g], self.layout.groups[g].layer_names[j]
+            # the right lengths from the start (masks and positions read them before layer 0 runs)
+            k, v = self._empty_kv(g, len(ids.tensor))
+            _hold_kv(cache, li, k, v)
+            filled = None
+            if side is not None:
+                # written on `side`: their memory is not reused before that work is done, even if the forward
+                # never reaches the layer (an error) and frees the cache with its fill still queued
+                k.record_stream(side)
+                v.record_stream(side)
+                with torch.cuda.stream(side):
+                    load.wait_layer(name, stream=side)
+                    self._fill_kv(g, j, ids, k, v)
+                    filled = torch.cuda.Event()
+                    filled.record(side)
 
-                def fill(module: Any, args: Any, g: int = g, j: int = j, li: int = li, ids: torch.Tensor = ids,
-                         name: str = names[j], pos: int = len(hooks)) -> None:
+            def fill(module: Any, args: Any, g: int = g, j: int = j, ids: _Ids = ids, k: torch.Tensor = k,
+                     v: torch.Tensor = v, name: str = name, pos: int = len(hooks), filled: Any = filled) -> None:
+                if filled is not None:
+                    torch.cuda.current_stream(self.hf.device).wait_event(filled)
+                else:
                     load.wait_layer(name)
-                    k, v = self._attention_kv(g, j, ids)
-                    cache.layers[li].keys.copy_(k)
-                    cache.layers[li].values.copy_(v)
-                    hooks[pos].remove()  # once: a later segment's forward finds the layer filled
+                    self._fill_kv(g, j, ids, k, v)
+                hooks[pos].remove()  # once: a later segment's forward finds the layer filled
 
-                hooks.append(layers[li].register_forward_pre_hook(fill))
+            hooks.append(layers[li].register_forward_pre_hook(fill))
         for g in self.layout.recurrent_groups:
             for name in self.layout.groups[g].layer_names:
                 load.wait_layer(name)
         self._read_states(cache, blocks, n_chunks)
         return cache, hooks
 
-    def _attention_ids(self, blocks: Sequence[Sequence[int]], g: int, n_chunks: int) -> torch.Tensor:
+    def _attention_ids(self, blocks: Sequence[Sequence[int]], g: int, n_chunks: int) -> _Ids:
         n_blocks = n_chunks * self.chunk_tokens // self.layout.groups[g].block_tokens
-        return torch.as_tensor(list(blocks[g][:n_blocks]), device=self.hf.device)
+        ids = [int(b) for b in blocks[g][:n_blocks]]
+        runs: list[tuple[int, int, int]] = []  # (position, first block, blocks) of each run of consecutive ids
+        for pos, b in enumerate(ids):
+            if runs and runs[-1][1] + runs[-1][2] == b:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((pos, b, 1))
+        return _Ids(torch.as_tensor(ids, device=self.hf.device), runs if len(runs) <= MAX_RUNS else None)
 
-    def _attention_kv(self, g: int, j: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer j of attention group g's K and V over blocks `ids`, shaped as transformers' cache holds them."""
-        kv = self._kv_view(g, j).index_select(0, ids)  # (n, 2, B, kvh, hd)
-        kv = kv.permute(1, 3, 0, 2, 4).reshape(2, 1, self.kv_heads, -1, self.head_dim)
-        return kv[0], kv[1]
+    def _empty_kv(self, g: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Uninitialised K and V of `n_blocks` blocks of attention group g, shaped as transformers' cache holds them."""
+        shape = (1, self.kv_heads, n_blocks * self.layout.groups[g].block_tokens, self.head_dim)
+        return (torch.empty(shape, dtype=self.hf.dtype, device=self.hf.device),
+                torch.empty(shape, dtype=self.hf.dtype, device=self.hf.device))
+
+    def _fill_kv(self, g: int, j: int, ids: _Ids, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Layer j of attention group g's K and V over blocks `ids` into `k` and `v` (from `_empty_kv`): a run of
+        consecutive blocks is read in place, one strided copy per run and tensor; blocks in many runs are gathered
+        first (one pass more)."""
+        src = self._kv_view(g, j)  # (num_blocks, 2, B, kvh, hd)
+        B = self.layout.groups[g].block_tokens
+        # (kvh, n, B, hd) views of the cache tensors: block-major token order, as the pages hold them
+        kd = k.view(self.kv_heads, -1, B, self.head_dim)
+        vd = v.view(self.kv_heads, -1, B, self.head_dim)
+        if ids.runs is None:  # K, then V: each gathered (n, B, kvh, hd), then laid out as the cache holds it
+            kd.copy_(src[:, 0].index_select(0, ids.tensor).permute(2, 0, 1, 3))
+            vd.copy_(src[:, 1].index_select(0, ids.tensor).permute(2, 0, 1, 3))
+            return
+        for pos, first, n in ids.runs:
+            kd[:, pos:pos + n].copy_(src[first:first + n, 0].permute(2, 0, 1, 3))
+            vd[:, pos:pos + n].copy_(src[first:first + n, 1].permute(2, 0, 1, 3))
 
     def _read_states(self, cache: Any, blocks: Sequence[Sequence[int]], n_chunks: int) -> None:
         """Every recurrent layer's state after chunk n_chunks - 1 from its state block into `cache`."""

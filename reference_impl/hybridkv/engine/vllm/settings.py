@@ -9,7 +9,7 @@ from typing import Any, Literal, get_args, get_type_hints
 
 import msgspec
 
-from hybridkv.engine.config import TransferAxes
+from hybridkv.engine.config import TransferAxes, check_pacing
 from hybridkv.wire.endpoints import default_endpoint
 from hybridkv.wire.wire_formats import traits
 
@@ -43,6 +43,13 @@ class ConnectorSettings(TransferAxes):
     # turn resuming through the last answer, resumes at the last chunk it shares. 0: only where vLLM keeps one
     # itself (the prompt's last block boundary). Models without recurrent groups ignore it.
     state_every_chunks: int = 1
+    # Pacing of the copies on the GPU, as TransferConfig's (hybridkv.engine.config): at most this share of the link
+    # on average (1: unpaced) ...
+    max_link_fraction: float = 1.0
+    # ... or at most this cost to memory-bound compute beside them (0: no cap; each direction paced to the share of
+    # the link that costs this); with both set, the lower share holds
+    max_compute_cost: float = 0.0
+    link_gbps: float = 0.0          # the link's rate a pace is a share of; 0: measured once when a pace applies
 
     def __post_init__(self) -> None:
         TransferAxes.__post_init__(self)  # zero-argument super() does not reach it in a slots dataclass
@@ -72,6 +79,7 @@ class ConnectorSettings(TransferAxes):
         if self.state_every_chunks < 0:
             raise ValueError("kv_connector_extra_config state_every_chunks must be >= 0, "
                              f"got {self.state_every_chunks}")
+        check_pacing(self.max_link_fraction, self.max_compute_cost, self.link_gbps, "kv_connector_extra_config ")
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None, environ: Mapping[str, str] | None = None) -> ConnectorSettings:

@@ -79,7 +79,9 @@ class WorkerLink:
         assert self.pages is not None
         # the settings' transfer axes as they are (their policies are vLLM's one, boundary: ConnectorSettings checks)
         cfg = TransferConfig(**s.axes(), chunk_tokens=self.chunk_tokens, tp_rank=self.tp_rank, salt=s.salt,
-                             timeout_s=timeout_s, name=f"vllm-rank{self.tp_rank}")
+                             timeout_s=timeout_s, name=f"vllm-rank{self.tp_rank}",
+                             max_link_fraction=s.max_link_fraction, max_compute_cost=s.max_compute_cost,
+                             link_gbps=s.link_gbps)
         t = KVTransfer(s.endpoint, self.layout, self.pages, cfg)
         t.client.timeout_s = s.timeout_s
         return t
