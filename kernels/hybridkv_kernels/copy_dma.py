@@ -73,9 +73,9 @@ SPLIT_MIN_RUNS = 256
 # once a call returns (kernels/README.md, "Batched DMA") and the driver's time in a call grows with its copies (a
 # 2-chunk TP8 plan's one call is most of its queueing: results/h100/2026-12-07/profile/issue_parts.txt; a long
 # plan's first calls held SLICE_RUNS runs each): a first call of a few runs starts them sooner, and each later call
-# is queued while the one before copies. `fixed_cost --first-slice-runs 0`
-# compares (results/h100/2026-12-08/PLAN.md).
-FIRST_SLICE_RUNS = 16
+# is queued while the one before copies. Off (0) until a GPU run shows it pays and its CUDA tests pass there:
+# `fixed_cost --first-slice-runs 16` compares (results/h100/2026-12-08/PLAN.md).
+FIRST_SLICE_RUNS = 0
 SLICE_GROWTH = 4  # each call after the first this many times the one before (up to the cap): queued while it copies
 
 

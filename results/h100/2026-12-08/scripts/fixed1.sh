@@ -25,7 +25,7 @@ fc() {  # fc TREE LABEL [ARGS]: one fixed_cost row set, tagged
     | sed "s/^{/{\"tree\": \"$label\", \"pass\": $pass, /" >> $OUT/fixed_cost.jsonl || echo "fixed_cost $label rc=$?"
 }
 for pass in 1 2; do
-  fc base main; fc cand fixed; fc cand fixed-fs0 --first-slice-runs 0
+  fc base main; fc cand fixed; fc cand fixed-fs16 --first-slice-runs 16
 done
 python3 - $OUT/fixed_cost.jsonl <<'PY'
 import collections, json, statistics, sys
