@@ -162,9 +162,35 @@ class CacheClient:
 
     def call(self, msg: P.Message, frames: list | tuple = (), timeout: float | None = None) -> Any:
         """Send and wait: returns (reply, frames); raises ServerError or ServerTimeout (or TimeoutError
-        when `timeout` is shorter than the client's and passes first).
+        when `timeout` is shorter than the client's and passes first, `timeout` counting for each request sent).
 
-        The one path of a request: take the socket, send, lead until the reply comes (entering the book first if
+        A Retrieve answers the whole lease: one that names no `first` is sent from 0, and the server's slices
+        (at most its --max-retrieve-objects objects each, so that the other clients are answered between them) are
+        asked one after the other and joined."""
+        if isinstance(msg, P.Retrieve):
+            return self._retrieve(msg, frames, timeout)
+        return self._call(msg, frames, timeout)
+
+    def _retrieve(self, msg: P.Retrieve, frames: list | tuple, timeout: float | None) -> tuple[P.Retrieved, list]:
+        if msg.first is None:
+            msg.first = 0
+        reply, got = self._call(msg, frames, timeout)
+        if reply.next is None or reply.next >= reply.total:  # one slice (or a server from before paging)
+            return reply, got
+        objects, got = list(reply.objects), list(got)
+        while reply.next < reply.total:
+            at, total = reply.next, reply.total
+            reply, more = self._call(msgspec.structs.replace(msg, first=at), (), timeout)
+            # a server that did not move on would have this loop ask forever: a broken server, said so
+            if reply.total != total or reply.next is None or not at < reply.next == at + len(reply.objects):
+                raise RuntimeError(f"Retrieve of lease {msg.lease} from {at}: the server answered "
+                                   f"{len(reply.objects)} objects, next {reply.next} of {reply.total} (was {total})")
+            objects += reply.objects
+            got += more
+        return P.Retrieved(objects=objects, total=reply.total, next=reply.next, id=msg.id), got
+
+    def _call(self, msg: P.Message, frames: list | tuple, timeout: float | None) -> Any:
+        """The one path of a request: take the socket, send, lead until the reply comes (entering the book first if
         anything else comes before it), then, if another thread took the socket over, follow."""
         me = threading.get_ident()
         if self._owner == me:
