@@ -12,13 +12,14 @@ import threading
 
 import msgspec
 import pytest
+from hybridkv.baselines.codec import decode_tensor
 from hybridkv.engine.client import CacheClient
 from hybridkv.server.books.config import ConfigError, ServerConfig
 from hybridkv.wire import protocol as P
 from serverkit import Engine, RawDealer, alive, expect
 
 CAP = 16
-CHUNKS = 20  # x 4 groups of the tiny hybrid: 80 objects, five slices
+CHUNKS = 21  # x 4 groups of the tiny hybrid: 84 objects, six slices (the last of 4)
 
 
 @pytest.fixture
@@ -35,9 +36,13 @@ def leased(server_factory):
         yield s, c, eng, keys, res
 
 
-def check_bytes(eng: Engine, keys: list[bytes], objects: list[P.ObjectLoc], frames: list) -> None:
+def check_bytes(eng: Engine, keys: list[bytes], objects: list[P.ObjectLoc], frames: list, fmt: str = "raw") -> None:
     assert len(frames) == len(objects)
     for o, f in zip(objects, frames, strict=True):
+        if fmt != "raw":  # the seed's formats: one serialized tensor per object
+            import torch
+
+            f = decode_tensor(fmt, f).contiguous().view(-1).view(torch.uint8).numpy()
         assert bytes(f) == eng.payload(keys[o.chunk], o.group, o.length).tobytes(), (o.chunk, o.group)
 
 
@@ -49,12 +54,13 @@ def raw_lease(s, eng: Engine, keys: list[bytes], request: str = "r") -> tuple[Ra
     return d, reg.engine, d.request(P.Lookup(engine=reg.engine, request=request, keys=keys, policy="all"))
 
 
-def test_a_lease_over_the_cap_is_retrieved_whole_and_exact_through_the_client(leased):
+@pytest.mark.parametrize("fmt", ["raw", "pickle"])
+def test_a_lease_over_the_cap_is_retrieved_whole_and_exact_through_the_client(leased, fmt):
     s, c, eng, keys, res = leased
-    rep, frames = c.call(P.Retrieve(engine=eng.id, lease=res.lease))
+    rep, frames = c.call(P.Retrieve(engine=eng.id, lease=res.lease, format=fmt))
     assert rep.objects == res.objects and rep.total == rep.next == len(res.objects)
-    check_bytes(eng, keys, rep.objects, frames)
-    # a slice of its own, from the middle: the cap's worth
+    check_bytes(eng, keys, rep.objects, frames, fmt)
+    # a slice of its own, from the middle: the cap's worth (_call: one request, no paging)
     rep, frames = c._call(P.Retrieve(engine=eng.id, lease=res.lease, first=CAP + 3), (), None)
     assert rep.objects == res.objects[CAP + 3:2 * CAP + 3] and (rep.total, rep.next) == (len(res.objects), 2 * CAP + 3)
     check_bytes(eng, keys, rep.objects, frames)
@@ -128,30 +134,34 @@ def test_a_slice_field_of_the_wrong_type_or_size_is_bad_message(leased, first):
 
 
 def test_another_client_is_answered_between_two_slices(leased):
-    """The retrieving client stops after its first slice until another client's Health has been answered: before
-    paging there was no 'between' (one reply of every object), now the second slice is a request of its own."""
+    """The retrieving client holds its first slice until another client's Health has been answered, then asks for
+    the rest: before paging there was no 'between' (one reply of every object); now the rest are requests of their
+    own, and the whole lease still arrives exact."""
     s, c, eng, keys, res = leased
     first_slice, answered = threading.Event(), threading.Event()
-    slices = []
+    firsts = []
     call = c._call
 
-    def paced(msg, frames, timeout):
+    def held(msg, frames, timeout):  # the first slice's request goes through _call, the rest through submit
         out = call(msg, frames, timeout)
-        slices.append(len(out[1]))
-        if len(slices) == 1:
-            first_slice.set()
-            assert answered.wait(30), "the other client's Health was not answered between two slices"
+        firsts.append(len(out[1]))
+        first_slice.set()
+        assert answered.wait(30), "the other client's Health was not answered between two slices"
         return out
 
-    c._call = paced  # type: ignore[method-assign]
-    t = threading.Thread(target=lambda: c.call(P.Retrieve(engine=eng.id, lease=res.lease)))
+    c._call = held  # type: ignore[method-assign]
+    got = []
+    t = threading.Thread(target=lambda: got.append(c.call(P.Retrieve(engine=eng.id, lease=res.lease))))
     t.start()
     with CacheClient(s.endpoint, timeout_s=30) as other:
         assert first_slice.wait(30)
         assert other.call(P.Health())[0].status == "ok"
         answered.set()
     t.join(60)
-    assert not t.is_alive() and slices == [CAP] * (len(res.objects) // CAP), slices
+    assert not t.is_alive() and firsts == [CAP] and len(got) == 1, (firsts, got)
+    rep, frames = got[0]
+    assert rep.objects == res.objects
+    check_bytes(eng, keys, rep.objects, frames)
 
 
 def test_the_cap_is_checked_at_the_door():
