@@ -166,17 +166,18 @@ class CacheClient:
         """Send and wait: returns (reply, frames); raises ServerError or ServerTimeout (or TimeoutError
         when `timeout` is shorter than the client's and passes first, `timeout` counting for each request sent).
 
-        A Retrieve answers the whole lease: one that names no `first` is sent from 0, and the server's slices
-        (at most its --max-retrieve-objects objects each, so that the other clients are answered between them) are
-        asked one after the other and joined."""
+        A Retrieve answers the whole lease (from `first`, 0 when it names none): the server's slices (at most its
+        --max-retrieve-objects objects each, so that the other clients are answered between them) are asked for
+        and joined. (`submit()` sends a Retrieve as it is given: one slice.)"""
         if isinstance(msg, P.Retrieve):
             return self._retrieve(msg, frames, timeout)
         return self._call(msg, frames, timeout)
 
     def _retrieve(self, msg: P.Retrieve, frames: list | tuple, timeout: float | None) -> tuple[P.Retrieved, list]:
         """The whole lease: its first slice, which says how many objects it holds, then the rest, RETRIEVE_WINDOW
-        slices asked ahead (one at a time, the server's send of a slice and our receive of the one before never
-        overlap: a third slower). Each is a request of its own, so the server reads other clients' between them."""
+        slices asked ahead (asked one at a time, the server's send of a slice and our receive of the one before
+        never overlap). Each is a request of its own, so the server reads other clients'
+        requests between them."""
         if msg.first is None:
             msg.first = 0
         reply, got = self._call(msg, frames, timeout)

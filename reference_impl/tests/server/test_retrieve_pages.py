@@ -164,6 +164,22 @@ def test_another_client_is_answered_between_two_slices(leased):
     check_bytes(eng, keys, rep.objects, frames)
 
 
+def test_a_release_between_slices_ends_the_lease(leased):
+    """The lease stays pinned between slices until it is released: the next slice is then `unknown_lease`, and the
+    slice already read is the lease's bytes."""
+    s, c, eng, keys, res = leased
+    d, engine, res = raw_lease(s, eng, keys)
+    try:
+        rep, frames = d.call([P.encode(P.Retrieve(engine=engine, lease=res.lease, first=0))])
+        assert isinstance(rep, P.Retrieved) and rep.next == CAP, rep
+        assert isinstance(d.request(P.Release(engine=engine, lease=res.lease)), P.Done)
+        err = d.request(P.Retrieve(engine=engine, lease=res.lease, first=rep.next))
+        assert isinstance(err, P.Error) and err.code == "unknown_lease", err
+        check_bytes(eng, keys, rep.objects, frames)
+    finally:
+        d.close()
+
+
 def test_the_cap_is_checked_at_the_door():
     for bad in (0, -1, 1 << 62):
         with pytest.raises(ConfigError, match="max_retrieve_objects"):
