@@ -36,8 +36,8 @@ SERVE_ENV = frozenset(ENV_PREFIX + k.upper().replace("-", "_") for k in (
     "admin", "chunk-tokens", "client-timeout", "cuda-ipc", "endpoint", "eviction", "exit-with-parent", "flush-on-exit",
     "headline-interval", "io-threads", "l1-dir", "l1-gib", "l2-adapter", "l2-dir", "l2-fsync", "l2-gib", "log-format",
     "log-level", "max-clients", "max-engines", "max-engines-per-client", "max-frame-bytes", "max-keys", "max-leases",
-    "max-message-bytes", "max-pending", "max-prefetches", "max-queued-replies", "max-reservations", "metrics-host",
-    "metrics-port", "quarantine", "spill-watermark", "l1-memfd"))
+    "max-message-bytes", "max-pending", "max-prefetches", "max-queued-replies", "max-reservations",
+    "max-retrieve-objects", "metrics-host", "metrics-port", "quarantine", "spill-watermark", "l1-memfd"))
 # Each HYBRIDKV_ variable some part reads; a part refuses any other (a typo would otherwise be a setting silently unset)
 EVERY_ENV = frozenset({CONFIG_ENV, *OTHER_ENV, *SERVE_ENV})
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")

@@ -25,6 +25,7 @@ import select
 import socket
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
@@ -35,6 +36,7 @@ from zmq.backend import zmq_poll
 from hybridkv.wire import protocol as P
 
 IDLE_S = 0.1  # the longest anyone polls before looking at heartbeats, timeouts and close()
+RETRIEVE_WINDOW = 4  # slices of one lease asked ahead of the one received
 
 
 class ServerError(RuntimeError):
@@ -167,9 +169,54 @@ class CacheClient:
 
     def call(self, msg: P.Message, frames: list | tuple = (), timeout: float | None = None) -> Any:
         """Send and wait: returns (reply, frames); raises ServerError or ServerTimeout (or TimeoutError
-        when `timeout` is shorter than the client's and passes first).
+        when `timeout` is shorter than the client's and passes first, `timeout` counting for each request sent).
 
-        The one path of a request: take the socket, send, lead until the reply comes (entering the book first if
+        A Retrieve answers the whole lease (from `first`, 0 when it names none): the server's slices (at most its
+        --max-retrieve-objects objects each, so that the other clients are answered between them) are asked for
+        and joined. (`submit()` sends a Retrieve as it is given: one slice.)"""
+        if isinstance(msg, P.Retrieve):
+            return self._retrieve(msg, frames, timeout)
+        return self._call(msg, frames, timeout)
+
+    def _retrieve(self, msg: P.Retrieve, frames: list | tuple, timeout: float | None) -> tuple[P.Retrieved, list]:
+        """The whole lease: its first slice, which says how many objects it holds, then the rest, RETRIEVE_WINDOW
+        slices asked ahead (asked one at a time, the server's send of a slice and our receive of the one before
+        never overlap). Each is a request of its own, so the server reads other clients'
+        requests between them."""
+        if msg.first is None:
+            msg.first = 0
+        reply, got = self._call(msg, frames, timeout)
+        if reply.next is None or reply.next >= reply.total:  # one slice (or a server from before paging)
+            return reply, got
+        total, step, ask = reply.total, max(1, len(reply.objects)), reply.next
+        objects, got = list(reply.objects), list(got)
+        window: deque[tuple[int, Future]] = deque()
+        try:
+            while reply.next < total:
+                while ask < total and len(window) < RETRIEVE_WINDOW:
+                    window.append((ask, self.submit(msgspec.structs.replace(msg, first=ask))))
+                    ask += step
+                at, fut = window.popleft()
+                reply, more = fut.result(timeout if timeout is not None else self.timeout_s + 5)
+                # a server that did not move on would have this loop ask forever: a broken server, said so
+                if reply.total != total or reply.next is None or not at < reply.next == at + len(reply.objects):
+                    raise RuntimeError(f"Retrieve of lease {msg.lease} from {at}: the server answered "
+                                       f"{len(reply.objects)} objects, next {reply.next} of {reply.total} "
+                                       f"(was {total})")
+                objects += reply.objects
+                got += more
+                if window and window[0][0] != reply.next:  # slices of another size: ask again from this one's end
+                    for _, f in window:
+                        f.cancel()
+                    window.clear()
+                    ask = reply.next
+        finally:
+            for _, f in window:
+                f.cancel()  # its reply, if it comes, is dropped
+        return P.Retrieved(objects=objects, total=total, next=reply.next, id=msg.id), got
+
+    def _call(self, msg: P.Message, frames: list | tuple, timeout: float | None) -> Any:
+        """The one path of a request: take the socket, send, lead until the reply comes (entering the book first if
         anything else comes before it), then, if another thread took the socket over, follow."""
         me = threading.get_ident()
         if self._owner == me:

@@ -134,11 +134,19 @@ class AbortStore(Message, tag="abort_store"):
 
 class Retrieve(Message, tag="retrieve"):
     """Send a lease's objects as payload frames (raw or legacy formats; shm engines read the arena), or,
-    for cuda_ipc, copy them into the engine blocks named by `blocks` and answer when done."""
+    for cuda_ipc, copy them into the engine blocks named by `blocks` and answer when done.
+
+    A reply's frames are one multipart message, sent in one step of the server's loop that no other reply can
+    interleave, so one Retrieve sends at most `--max-retrieve-objects` frames: the slice of the lease's objects
+    from index `first` on. A client pages through a larger lease, each reply's `Retrieved.next` its next `first`
+    (`CacheClient.call` does so itself). None (the field left out, the shape before paging): the whole lease, and
+    `limit` for a lease over the cap. cuda_ipc sends no frames: it answers every object from `first` on, the
+    objects `blocks` names."""
     engine: int
     lease: int
     format: WireFormat = DEFAULT_PAYLOAD_FORMAT
     blocks: Blocks = b""
+    first: int | None = None
 
     def __post_init__(self) -> None:
         self.blocks = packed_field(self.blocks, "blocks")
@@ -262,8 +270,12 @@ class Committed(Message, tag="committed"):
     bytes: int
 
 
-class Retrieved(Message, tag="retrieved"):
-    objects: list[ObjectLoc]     # one payload frame follows per object
+class Retrieved(Message, tag="retrieved", omit_defaults=True):
+    """The objects of one slice of a lease. `total` and `next` are sent only to a Retrieve that named `first`
+    (omit_defaults: a client from before paging decodes its reply, which forbids unknown fields)."""
+    objects: list[ObjectLoc]     # this slice's objects, from Retrieve.first on; one payload frame follows per object
+    total: int | None = None     # the objects the lease holds
+    next: int | None = None      # where the next slice starts: `total` when this one ends the lease
 
 
 class Done(Message, tag="done"):

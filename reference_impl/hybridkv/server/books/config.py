@@ -49,6 +49,9 @@ class ServerConfig:
     max_queued_replies: int = 1000  # per client: ZMQ send high-water mark (replies beyond it are dropped)
     max_pending: int = 256          # per client: requests answered later (parked or on a worker)
     max_prefetches: int = 16        # per engine: Prefetch requests still waiting for L1 room to start reads
+    # objects (payload frames) one Retrieve answers: its reply is sent in one loop step, a few us a frame, and no
+    # other client is answered meanwhile; a client pages through a larger lease (Retrieve.first)
+    max_retrieve_objects: int = 1024
 
     def __post_init__(self) -> None:
         if not self.endpoint:
@@ -74,7 +77,8 @@ class ServerConfig:
         if not 0 <= self.max_clients < 1 << 62:
             raise ConfigError(f"max_clients must be >= 0, got {self.max_clients}")
         for name in ("max_keys", "max_message_bytes", "max_frame_bytes", "max_engines", "max_engines_per_client",
-                     "max_leases", "max_reservations", "max_queued_replies", "max_pending", "max_prefetches"):
+                     "max_leases", "max_reservations", "max_queued_replies", "max_pending", "max_prefetches",
+                     "max_retrieve_objects"):
             if not 0 < getattr(self, name) < 1 << 62:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if not 0 <= self.spill_watermark < 1:

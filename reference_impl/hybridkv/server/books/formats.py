@@ -34,8 +34,8 @@ class FormatStrategy(Protocol):
     def commit(self, eng: Engine, res: Reservation, msg: P.CommitStore, frames: list[Any]) -> Job | None:
         """Validate a commit; the job that copies its payload into the reservation's slots, or None."""
 
-    def retrieve(self, eng: Engine, lease: Lease, msg: P.Retrieve) -> list[Any] | Job:
-        """The payload frames of a lease now, or a job that returns them."""
+    def retrieve(self, eng: Engine, lease: Lease, part: slice, msg: P.Retrieve) -> list[Any] | Job:
+        """The payload frames of the `part` of a lease's objects now, or a job that returns them."""
 
 
 def _frame_count(res: Reservation, frames: list[Any], fmt: WireFormat) -> None:
@@ -56,7 +56,7 @@ class ShmFormat:
         _no_payload(msg, frames)
         return None
 
-    def retrieve(self, eng: Engine, lease: Lease, msg: P.Retrieve) -> list[Any] | Job:
+    def retrieve(self, eng: Engine, lease: Lease, part: slice, msg: P.Retrieve) -> list[Any] | Job:
         raise RequestError(E.BAD_REQUEST, "shm engines read the arena at the lookup's offsets; retrieve "
                            "sends payload frames only for raw, pickle and torch_save")
 
@@ -83,8 +83,8 @@ class RawFormat:
                           np.frombuffer(f.buffer, np.uint8))
         return copy
 
-    def retrieve(self, eng: Engine, lease: Lease, msg: P.Retrieve) -> list[Any] | Job:
-        entries = lease.entries
+    def retrieve(self, eng: Engine, lease: Lease, part: slice, msg: P.Retrieve) -> list[Any] | Job:
+        entries = lease.entries[part]
         if max(map(_length, entries), default=0) < self.loans.copy_threshold:  # the lengths in C
             # pyzmq copies each frame when the loop sends the reply, in this turn: no release can come between
             return [self.arena.view(e.offset, e.length) for e in entries]
@@ -109,9 +109,9 @@ class LegacyFormat:
                 copy_tensor_into(decode_tensor(self.fmt, f.buffer), self.arena.view(s.entry.offset, s.entry.length))
         return copy
 
-    def retrieve(self, eng: Engine, lease: Lease, msg: P.Retrieve) -> list[Any] | Job:
-        dtypes = [eng.layout.groups[loc.group].dtype for loc in lease.locs]
-        loan = self.loans.lend(lease.entries)  # a worker encodes them later: the lease may be released before
+    def retrieve(self, eng: Engine, lease: Lease, part: slice, msg: P.Retrieve) -> list[Any] | Job:
+        dtypes = [eng.layout.groups[loc.group].dtype for loc in lease.locs[part]]
+        loan = self.loans.lend(lease.entries[part])  # a worker encodes them later: the lease may be released before
 
         def encode() -> list[bytes]:
             try:  # each encoding is a copy: the frames sent hold no arena byte
@@ -177,11 +177,12 @@ class CudaIpcFormat:
         return self._job(eng, "gather", [(s.chunk, s.group, s.entry.offset, s.entry.length) for s in res.slots],
                          cast(bytes, msg.blocks))
 
-    def retrieve(self, eng: Engine, lease: Lease, msg: P.Retrieve) -> list[Any] | Job:
+    def retrieve(self, eng: Engine, lease: Lease, part: slice, msg: P.Retrieve) -> list[Any] | Job:
+        entries = lease.entries[part]
         job = self._job(eng, "scatter", [(loc.chunk, loc.group, e.offset, e.length)
-                                         for loc, e in zip(lease.locs, lease.entries, strict=True)],
+                                         for loc, e in zip(lease.locs[part], entries, strict=True)],
                         cast(bytes, msg.blocks))
-        loan = self.loans.lend(lease.entries)  # a worker copies them later: the lease may be released before
+        loan = self.loans.lend(entries)  # a worker copies them later: the lease may be released before
 
         def run() -> list[Any]:
             try:

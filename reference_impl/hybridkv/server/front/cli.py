@@ -25,7 +25,7 @@ FIELD_FLAGS = ("--l1-dir", "--chunk-tokens", "--eviction", "--client-timeout", "
                "--spill-watermark", "--flush-on-exit", "--cuda-ipc", "--admin", "--max-keys", "--max-message-bytes",
                "--max-frame-bytes", "--max-clients", "--max-engines", "--max-engines-per-client", "--max-leases",
                "--max-reservations", "--max-queued-replies", "--max-pending", "--max-prefetches",
-               "--l1-memfd")
+               "--max-retrieve-objects", "--l1-memfd")
 FIELD_OF = {"--client-timeout": "client_timeout_s", "--quarantine": "quarantine_s"}
 
 
@@ -102,6 +102,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prefetches", type=int, default=16,
                    help="prefetch requests per engine still waiting for L1 room to start their L2 reads "
                         "(default: %(default)s)")
+    p.add_argument("--max-retrieve-objects", type=int, default=1024,
+                   help="objects (payload frames) one Retrieve answers; a client pages through a larger lease. "
+                        "The reply is sent in one step of the loop, a few us an object (default: %(default)s)")
     add_l2_and_seed_arguments(p)
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                    help="log level (default: %(default)s)")

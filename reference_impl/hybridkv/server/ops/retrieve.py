@@ -8,6 +8,7 @@ from hybridkv.server.books.records import Lease
 from hybridkv.server.ops.context import Answer, Context, Frames, RequestError, no_frames
 from hybridkv.server.ops.turns import let_go
 from hybridkv.wire import protocol as P
+from hybridkv.wire.wire_formats import TRAITS
 
 E = P.ErrorCode
 
@@ -16,20 +17,51 @@ def retrieve(ctx: Context, ident: bytes, msg: P.Retrieve, frames: Frames) -> Ans
     no_frames(msg, frames)
     eng = ctx.sessions.engine(ident, msg.engine)
     lease = ctx.sessions.lease(eng, msg.lease)
-    out = ctx.formats[msg.format].retrieve(eng, lease, msg)
+    part = _part(ctx, lease, msg)
+    out = ctx.formats[msg.format].retrieve(eng, lease, part, msg)
+    reply = _retrieved(lease, part, msg)
     if isinstance(out, list):
-        return P.Retrieved(objects=lease.locs), out
+        return reply, out
     req_id = msg.id
 
     def done(payload: Any, exc: BaseException | None) -> None:
         if exc is None:
-            ctx.send(ident, req_id, P.Retrieved(objects=lease.locs), payload)
+            ctx.send(ident, req_id, reply, payload)
         else:
             ctx.fail(ident, req_id, E.BAD_REQUEST, f"{msg.format} retrieve failed: {type(exc).__name__}: {exc}")
 
     if not ctx.workers.submit(out, done):
         raise RequestError(E.SHUTTING_DOWN, "the server is shutting down")
     return None
+
+
+def _part(ctx: Context, lease: Lease, msg: P.Retrieve) -> slice:
+    """The slice of the lease's objects this Retrieve answers: from `first`, at most --max-retrieve-objects of them
+    when they leave as frames. The frames of a reply are one multipart message that the loop hands to libzmq in
+    one step (a few us a frame) and no other reply can come between them, so the cap bounds how long one client's
+    Retrieve keeps every other client waiting. cuda_ipc sends no frame (a worker copies): every object from
+    `first` on."""
+    n = len(lease.entries)
+    cap = n if TRAITS[msg.format].moves == "cuda" else ctx.config.max_retrieve_objects
+    if msg.first is None:  # a client from before paging: the whole lease, or an error that says how to page
+        if n > cap:
+            raise RequestError(E.LIMIT, f"lease {lease.id} holds {n} objects, more than one Retrieve answers "
+                               f"(--max-retrieve-objects {cap}): page through it with Retrieve.first (0, then "
+                               f"each reply's next)")
+        return slice(0, n)
+    first = msg.first
+    if first != 0 and not 0 <= first < n:
+        raise RequestError(E.BAD_REQUEST, f"Retrieve.first {first} is outside lease {lease.id}'s {n} objects "
+                           f"(0 to {max(n - 1, 0)})")
+    return slice(first, min(first + cap, n))
+
+
+def _retrieved(lease: Lease, part: slice, msg: P.Retrieve) -> P.Retrieved:
+    whole = part.start == 0 and part.stop == len(lease.locs)
+    objects = lease.locs if whole else lease.locs[part]
+    if msg.first is None:
+        return P.Retrieved(objects=objects)
+    return P.Retrieved(objects=objects, total=len(lease.locs), next=part.stop)
 
 
 def _unpin(ctx: Context, lease: Lease) -> None:

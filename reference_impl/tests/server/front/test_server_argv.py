@@ -34,6 +34,7 @@ def configs(tmp_path, monkeypatch) -> list[ServerConfig]:
                      flush_on_exit=True, cuda_ipc=True, max_keys=8, max_message_bytes=1 << 20,
                      max_frame_bytes=1 << 24, max_clients=7, max_engines=9, max_engines_per_client=3,
                      max_leases=5, max_reservations=6, max_queued_replies=10, max_pending=11, max_prefetches=2,
+                     max_retrieve_objects=12,
                      parent_pid=os.getppid()),
         ServerConfig(l1_bytes=int(TINY * GIB), l2=FsL2Spec(str(tmp_path / "l2"), int(0.1 * GIB))),
         ServerConfig(l1_bytes=3 * GIB, l2=FsL2Spec("/var/cache/hkv", 7 * GIB + 12345, fsync=True)),
