@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -231,82 +228,3 @@ def test_sigterm_behind_pipelined_requests_answers_each_and_lent_frames_keep_the
     assert srv.proc.wait(timeout=30) == 0
     for d, *_ in clients:
         d.close()
-
-
-# A client in a process of its own: it stores 4 lent-size objects, pipelines RETRIEVES raw Retrieves of them (1 MiB of
-# reply each, more than the socket's kernel buffer holds), says so, and reads every answer once it runs again.
-READER = """
-import sys
-import numpy as np, zmq
-from hybridkv.model.keys import chunk_keys
-from hybridkv.wire import protocol as P
-from serverkit import Engine
-from test_lent_frames import CT, LAYOUT
-
-sock = zmq.Context.instance().socket(zmq.DEALER)
-sock.setsockopt(zmq.LINGER, 0)
-sock.setsockopt(zmq.RCVTIMEO, 20_000)
-sock.connect(sys.argv[1])
-ids = iter(range(1, 1 << 30))
-
-def send(msg, frames=()):
-    msg.id = next(ids)
-    sock.send_multipart([P.encode(msg), *frames])
-
-def call(msg, frames=()):
-    send(msg, frames)
-    return P.decode_reply(sock.recv_multipart()[0])
-
-reg = call(P.Register(layout=LAYOUT, chunk_tokens=CT))
-keys = chunk_keys(reg.namespace, np.arange(4 * CT), CT)
-prep = call(P.PrepareStore(engine=reg.engine, request="s", keys=keys, objects=[(k, 0) for k in range(4)]))
-call(P.CommitStore(engine=reg.engine, reservation=prep.reservation, format="raw"),
-     [Engine.payload(keys[o.chunk], o.group, o.length) for o in prep.slots])
-lease = call(P.Lookup(engine=reg.engine, request="hold", keys=keys, policy="all")).lease
-for _ in range(int(sys.argv[2])):
-    send(P.Retrieve(engine=reg.engine, lease=lease, format="raw"))
-print("sent", flush=True)
-got = 0
-try:
-    while got < int(sys.argv[2]):
-        sock.recv_multipart()
-        got += 1
-except zmq.Again:
-    pass
-print(got, flush=True)
-"""
-RETRIEVES = 32
-
-
-def test_answers_queued_for_a_client_that_cannot_read_at_the_stop_reach_it_when_it_runs_again(server_factory):
-    """A client stopped (as a loaded machine stops it) while the answers to its pipelined Retrieves queue in the
-    server, which meanwhile gets SIGTERM: the server's exit waits for them to leave (its context's term, up to
-    SHUTDOWN_LINGER_MS), so the client gets every answer once it runs again. Before, the process exited with them
-    still queued in libzmq (the linger of a socket does nothing unless its context is terminated), and a client
-    starved of CPU past 500 ms lost the rest and waited out its timeout."""
-    srv = server_factory(l1_gib=0.05)
-    tests = str(Path(__file__).parent)
-    path = [tests, str(Path(tests).parent), os.environ.get("PYTHONPATH", "")]  # serverkit, test_lent_frames
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
-    reader = subprocess.Popen([sys.executable, "-c", READER, srv.endpoint, str(RETRIEVES)], stdout=subprocess.PIPE,
-                              text=True, env=env)
-    try:
-        assert reader.stdout is not None
-        assert reader.stdout.readline().strip() == "sent"
-        os.kill(reader.pid, signal.SIGSTOP)
-        deadline = time.monotonic() + 60
-        with CacheClient(srv.endpoint, timeout_s=30) as admin:  # every Retrieve answered, the answers queued
-            # the reader's 4 set-up requests and its Retrieves, then this Stats itself
-            while (c := admin.call(P.Stats())[0].counters)["requests"] - c["errors"] < 4 + RETRIEVES + 1:
-                assert time.monotonic() < deadline, c
-                time.sleep(0.01)
-        srv.proc.send_signal(signal.SIGTERM)
-        time.sleep(1.0)  # the stop itself: the client cannot read for a second after the SIGTERM
-        os.kill(reader.pid, signal.SIGCONT)
-        got = int(reader.stdout.readline())
-    finally:
-        os.kill(reader.pid, signal.SIGCONT)
-        reader.kill()
-        reader.wait()
-    assert got == RETRIEVES, f"{RETRIEVES - got} of {RETRIEVES} answers lost at the server's exit"
-    assert srv.proc.wait(timeout=30) == 0
