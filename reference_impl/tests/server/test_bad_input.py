@@ -11,8 +11,6 @@ import io
 import itertools
 import os
 import pickle
-import shutil
-import tempfile
 from collections.abc import Iterator
 
 import msgspec
@@ -23,7 +21,7 @@ from hybridkv.model.layout import MAX_LAYERS, MAX_NAME_CHARS, GroupLayout, Model
 from hybridkv.model.presets import preset_layout
 from hybridkv.server.front.launch import ServerProcess
 from hybridkv.wire import protocol as P
-from serverkit import Engine, RawDealer, alive, counters, expect, spawn_server
+from serverkit import Engine, RawDealer, alive, counters, expect, module_server
 
 E = P.ErrorCode
 _seeds = itertools.count(1000)
@@ -31,13 +29,9 @@ _seeds = itertools.count(1000)
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    """One server for the module's tests (a fresh process for each cost more than most tests here), with a client
-    timeout longer than the module runs: no reclaim of an earlier test's engine moves a counter a test compares."""
-    d = tempfile.mkdtemp(prefix="hkv-", dir="/tmp")
-    s = spawn_server(d, client_timeout=3600)
-    yield s
-    s.close()
-    shutil.rmtree(d, ignore_errors=True)
+    """One server for the module's tests: a fresh process for each cost more than most tests here."""
+    with module_server() as s:
+        yield s
 
 
 def fresh_keys(eng: Engine, n: int) -> list[bytes]:
