@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -28,6 +30,20 @@ def spawn_server(sock_dir: str, *args: str, name: str = "s", l1_gib: float = 0.0
     """A server for tests that manage its life themselves (the `server_factory` fixture stops its own)."""
     return start_server(parse([f"--endpoint=ipc://{sock_dir}/{name}.sock", f"--l1-gib={l1_gib}",
                                f"--client-timeout={client_timeout}", *args, "--admin"]))
+
+
+@contextmanager
+def module_server(**kw) -> Iterator[ServerProcess]:
+    """A server a module's tests share (its module-scoped `server` fixture), where a fresh process per test is not
+    what they check: its --client-timeout outlasts the module, so no reclaim of an earlier test's engine moves a
+    counter a later test compares; such tests store fresh keys and compare counters with their values before."""
+    d = tempfile.mkdtemp(prefix="hkv-", dir="/tmp")
+    s = spawn_server(d, **{"client_timeout": 3600.0, **kw})
+    try:
+        yield s
+    finally:
+        s.close()
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def alive(endpoint: str) -> bool:

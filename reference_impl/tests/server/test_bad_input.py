@@ -1,7 +1,9 @@
 """Bad requests against a real server process: each gets an error reply naming the problem, and the
 server goes on serving other clients (DESIGN.md, Server: "Every request is validated").
 
-Frames the client library would never send go through a raw DEALER socket."""
+The tests share one server (the module's `server`): it keeps serving through every bad input of the module, each
+test stores fresh keys (`_seeds`) and compares the counters it checks with their values before it, so a test sees
+what a fresh server would show it. Frames the client library would never send go through a raw DEALER socket."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import io
 import itertools
 import os
 import pickle
+from collections.abc import Iterator
 
 import msgspec
 import numpy as np
@@ -16,11 +19,24 @@ import pytest
 from hybridkv.engine.client import CacheClient, ServerError
 from hybridkv.model.layout import MAX_LAYERS, MAX_NAME_CHARS, GroupLayout, ModelLayout
 from hybridkv.model.presets import preset_layout
+from hybridkv.server.front.launch import ServerProcess
 from hybridkv.wire import protocol as P
-from serverkit import Engine, RawDealer, alive, expect
+from serverkit import Engine, RawDealer, alive, counters, expect, module_server
 
 E = P.ErrorCode
 _seeds = itertools.count(1000)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    """One server for the module's tests: a fresh process for each cost more than most tests here."""
+    with module_server() as s:
+        yield s
+
+
+def fresh_keys(eng: Engine, n: int) -> list[bytes]:
+    """Keys no other test of the shared server stored."""
+    return eng.keys(n, seed=next(_seeds))
 
 
 @pytest.fixture
@@ -64,8 +80,8 @@ def as_dict(msg: P.Message) -> dict:
     return msgspec.msgpack.decode(P.encode(msg))
 
 
-def prepared(client: CacheClient, eng: Engine, n_chunks: int = 2, seed: int = 0) -> tuple[list[bytes], P.Prepared]:
-    keys = eng.keys(n_chunks, seed=seed)
+def prepared(client: CacheClient, eng: Engine, n_chunks: int = 2) -> tuple[list[bytes], P.Prepared]:
+    keys = fresh_keys(eng, n_chunks)
     objs = [(c, g) for c in range(n_chunks) for g in range(len(eng.layout.groups))]
     prep, _ = client.call(P.PrepareStore(engine=eng.id, request="r", keys=keys, objects=objs))
     return keys, prep
@@ -193,6 +209,7 @@ def test_payload_frames_on_requests_that_take_none(server, client):
 
 
 def _legacy_commit(client, eng, fmt, make_frame):
+    before = counters(client)
     keys, prep = prepared(client, eng, n_chunks=1)
     frames = [make_frame(s) for s in prep.slots]
     with pytest.raises(ServerError) as ei:
@@ -201,8 +218,8 @@ def _legacy_commit(client, eng, fmt, make_frame):
     # a payload that fails to decode aborts the reservation
     with pytest.raises(ServerError, match="unknown_reservation"):
         client.call(P.CommitStore(engine=eng.id, reservation=prep.reservation))
-    stats, _ = client.call(P.Stats())
-    assert stats.counters["reservations"] == 0 and stats.counters["l1_objects"] == 0
+    after = counters(client)
+    assert after["reservations"] == before["reservations"] and after["l1_objects"] == before["l1_objects"]
     return ei
 
 
@@ -299,12 +316,12 @@ def test_requests_from_an_unregistered_engine(server, client):
 def test_double_commit(server, client):
     eng = Engine(client)
     keys, prep = prepared(client, eng)
+    before = counters(client)["objects_committed"]
     client.call(P.CommitStore(engine=eng.id, reservation=prep.reservation))
     with pytest.raises(ServerError) as ei:
         client.call(P.CommitStore(engine=eng.id, reservation=prep.reservation))
     assert_server_error(ei, E.UNKNOWN_RESERVATION, str(prep.reservation))
-    stats, _ = client.call(P.Stats())
-    assert stats.counters["objects_committed"] == 8
+    assert counters(client)["objects_committed"] - before == 8
     assert_still_serving(server.endpoint)
 
 
@@ -328,8 +345,9 @@ def test_commit_or_abort_of_another_engines_reservation(server, client):
 
 def test_release_of_a_lease_not_held(server, client):
     eng = Engine(client)
-    keys = eng.keys(2)
+    keys = fresh_keys(eng, 2)
     eng.store(keys)
+    pinned = counters(client)["l1_pinned_objects"]
     with pytest.raises(ServerError) as ei:
         client.call(P.Release(engine=eng.id, lease=424242))
     assert_server_error(ei, E.UNKNOWN_LEASE, "424242")
@@ -338,8 +356,7 @@ def test_release_of_a_lease_not_held(server, client):
     with pytest.raises(ServerError) as ei:
         client.call(P.Release(engine=eng.id, lease=res.lease))
     assert_server_error(ei, E.UNKNOWN_LEASE, str(res.lease))
-    stats, _ = client.call(P.Stats())
-    assert stats.counters["l1_pinned_objects"] == 0, "a second release must not unpin twice"
+    assert counters(client)["l1_pinned_objects"] == pinned, "a second release must not unpin twice"
     # another engine cannot release (or retrieve) a lease it does not hold
     res = eng.lookup(keys, request="q")
     other = Engine(client)
@@ -352,7 +369,7 @@ def test_release_of_a_lease_not_held(server, client):
 
 def test_retrieve_with_format_shm(server, client):
     eng = Engine(client)
-    keys = eng.keys(1)
+    keys = fresh_keys(eng, 1)
     eng.store(keys)
     res = eng.lookup(keys)
     with pytest.raises(ServerError) as ei:
@@ -366,7 +383,7 @@ def test_retrieve_with_format_shm(server, client):
 
 def test_keys_of_the_wrong_size(server, client):
     eng = Engine(client)
-    keys = eng.keys(3)
+    keys = fresh_keys(eng, 3)
     bad = [keys[0], keys[1][:15], keys[2]]
     for msg in (P.Lookup(engine=eng.id, request="r", keys=bad),
                 P.PrepareStore(engine=eng.id, request="r", keys=bad, objects=[(0, 0)])):
@@ -379,18 +396,20 @@ def test_keys_of_the_wrong_size(server, client):
 @pytest.mark.parametrize("obj", [(2, 0), (-1, 0), (0, 4), (0, -1)])
 def test_object_indices_out_of_range(server, client, obj):
     eng = Engine(client)
-    keys = eng.keys(2)
+    keys = fresh_keys(eng, 2)
+    before = counters(client)
     with pytest.raises(ServerError) as ei:
         client.call(P.PrepareStore(engine=eng.id, request="r", keys=keys, objects=[(0, 0), obj]))
     assert_server_error(ei, E.BAD_REQUEST, f"chunk {obj[0]}, group {obj[1]}", "2 keys", "4 groups")
-    stats, _ = client.call(P.Stats())
-    assert stats.counters["reservations"] == 0 and stats.counters["l1_objects"] == 0, "nothing half-reserved"
+    after = counters(client)
+    assert (after["reservations"], after["l1_objects"]) == (before["reservations"], before["l1_objects"]), \
+        "nothing half-reserved"
     assert_still_serving(server.endpoint)
 
 
 def test_duplicate_objects_in_one_prepare(server, client):
     eng = Engine(client)
-    keys = eng.keys(2)
+    keys = fresh_keys(eng, 2)
     with pytest.raises(ServerError) as ei:
         client.call(P.PrepareStore(engine=eng.id, request="r", keys=keys, objects=[(0, 0), (1, 2), (0, 0)]))
     assert_server_error(ei, E.BAD_REQUEST, "chunk 0, group 0", "twice")
@@ -400,7 +419,7 @@ def test_duplicate_objects_in_one_prepare(server, client):
 def test_negative_skip_chunks(server, client):
     eng = Engine(client)
     with pytest.raises(ServerError) as ei:
-        client.call(P.Lookup(engine=eng.id, request="r", keys=eng.keys(1), skip_chunks=-3))
+        client.call(P.Lookup(engine=eng.id, request="r", keys=fresh_keys(eng, 1), skip_chunks=-3))
     assert_server_error(ei, E.BAD_REQUEST, "-3")
     assert_still_serving(server.endpoint)
 
@@ -430,12 +449,13 @@ def test_register_with_an_invalid_chunk_or_rank(server, client):
         (P.Register(layout=preset_layout("tiny-hybrid", tp=2), chunk_tokens=0, tp_rank=2), ("tp_rank 2", "[0, 2)")),
         (P.Register(layout=layout, chunk_tokens=0, tp_rank=-1), ("tp_rank -1",)),
     ]
+    before = counters(client)
     for msg, needles in cases:
         with pytest.raises(ServerError) as ei:
             client.call(msg)
         assert_server_error(ei, E.LAYOUT, *needles)
-    stats, _ = client.call(P.Stats())
-    assert stats.counters["engines"] == 0 and stats.counters["engines_registered"] == 0
+    after = counters(client)
+    assert (after["engines"], after["engines_registered"]) == (before["engines"], before["engines_registered"])
     assert_still_serving(server.endpoint)
 
 
@@ -449,11 +469,11 @@ def test_register_with_an_object_larger_than_l1(server_factory):
 
 
 def test_error_counter_counts_every_refusal(server, raw):
-    for _ in range(3):
-        raw.call([b"\xc1"])  # 0xc1 is never valid msgpack
     with CacheClient(server.endpoint, timeout_s=10) as c:
-        stats, _ = c.call(P.Stats())
-    assert stats.counters["errors"] == 3
+        before = counters(c)["errors"]
+        for _ in range(3):
+            raw.call([b"\xc1"])  # 0xc1 is never valid msgpack
+        assert counters(c)["errors"] - before == 3
     assert_still_serving(server.endpoint)
 
 
@@ -474,8 +494,9 @@ def test_deeply_nested_message_is_a_bad_message_and_the_server_survives(server, 
 
 def test_duplicate_keys_are_refused_and_pin_counts_stay_exact(client):
     eng = Engine(client)
-    keys = eng.keys(4, seed=1)
+    keys = fresh_keys(eng, 4)
     eng.store(keys)
+    before = counters(client)
     err = expect(E.BAD_REQUEST, lambda: eng.lookup([keys[0], keys[1], keys[0]]))
     assert "repeats key 0" in err.message
     expect(E.BAD_REQUEST, lambda: client.call(P.PrepareStore(engine=eng.id, request="r", keys=[keys[2]] * 2,
@@ -483,8 +504,8 @@ def test_duplicate_keys_are_refused_and_pin_counts_stay_exact(client):
     hit = eng.lookup(keys)
     assert hit.hit_chunks == 4
     client.call(P.Release(engine=eng.id, lease=hit.lease))
-    stats = client.call(P.Stats())[0].counters
-    assert stats["l1_pinned_objects"] == 0 and stats["leases"] == 0
+    after = counters(client)
+    assert (after["l1_pinned_objects"], after["leases"]) == (before["l1_pinned_objects"], before["leases"])
 
 
 def test_a_chunk_size_that_overflows_64_bits_is_a_layout_error(client):

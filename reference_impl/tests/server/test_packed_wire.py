@@ -10,12 +10,22 @@ errors, and the server keeps serving.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
+from hybridkv.server.front.launch import ServerProcess
 from hybridkv.wire import protocol as P
-from serverkit import Engine, RawDealer
+from serverkit import Engine, RawDealer, module_server
 from test_bad_input import assert_error, assert_still_serving
 
 E = P.ErrorCode
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    """One server for the module's refusals (each test checks that it keeps serving after its own)."""
+    with module_server() as s:
+        yield s
 
 
 @pytest.fixture

@@ -38,9 +38,13 @@ def _wait_ready(p: subprocess.Popen) -> str:
 def test_sigterm_at_any_moment_removes_the_arena(sock_dir):
     l1_dir = tempfile.mkdtemp(prefix="hkv-l1-", dir="/dev/shm")
     try:
-        for delay in (0.0, 0.05, 0.2, 0.5, 1.0, 2.0):
+        # moments of the start (imports, the arena, the bind), then a ready server (None: once it said so)
+        for delay in (0.0, 0.05, 0.2, 0.5, None):
             p = _serve(f"ipc://{sock_dir}/t.sock", l1_dir)
-            time.sleep(delay)
+            if delay is None:
+                _wait_ready(p)
+            else:
+                time.sleep(delay)
             p.send_signal(signal.SIGTERM)
             p.communicate(timeout=60)
             assert p.returncode in (0, 143, -signal.SIGTERM), (delay, p.returncode)
@@ -118,10 +122,14 @@ def test_a_shutdown_with_a_spill_backlog_neither_recurses_nor_reports_failed_wri
     failed write and started the next: one nested call per batch and an 'L2 writes failed' line."""
     l2 = tmp_path / "l2"
     s = server_factory("--l2-dir", str(l2), "--l2-gib", "1", "--l2-fsync", "--io-threads", "1",
-                       "--spill-watermark", "0.95", l1_gib=0.2)
+                       "--spill-watermark", "0.95", l1_gib=0.05)
     with CacheClient(s.endpoint, timeout_s=60) as c:
         eng = Engine(c)
-        keys = eng.keys(int(0.15 * (1 << 30)) // sum(eng.sizes), seed=7)
+        # The engine says it is alive while it writes its payload, as a real one does: on a loaded machine the write
+        # between its prepare and its commit outlasted --client-timeout and the server reclaimed it.
+        c.keepalive(eng.id, eng.reg.heartbeat_s)
+        # 512 keys, 2,048 synced objects: 32 spill batches, each of which started the next at the old shutdown
+        keys = eng.keys(512, seed=7)
         eng.store(keys)  # one reservation: its commit makes every object dirty at once, the backlog in one request
         # Stopped at once, the server shows its backlog: what L2 holds while it cannot run is what spilled so far.
         # (Looking at its Stats instead raced the one I/O thread, which on a loaded machine drained the backlog

@@ -139,13 +139,13 @@ def test_admin_clear_of_every_namespace_in_turns_and_small_clears_in_one(servers
         eb = cb.call(P.Register(layout=LAYOUT, chunk_tokens=CT, salt="b"))[0].engine
         store(ca, ea, keys(NS_A, 3, 5))
         assert ca.call(P.Clear(engine=ea))[0].count == 6  # a small clear: answered in its first turn
-        store(ca, ea, keys(NS_A, 30_000, 6))
-        store(cb, eb, keys(NS_B, 30_000, 7))
-        pinned = cb.call(P.Lookup(engine=eb, request="p", keys=keys(NS_B, 30_000, 7)[:10], policy="all"))[0]
+        store(ca, ea, keys(NS_A, 15_000, 6))  # 60,000 objects in two namespaces: 234 pieces of table.PIECE, a turn each
+        store(cb, eb, keys(NS_B, 15_000, 7))
+        pinned = cb.call(P.Lookup(engine=eb, request="p", keys=keys(NS_B, 15_000, 7)[:10], policy="all"))[0]
         settled(cb)
         fut = ca.submit(P.Clear())
         answered_between_turns(cb, fut)
-        assert fut.result(timeout=120)[0].count == 120_000 - 20
+        assert fut.result(timeout=120)[0].count == 60_000 - 20
         assert counters(cb)["l1_objects"] == 20
         cb.call(P.Release(engine=eb, lease=pinned.lease))
 
@@ -154,7 +154,7 @@ def test_engine_unregistered_while_its_clear_works(servers):
     s = servers("gone")
     with CacheClient(s.endpoint, timeout_s=120) as ca, CacheClient(s.endpoint, timeout_s=120) as cb:
         ea = ca.call(P.Register(layout=LAYOUT, chunk_tokens=CT, salt="a"))[0].engine
-        store(ca, ea, keys(NS_A, 60_000, 8))
+        store(ca, ea, keys(NS_A, 30_000, 8))  # 60,000 objects: 234 turns
         settled(cb)
         fut = ca.submit(P.Clear(engine=ea))
         answered_between_turns(cb, fut)

@@ -199,10 +199,10 @@ def huge_stored(client: CacheClient, n: int) -> tuple[int, list[bytes]]:
 
 
 def test_another_client_is_answered_between_the_turns_of_a_huge_lookup_and_prefetch(server_factory):
-    """A 64-group x 8192-key pinned lookup (262,176 objects leased) and prefetch on a plain `hybridkv serve`: another
+    """A 64-group x 4096-key pinned lookup (131,104 objects leased) and prefetch on a plain `hybridkv serve`: another
     client's Stats, Health and 71-chunk Lookup, sent once the huge request is under way, are answered before it."""
-    s = server_factory(l1_gib=2.2)
-    n = 8192
+    s = server_factory(l1_gib=1.2)
+    n = 4096
     with CacheClient(s.endpoint, timeout_s=120) as big, CacheClient(s.endpoint, timeout_s=120) as other:
         engine, keys = huge_stored(big, n)
         small_engine, small_keys = store_chunks(other)
