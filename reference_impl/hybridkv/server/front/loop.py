@@ -58,7 +58,9 @@ HANDLERS: dict[type, Callable[[Context, bytes, Any, Frames], Answer]] = {
 # that found the server idle (no request since the last tick, none parked), at most this often; the young generation
 # every tick.
 FULL_GC_EVERY_S = 60.0
-SHUTDOWN_LINGER_MS = 500  # how long the last answers may take to leave at shutdown
+# how long the last answers may take to leave at shutdown: the exit waits for them (the context's term) and no longer
+# than this for a client that does not read; 500 ms lost answers to a client starved of CPU on a loaded machine
+SHUTDOWN_LINGER_MS = 5000
 FULL_GC_BUSY_S = 600.0  # a server never idle still frees old reference cycles this often
 RECLAIM_DRAIN_S = 0.25  # before a reclaim, the requests queued are read for up to this long (heartbeats among them)
 
@@ -88,7 +90,10 @@ class CacheServer:
         except BaseException:
             self.arena.close()
             raise
-        self._zctx = context or zmq.Context.instance()
+        # its own context unless given one: at exit its term() is what waits for the last answers to leave (a process
+        # that exits with the context open drops what libzmq still queues, whatever the linger)
+        self._own_zctx = context is None
+        self._zctx = context or zmq.Context()
         self._sock: zmq.Socket | None = None
         self._gate: ConnectionGate | None = None  # the connection cap
         self._pending: dict[bytes, int] = {}  # requests answered later, per client
@@ -210,6 +215,8 @@ class CacheServer:
                     # long enough for the last answers to leave; a client that does not read loses them
                     self._sock.close(linger=SHUTDOWN_LINGER_MS)
                     self._sock = None
+                if self._own_zctx:
+                    self._zctx.term()  # returns once the answers queued left, or the linger ran out
                 self.objects.close()
             except Exception:
                 log.exception("error while closing the socket or L2 at shutdown")
