@@ -9,7 +9,6 @@ import argparse
 import importlib
 import os
 import sys
-from importlib.metadata import entry_points
 
 # name -> (module, one-line help). Each module defines add_arguments(parser) and run(args) -> int, and may define
 # parse_command_line(parser, argv) -> args.
@@ -40,6 +39,8 @@ def version() -> str:
 def subcommands() -> dict[str, tuple[str, str]]:
     """Built-in subcommands plus those registered by installed packages (each entry point names a
     light module attribute: a dict name -> (module, help), imported without torch)."""
+    from importlib.metadata import entry_points
+
     table = dict(BUILTIN)
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         try:
@@ -64,16 +65,18 @@ def not_installed(command: str, e: ModuleNotFoundError) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    table = subcommands()
-    # allow_abbrev=False everywhere: a prefix of a flag is an error, never another flag (`--l1-size 4` would
-    # otherwise be taken as the seed's --l1-size-gb)
-    parser = argparse.ArgumentParser(prog="hybridkv", allow_abbrev=False, description="KV-cache offload for hybrid "
-                                     "LLMs: a CPU-only cache server, and the harness that measures it.")
-    parser.add_argument("--version", action="version", version=f"hybridkv {version()}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (_, help_) in table.items():
-        sub.add_parser(name, help=help_, add_help=False, allow_abbrev=False)
+    # A built-in command wins over a registered one of its name (subcommands' setdefault), so it runs without
+    # reading the installed distributions' entry points and version, which every `hybridkv serve` paid at start.
+    table = dict(BUILTIN) if argv and argv[0] in BUILTIN else subcommands()
     if not argv or argv[0] in ("-h", "--help", "--version") or argv[0] not in table:
+        # allow_abbrev=False everywhere: a prefix of a flag is an error, never another flag (`--l1-size 4` would
+        # otherwise be taken as the seed's --l1-size-gb)
+        parser = argparse.ArgumentParser(prog="hybridkv", allow_abbrev=False, description="KV-cache offload for "
+                                         "hybrid LLMs: a CPU-only cache server, and the harness that measures it.")
+        parser.add_argument("--version", action="version", version=f"hybridkv {version()}")
+        sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+        for name, (_, help_) in table.items():
+            sub.add_parser(name, help=help_, add_help=False, allow_abbrev=False)
         parser.parse_args(argv)  # prints help or a usage error
         parser.print_help()
         return 0 if not argv or argv[0] in ("-h", "--help") else 2

@@ -15,6 +15,7 @@ from hybridkv.settings_sources import add_config_arguments
 
 if TYPE_CHECKING:
     from hybridkv.server.front.loop import CacheServer
+    from hybridkv.server.front.metrics_http import MetricsEndpoint
     from hybridkv.server.l2.specs import L2Spec
 
 MAX_GIB = float(1 << 32)  # 4 EiB: any larger size (inf among them) is a typo, not a machine
@@ -239,15 +240,20 @@ def checked_config(args: argparse.Namespace) -> ServerConfig:
     """Every refusal of the settings themselves, for `serve` and `serve --print-config` alike (what only the machine
     can refuse: the arena's room, the L2 directory, the endpoint's socket, comes when the server starts)."""
     from hybridkv.cli import UserError
-    from hybridkv.server.front.metrics_http import MetricsError, check_metrics_address
 
     try:
         cfg = server_config(args)
         if args.metrics_port is not None:
-            check_metrics_address(args.metrics_host, args.metrics_port)
+            # the metrics module brings prometheus_client and wsgiref: imported only by a server that serves them
+            from hybridkv.server.front.metrics_http import MetricsError, check_metrics_address
+
+            try:
+                check_metrics_address(args.metrics_host, args.metrics_port)
+            except MetricsError as e:
+                raise ConfigError(str(e)) from None
         if not args.headline_interval >= 0:
             raise ConfigError(f"--headline-interval must be 0 (never) or more seconds, got {args.headline_interval:g}")
-    except (ConfigError, MetricsError) as e:
+    except ConfigError as e:
         raise UserError(str(e)) from None
     return cfg
 
@@ -320,7 +326,6 @@ def run(args: argparse.Namespace) -> int:
     from hybridkv.server.front.connections import raise_fd_limit
     from hybridkv.server.front.lifecycle import EndpointInUse
     from hybridkv.server.front.loop import CacheServer
-    from hybridkv.server.front.metrics_http import MetricsEndpoint, MetricsError
     from hybridkv.server.l2.base import L2Error
 
     # Until the server exists, SIGTERM must still unwind through the finally below (not kill us mid-start
@@ -340,7 +345,12 @@ def run(args: argparse.Namespace) -> int:
         except zmq.ZMQError as e:
             raise UserError(f"cannot listen on --endpoint {cfg.endpoint}: {e}") from None
         if args.metrics_port is not None:
-            metrics = MetricsEndpoint(server.telemetry, server.workers.wake, args.metrics_host, args.metrics_port)
+            from hybridkv.server.front.metrics_http import MetricsEndpoint, MetricsError  # as in checked_config
+
+            try:
+                metrics = MetricsEndpoint(server.telemetry, server.workers.wake, args.metrics_host, args.metrics_port)
+            except MetricsError as e:
+                raise UserError(str(e)) from None
         shown = f" metrics={metrics.url}" if metrics is not None else ""
         running = server
         signal.signal(signal.SIGTERM, lambda *_: running.stop())
@@ -352,7 +362,7 @@ def run(args: argparse.Namespace) -> int:
                   f"l2={l2}{shown} pid={os.getpid()}", flush=True)
 
         server.serve_forever(on_ready=ready)
-    except (ConfigError, ArenaError, L2Error, EndpointInUse, MetricsError, OSError) as e:
+    except (ConfigError, ArenaError, L2Error, EndpointInUse, OSError) as e:
         raise UserError(str(e)) from None
     finally:
         if metrics is not None:
