@@ -17,6 +17,7 @@ from hybridkv.engine.transfer import KVTransfer, TransferConfig
 from hybridkv.model.presets import preset_layout
 from hybridkv.wire import protocol as P
 from hybridkv_bench.pools import BlockAllocator, fill_random, vllm_pools
+from serverkit import module_server
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LAYOUT = preset_layout("tiny-hybrid")
@@ -37,14 +38,30 @@ def wait_for(pred, timeout: float = 10.0):
     raise AssertionError(f"condition not met within {timeout}s")
 
 
+@pytest.fixture(scope="module")
+def shared():
+    """One server for the tests that check a store's own path, not a server's start: each test's engine registers
+    under a salt of its own (its keys are no other test's) and compares counters with their values before it."""
+    with module_server(l1_gib=0.05) as s:
+        yield s
+
+
+def salted(request) -> TransferConfig:
+    return TransferConfig(salt=request.node.name)
+
+
 @pytest.fixture
-def engine(server_factory):
-    """(server, kv, pools, allocator) on a fresh server: counters start at zero."""
-    srv = server_factory(l1_gib=0.05)
+def engine(shared, request):
+    """(server, kv, pools, allocator) on the module's server, the engine salted by the test's name."""
     pools = vllm_pools(LAYOUT, NUM_BLOCKS, DEVICE)
     fill_random(pools, 3)
-    with KVTransfer(srv.endpoint, LAYOUT, pools, TransferConfig()) as kv:
-        yield srv, kv, pools, BlockAllocator(NUM_BLOCKS)
+    with KVTransfer(shared.endpoint, LAYOUT, pools, salted(request)) as kv:
+        yield shared, kv, pools, BlockAllocator(NUM_BLOCKS)
+
+
+def delta(endpoint: str, before: dict) -> dict:
+    """The server's counters less their values in `before`."""
+    return {k: v - before.get(k, 0) for k, v in counters(endpoint).items() if isinstance(v, int | float)}
 
 
 def prompt(kv: KVTransfer, chunks: int, seed: int) -> np.ndarray:
@@ -71,17 +88,18 @@ def test_prepared_store_round_trips_and_times_the_prepare_apart(engine, blocks_a
     srv, kv, pools, alloc = engine
     tokens, src = prompt(kv, 3, 1), blocks_for(kv, alloc, 3)
     early = {"none": None, "same": src, "other": blocks_for(kv, alloc, 3)}[blocks_at_prepare]
+    before = counters(srv.endpoint)
     prep = kv.prepare_store("a", tokens, block_ids=early)
     assert (prep.pages is not None) == (early is not None)
     reply = prep.wait(10)
     assert len(reply.slots) == 3 + 3 and not reply.present  # 3 attention objects, 3 boundary states
-    assert counters(srv.endpoint)["reservations"] == 1
+    assert delta(srv.endpoint, before)["reservations"] == 1
     h = kv.store("a", tokens, src, prepared=prep).wait_committed(10)
     assert h.objects == 6 and h.nbytes == sum(s.length for s in reply.slots)
     assert h.t_prepare == prep.t_submit < h.t_submit <= h.t_copy_start <= h.t_done <= h.t_committed
     assert h.span_s > h.total_s > 0
     kv.end_session("a")
-    st = counters(srv.endpoint)
+    st = delta(srv.endpoint, before)
     assert st["reservations"] == 0 and st["objects_committed"] == 6
     hit = kv.lookup("b", tokens)
     assert hit.hit_chunks == 3
@@ -117,12 +135,13 @@ def test_delta_aware_objects_present_at_the_prepare_are_not_copied(engine):
 def test_end_session_aborts_a_prepare_whose_store_never_comes(engine):
     srv, kv, _, alloc = engine
     tokens = prompt(kv, 2, 5)
+    before = counters(srv.endpoint)
     prep = kv.prepare_store("a", tokens)
     assert len(prep.wait(10).slots) == 5
-    st = counters(srv.endpoint)
+    st = delta(srv.endpoint, before)
     assert st["reservations"] == 1 and st["l1_unready_objects"] == 5
     assert kv.end_session("a") >= 1
-    st = counters(srv.endpoint)
+    st = delta(srv.endpoint, before)
     assert st["reservations"] == 0 and st["l1_unready_objects"] == 0 and st["l1_objects"] == 0
     # the store that comes too late fails clearly, and nothing of it becomes visible
     h = kv.store("a", tokens, blocks_for(kv, alloc, 2), prepared=prep)
@@ -138,11 +157,12 @@ def test_end_session_aborts_a_prepare_whose_store_never_comes(engine):
 def test_bad_block_ids_abort_the_prepared_reservation(engine):
     srv, kv, _, _ = engine
     tokens = prompt(kv, 2, 6)
+    before = counters(srv.endpoint)
     prep = kv.prepare_store("a", tokens)
     with pytest.raises(ValueError, match="needs 2"):
         kv.store("a", tokens, [[0]] * len(LAYOUT.groups), prepared=prep)
-    wait_for(lambda: counters(srv.endpoint)["reservations"] == 0)
-    assert counters(srv.endpoint)["objects_aborted"] == 5
+    wait_for(lambda: delta(srv.endpoint, before)["objects_aborted"] == 5)
+    assert delta(srv.endpoint, before)["reservations"] == 0
     with pytest.raises(ValueError, match="used by a store already"):
         kv.store("a", tokens, [[0, 1]] * len(LAYOUT.groups), prepared=prep)
 
@@ -150,12 +170,13 @@ def test_bad_block_ids_abort_the_prepared_reservation(engine):
 def test_bad_block_ids_at_the_prepare_reserve_nothing(engine):
     srv, kv, _, _ = engine
     tokens = prompt(kv, 2, 10)
+    before = counters(srv.endpoint)
     with pytest.raises(ValueError, match="needs 2"):
         kv.prepare_store("a", tokens, block_ids=[[0]] * len(LAYOUT.groups))
     with pytest.raises(ValueError, match=f"block id {NUM_BLOCKS + 3}"):
         kv.prepare_store("a", tokens, block_ids=[[0, NUM_BLOCKS + 3]] * len(LAYOUT.groups))
-    wait_for(lambda: counters(srv.endpoint)["reservations"] == 0)
-    assert counters(srv.endpoint)["l1_objects"] == 0
+    wait_for(lambda: delta(srv.endpoint, before)["reservations"] == 0)
+    assert delta(srv.endpoint, before)["l1_objects"] == 0
 
 
 def test_a_prepare_matches_its_store(engine):
@@ -224,19 +245,20 @@ def test_a_prepare_of_an_engine_that_vanished_is_reclaimed(server_factory):
     assert st["reservations"] == 0 and st["l1_objects"] == 0 and st["objects_committed"] == 0
 
 
-def test_close_waits_for_commits_in_flight(server_factory):
+def test_close_waits_for_commits_in_flight(shared, request):
     """Commits resolve on the client's I/O thread; closing the engine right after a store still lands it."""
-    srv = server_factory()
+    srv = shared
     pools = vllm_pools(LAYOUT, NUM_BLOCKS, DEVICE)
     alloc = BlockAllocator(NUM_BLOCKS)
-    kv = KVTransfer(srv.endpoint, LAYOUT, pools)
+    before = counters(srv.endpoint)
+    kv = KVTransfer(srv.endpoint, LAYOUT, pools, salted(request))
     tokens = prompt(kv, 3, 11)
     handles = [kv.store(f"r{i}", tokens[:(i + 1) * kv.chunk_tokens], blocks_for(kv, alloc, i + 1))
                for i in range(3)]
     kv.close()
     assert all(h.committed.done() and h.committed.exception() is None for h in handles)
-    assert counters(srv.endpoint)["objects_committed"] == sum(h.objects for h in handles) > 0
-    with KVTransfer(srv.endpoint, LAYOUT, pools) as again:
+    assert delta(srv.endpoint, before)["objects_committed"] == sum(h.objects for h in handles) > 0
+    with KVTransfer(srv.endpoint, LAYOUT, pools, salted(request)) as again:
         assert again.lookup("q", tokens).hit_chunks == 3
         again.end_session("q")
 
