@@ -7,11 +7,28 @@ import pytest
 from hybridkv.engine.client import CacheClient, ServerError
 from hybridkv.model.presets import preset_layout
 from hybridkv.wire import protocol as P
-from serverkit import ATTN, STATES, Engine
+from serverkit import ATTN, STATES, Engine, module_server
 
 
-def test_store_lookup_retrieve_shm_round_trip(client):
-    eng = Engine(client)
+@pytest.fixture(scope="module")
+def server():
+    """One server for the module (the `client` fixture's too): these tests check requests, not a server's start.
+    Each test's engines register under its own salt, so the keys it stores are no other test's."""
+    with module_server() as s:
+        yield s
+
+
+@pytest.fixture
+def salt(request) -> str:
+    return request.node.name
+
+
+def counters_now(client: CacheClient) -> dict:
+    return client.call(P.Stats())[0].counters
+
+
+def test_store_lookup_retrieve_shm_round_trip(client, salt):
+    eng = Engine(client, salt=salt)
     assert len(eng.layout.groups) == 4 and eng.sizes[0] == eng.layout.object_bytes(0, eng.chunk_tokens)
     keys = eng.keys(5)
     prep = eng.store(keys)
@@ -22,8 +39,8 @@ def test_store_lookup_retrieve_shm_round_trip(client):
     client.call(P.Release(engine=eng.id, lease=res.lease))
 
 
-def test_raw_retrieve_sends_the_same_bytes(client):
-    eng = Engine(client)
+def test_raw_retrieve_sends_the_same_bytes(client, salt):
+    eng = Engine(client, salt=salt)
     keys = eng.keys(3)
     eng.store(keys)
     res = eng.lookup(keys)
@@ -33,8 +50,8 @@ def test_raw_retrieve_sends_the_same_bytes(client):
         assert np.array_equal(np.frombuffer(f, np.uint8), eng.payload(keys[o.chunk], o.group, o.length))
 
 
-def test_raw_store_copies_frames_into_the_arena(client):
-    eng = Engine(client)
+def test_raw_store_copies_frames_into_the_arena(client, salt):
+    eng = Engine(client, salt=salt)
     keys = eng.keys(2)
     objs = [(c, g) for c in range(2) for g in range(4)]
     prep, _ = client.call(P.PrepareStore(engine=eng.id, request="r", keys=keys, objects=objs))
@@ -45,11 +62,11 @@ def test_raw_store_copies_frames_into_the_arena(client):
 
 
 @pytest.mark.parametrize("fmt", ["pickle", "torch_save"])
-def test_legacy_formats_round_trip(client, fmt):
+def test_legacy_formats_round_trip(client, fmt, salt):
     torch = pytest.importorskip("torch")
     from hybridkv.baselines.codec import decode_tensor, encode_tensor
 
-    eng = Engine(client)
+    eng = Engine(client, salt=salt)
     keys = eng.keys(2)
     objs = [(c, g) for c in range(2) for g in range(4)]
     prep, _ = client.call(P.PrepareStore(engine=eng.id, request="r", keys=keys, objects=objs))
@@ -67,8 +84,8 @@ def test_legacy_formats_round_trip(client, fmt):
         assert np.array_equal(t.view(torch.uint8).numpy(), eng.payload(keys[o.chunk], o.group, o.length))
 
 
-def test_store_is_delta_aware(client):
-    eng = Engine(client)
+def test_store_is_delta_aware(client, salt):
+    eng = Engine(client, salt=salt)
     keys = eng.keys(4)
     eng.store(keys[:2])
     prep = eng.store(keys)
@@ -76,8 +93,8 @@ def test_store_is_delta_aware(client):
     assert len(prep.slots) == 8
 
 
-def test_hit_needs_the_recurrent_state_at_the_last_chunk(client):
-    eng = Engine(client)
+def test_hit_needs_the_recurrent_state_at_the_last_chunk(client, salt):
+    eng = Engine(client, salt=salt)
     keys = eng.keys(6)
     attn = [(c, ATTN) for c in range(6)]
     # states of all three recurrent groups only at chunk 2; one group's state at chunk 4
@@ -91,15 +108,15 @@ def test_hit_needs_the_recurrent_state_at_the_last_chunk(client):
     assert eng.lookup(keys, policy="all", request="q").hit_chunks == 0
 
 
-def test_hit_stops_at_a_missing_attention_chunk(client):
-    eng = Engine(client)
+def test_hit_stops_at_a_missing_attention_chunk(client, salt):
+    eng = Engine(client, salt=salt)
     keys = eng.keys(5)
     eng.store(keys, [(c, ATTN) for c in (0, 1, 3, 4)] + [(c, g) for c in range(5) for g in STATES])
     assert eng.lookup(keys).hit_chunks == 2
 
 
-def test_skip_chunks_returns_only_the_objects_the_engine_lacks(client):
-    eng = Engine(client)
+def test_skip_chunks_returns_only_the_objects_the_engine_lacks(client, salt):
+    eng = Engine(client, salt=salt)
     keys = eng.keys(4)
     eng.store(keys)
     res = eng.lookup(keys, skip=3)
@@ -107,16 +124,16 @@ def test_skip_chunks_returns_only_the_objects_the_engine_lacks(client):
     assert sorted((o.chunk, o.group) for o in res.objects) == [(3, 0), (3, 1), (3, 2), (3, 3)]
 
 
-def test_namespaces_separate_ranks_salts_and_models(client):
-    a = Engine(client)
+def test_namespaces_separate_ranks_salts_and_models(client, salt):
+    a = Engine(client, salt=salt)
     keys = a.keys(2)
     a.store(keys)
-    b = Engine(client, layout=preset_layout("tiny-hybrid", tp=2), tp_rank=1)
-    c = Engine(client, salt="tenant-b")
+    b = Engine(client, layout=preset_layout("tiny-hybrid", tp=2), tp_rank=1, salt=salt)
+    c = Engine(client, salt=f"{salt}/tenant-b")
     assert len({a.reg.namespace, b.reg.namespace, c.reg.namespace}) == 3
     assert b.lookup(b.keys(2)).hit_chunks == 0 and c.lookup(c.keys(2)).hit_chunks == 0
     # a second engine of the same model and rank shares the first one's cache
-    d = Engine(client)
+    d = Engine(client, salt=salt)
     assert d.reg.namespace == a.reg.namespace and d.lookup(keys).hit_chunks == 2
 
 
@@ -140,22 +157,23 @@ def test_pinned_objects_are_never_evicted_and_stores_are_refused_with_a_reason(s
         assert stats.counters["l1_evictions"] > 0
 
 
-def test_end_session_releases_pins_and_aborts_reservations(client):
-    eng = Engine(client)
+def test_end_session_releases_pins_and_aborts_reservations(client, salt):
+    eng = Engine(client, salt=salt)
     keys = eng.keys(3)
+    before = counters_now(client)  # other tests' leases may still pin objects of theirs
     eng.store(keys)
     eng.lookup(keys, request="a")
     prep, _ = client.call(P.PrepareStore(engine=eng.id, request="a", keys=eng.keys(1, seed=9), objects=[(0, 0)]))
     done, _ = client.call(P.EndSession(engine=eng.id, request="a"))
     assert done.count == 2
-    stats, _ = client.call(P.Stats())
-    assert stats.counters["l1_pinned_objects"] == 0 and stats.counters["reservations"] == 0
+    now = counters_now(client)
+    assert now["l1_pinned_objects"] == before["l1_pinned_objects"] and now["reservations"] == before["reservations"]
     with pytest.raises(ServerError, match="unknown_reservation"):
         client.call(P.CommitStore(engine=eng.id, reservation=prep.reservation))
 
 
-def test_abort_makes_nothing_visible(client):
-    eng = Engine(client)
+def test_abort_makes_nothing_visible(client, salt):
+    eng = Engine(client, salt=salt)
     keys = eng.keys(2)
     prep, _ = client.call(P.PrepareStore(engine=eng.id, request="r", keys=keys,
                                          objects=[(c, g) for c in range(2) for g in range(4)]))
@@ -164,8 +182,8 @@ def test_abort_makes_nothing_visible(client):
     assert len(eng.store(keys).slots) == 8
 
 
-def test_uncommitted_objects_are_invisible(client):
-    eng = Engine(client)
+def test_uncommitted_objects_are_invisible(client, salt):
+    eng = Engine(client, salt=salt)
     keys = eng.keys(1)
     prep, _ = client.call(P.PrepareStore(engine=eng.id, request="r", keys=keys, objects=[(0, g) for g in range(4)]))
     assert eng.lookup(keys).hit_chunks == 0
@@ -173,12 +191,14 @@ def test_uncommitted_objects_are_invisible(client):
     assert eng.lookup(keys).hit_chunks == 1
 
 
-def test_stats_clear_health_unregister(client):
-    eng = Engine(client)
+def test_stats_clear_health_unregister(client, salt):
+    eng = Engine(client, salt=salt)
     keys = eng.keys(2)
+    before = counters_now(client)
     eng.store(keys)
-    stats, _ = client.call(P.Stats())
-    assert stats.counters["objects_committed"] == 8 and stats.counters["l1_objects"] == 8
+    now = counters_now(client)
+    assert now["objects_committed"] - before["objects_committed"] == 8
+    assert now["l1_objects"] - before["l1_objects"] == 8
     done, _ = client.call(P.Clear(engine=eng.id))
     assert done.count == 8 and eng.lookup(keys).hit_chunks == 0
     health, _ = client.call(P.Health())
@@ -198,7 +218,7 @@ def test_every_request_type_has_a_handler():
     assert set(HANDLERS) == set(get_args(P.Request))
 
 
-def test_many_engines_interleaved(server):
+def test_many_engines_interleaved(server, salt):
     """TP ranks of one model and another model, each from its own client, requests interleaved."""
     import threading
 
@@ -207,7 +227,7 @@ def test_many_engines_interleaved(server):
     def worker(rank: int, tp: int, model: str):
         try:
             with CacheClient(server.endpoint, timeout_s=20) as c:
-                eng = Engine(c, layout=preset_layout(model, tp=tp), tp_rank=rank)
+                eng = Engine(c, layout=preset_layout(model, tp=tp), tp_rank=rank, salt=salt)
                 for i in range(5):
                     keys = eng.keys(3, seed=100 * rank + i)
                     eng.store(keys, request=f"q{i}")
