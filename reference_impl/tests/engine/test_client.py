@@ -14,7 +14,15 @@ import hybridkv.engine.client as client_module
 import pytest
 from hybridkv.engine.client import CacheClient, ServerError, ServerTimeout
 from hybridkv.wire import protocol as P
-from serverkit import Engine
+from serverkit import Engine, module_server
+
+
+@pytest.fixture(scope="module")
+def server():
+    """One server for the module (the `client` fixture's too): these tests check the client; the ones that stall
+    the server (SIGSTOP) resume it before they end. Engines register under their test's name as salt."""
+    with module_server() as s:
+        yield s
 
 
 @contextmanager
@@ -46,8 +54,8 @@ def run_threads(targets, timeout: float = 60) -> list[BaseException]:
     return errors
 
 
-def test_threads_sharing_a_client_each_get_their_own_reply(client):
-    eng = Engine(client)
+def test_threads_sharing_a_client_each_get_their_own_reply(client, request):
+    eng = Engine(client, salt=request.node.name)
     keys = eng.keys(8)
     eng.store(keys)
 
@@ -65,10 +73,10 @@ def test_threads_sharing_a_client_each_get_their_own_reply(client):
     assert not client._pending  # every request entered in the table (a call that waited) left it
 
 
-def test_a_call_whose_reply_comes_after_a_submits_gets_its_own(client):
+def test_a_call_whose_reply_comes_after_a_submits_gets_its_own(client, request):
     # call() on a free socket sends and polls alone; when the reply it receives is a submit()'s, that reply
     # goes to its future and the call waits on for its own
-    eng = Engine(client)
+    eng = Engine(client, salt=request.node.name)
     keys = eng.keys(4)
     eng.store(keys)
     for i in range(200):
@@ -82,10 +90,10 @@ def test_a_call_whose_reply_comes_after_a_submits_gets_its_own(client):
     assert not client._pending
 
 
-def test_a_submit_whose_reply_nobody_hurries_still_gets_it(client, monkeypatch):
+def test_a_submit_whose_reply_nobody_hurries_still_gets_it(client, monkeypatch, request):
     """`submit(reply_soon=False)` (a release nobody waits on) wakes no I/O thread: its reply is received by the next
     call's leader, or by the I/O thread's next look when no call comes."""
-    eng = Engine(client)
+    eng = Engine(client, salt=request.node.name)
     keys = eng.keys(3)
     eng.store(keys)
     pokes = []
