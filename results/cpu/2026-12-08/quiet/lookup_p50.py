@@ -13,10 +13,16 @@ import statistics
 import tempfile
 import time
 
-from hybridkv import protocol as P
 from hybridkv.engine.client import CacheClient
-from hybridkv.server.config import GIB, ServerConfig
-from hybridkv.server.launch import start_server
+
+try:  # this round's tree
+    from hybridkv.server.books.config import GIB, ServerConfig
+    from hybridkv.server.front.launch import start_server
+    from hybridkv.wire import protocol as P
+except ImportError:  # 9d8dd9e, before the reshape: server/ flat, the protocol at the package's top
+    from hybridkv import protocol as P  # type: ignore[no-redef]
+    from hybridkv.server.config import GIB, ServerConfig  # type: ignore[no-redef]
+    from hybridkv.server.launch import start_server  # type: ignore[no-redef]
 from hybridkv_bench.microbench.lookup_bench import store_chunks
 
 SIZES = {"small": 71, "large": 2048}
