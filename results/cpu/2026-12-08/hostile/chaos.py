@@ -179,9 +179,21 @@ def hostile(ep: str, idx: int, out: mp.Queue) -> None:
                             if not np.array_equal(got, eng.payload(keys[o.chunk], o.group, o.length)):
                                 stats["bad"] += 1
                     if rng.random() < 0.5:
-                        rf = c.submit(P.Retrieve(engine=eng.id, lease=res.lease, format="raw"))
+                        # one slice from anywhere in the lease (paged Retrieve), the lease released behind it, then
+                        # the next slice asked of the released lease: the slice sent keeps its bytes, the next is
+                        # refused
+                        first = rng.randrange(max(1, len(res.objects)))
+                        rf = c.submit(P.Retrieve(engine=eng.id, lease=res.lease, format="raw", first=first))
                         c.call(P.Release(engine=eng.id, lease=res.lease))
                         r, frames = rf.result(60)
+                        stats["slices"] = stats.get("slices", 0) + 1
+                        if r.next < r.total:
+                            try:
+                                c.call(P.Retrieve(engine=eng.id, lease=res.lease, format="raw", first=r.next))
+                                print("!!! a released lease answered its next slice", flush=True)
+                                stats["bad"] += 1
+                            except ServerError:
+                                pass
                         if mine:
                             for o, fr in zip(r.objects, frames, strict=True):
                                 if bytes(fr) != eng.payload(keys[o.chunk], o.group, o.length).tobytes():
