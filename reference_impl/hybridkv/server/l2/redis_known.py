@@ -41,10 +41,8 @@ class KnownLengths:
             return True, k.length if ns is None or k.ns == ns else None
 
     def fresh_length(self, okey: ObjectKey, ns: bytes | None = None) -> int | None:
-        """The length freshly known (of namespace `ns`, when given), else None."""
-        with self._lock:
-            k = self._index.get(okey)
-            return k.length if k is not None and time.monotonic() < k.until and (ns is None or k.ns == ns) else None
+        """The length freshly known (of namespace `ns`, when given), else None (`fresh`'s answer without its flag)."""
+        return self.fresh(okey, ns)[1]
 
     def length(self, okey: ObjectKey, ns: bytes | None = None) -> int | None:
         """The length known, fresh or not (None when unknown, missing, or of another namespace than `ns`)."""
