@@ -180,9 +180,9 @@ class CacheClient:
 
     def _retrieve(self, msg: P.Retrieve, frames: list | tuple, timeout: float | None) -> tuple[P.Retrieved, list]:
         """The whole lease: its first slice, which says how many objects it holds, then the rest, RETRIEVE_WINDOW
-        slices asked ahead (asked one at a time, the server's send of a slice and our receive of the one before
-        never overlap). Each is a request of its own, so the server reads other clients'
-        requests between them."""
+        slices asked ahead: asked one at a time, the server's send of a slice and our receive of the one before would
+        never overlap. Each is a request of its own, so the server reads other clients' requests between them. The
+        slices' frames are joined as a list of the frames' buffers: no payload byte is copied here."""
         if msg.first is None:
             msg.first = 0
         reply, got = self._call(msg, frames, timeout)

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from enum import Enum
 from operator import attrgetter
-from typing import cast
+from typing import TypeGuard
 
 from hybridkv.memory.arena import Arena
 from hybridkv.server.books.config import ServerConfig
@@ -37,7 +37,15 @@ SPILL_BATCH = 64          # objects per spill job: one hand-off to a worker, not
 SPILL_BATCH_BYTES = 8 << 20
 SPILL_RETRY_S = 10.0      # an object whose L2 write failed is tried again after this long
 FAILURE_LOG_EVERY_S = 10.0
-_state = attrgetter("state")
+_state, _ns = attrgetter("state"), attrgetter("ns")
+
+
+def all_ready(entries: list[Entry | None], ns: bytes | None) -> TypeGuard[list[Entry]]:
+    """Whether every one of these entries (`L1.get_many`'s) is READY in L1, and of namespace `ns` unless it is None
+    (a piece of a lookup's or prefetch's prefix in the common case: pinned and answered at once). count() compares
+    by identity first and runs in C; a set of states would hash each Enum member in Python."""
+    return None not in entries and list(map(_state, entries)).count(State.READY) == len(entries) \
+        and (ns is None or list(map(_ns, entries)).count(ns) == len(entries))
 
 
 class Held(Enum):
@@ -150,15 +158,6 @@ class ObjectStore:
         if self.l2.length(*oid, ns) == length:
             return Held.MINE
         return Held.NONE if self.l2.length(*oid) is None else Held.OTHER
-
-    def ready(self, oids: list[ObjectKey]) -> list[Entry] | None:
-        """The entries of these objects when every one is READY in L1 (a lookup's common case: pin and
-        answer at once), else None."""
-        entries = self.l1.get_many(oids)
-        # count() compares by identity first; a set of states would hash each Enum member in Python
-        if None in entries or list(map(_state, entries)).count(State.READY) != len(entries):
-            return None
-        return cast(list[Entry], entries)
 
     def full_reason(self) -> str:
         a = self.l1.alloc

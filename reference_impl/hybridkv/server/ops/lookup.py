@@ -23,6 +23,7 @@ from typing import Any, cast
 
 from hybridkv.model.policy import resume_bytes, resume_slices
 from hybridkv.server.books.l1 import Entry, NoSlot, ObjectKey, State
+from hybridkv.server.books.objects import all_ready
 from hybridkv.server.books.records import Engine
 from hybridkv.server.machinery.table import SegmentedSet
 from hybridkv.server.ops.context import Answer, Context, Frames, RequestError, check_keys, no_frames
@@ -44,7 +45,7 @@ from hybridkv.server.ops.turns import (
 from hybridkv.wire import protocol as P
 
 E = P.ErrorCode
-_state, _ns, _offset, _length = (attrgetter(a) for a in ("state", "ns", "offset", "length"))
+_offset, _length = attrgetter("offset"), attrgetter("length")
 Pinned = tuple[list[Entry], list[P.ObjectLoc], bool]  # the answer's entries and places, and whether it is complete
 
 
@@ -160,7 +161,7 @@ class LookupOp(TurnedOp):
         for this lookup must never evict an object this same lookup needs further down its list."""
         eng, keys, msg, clock, objects = self.eng, self.keys, self.msg, self.clock, self.ctx.objects
         get, get_many, ns, lengths, loc = objects.get, objects.l1.get_many, eng.ns, eng.object_bytes, P.ObjectLoc
-        ready, reserved, loading = State.READY, State.RESERVED, State.LOADING
+        reserved, loading = State.RESERVED, State.LOADING
         self.stale += self.pins
         pins: list[Entry] = []
         self.pins = pins
@@ -171,12 +172,10 @@ class LookupOp(TurnedOp):
         same_turn = clock.endless
         for pairs in resume_slices(eng.layout, msg.policy, n, msg.skip_chunks, eng.chunk_tokens, SLICE_OBJECTS):
             es = get_many([(keys[c], g) for c, g in pairs])
-            if None not in es and list(map(_state, es)).count(ready) == len(es) \
-                    and (same_turn or list(map(_ns, es)).count(ns) == len(es)):  # common: one piece pinned in C
-                full = cast(list[Entry], es)
-                objects.pin_all(full)
-                pins += full
-                locs += map(loc, [c for c, _ in pairs], [g for _, g in pairs], map(_offset, full), map(_length, full))
+            if all_ready(es, None if same_turn else ns):  # common: one piece pinned in C
+                objects.pin_all(es)
+                pins += es
+                locs += map(loc, [c for c, _ in pairs], [g for _, g in pairs], map(_offset, es), map(_length, es))
             else:
                 for (c, g), e in zip(pairs, es, strict=True):
                     if e is None:

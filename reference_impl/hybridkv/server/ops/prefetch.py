@@ -14,12 +14,9 @@ most recently used of L1 and pinned by nobody: the lookup that follows pins them
 
 from __future__ import annotations
 
-from operator import attrgetter
-from typing import cast
-
 from hybridkv.model.policy import resume_slices
 from hybridkv.server.books.l1 import Entry, NoSlot, ObjectKey, State
-from hybridkv.server.books.objects import Held
+from hybridkv.server.books.objects import Held, all_ready
 from hybridkv.server.books.records import Engine
 from hybridkv.server.machinery.table import SegmentedSet
 from hybridkv.server.ops.context import Answer, Context, Frames, RequestError
@@ -29,7 +26,6 @@ from hybridkv.server.ops.turns import SLICE_OBJECTS, TURN, WAIT, Clock, TurnedOp
 from hybridkv.wire import protocol as P
 
 E = P.ErrorCode
-_state, _ns = attrgetter("state"), attrgetter("ns")
 
 
 def prefetch(ctx: Context, ident: bytes, msg: P.Prefetch, frames: Frames) -> Answer:
@@ -106,12 +102,10 @@ class PrefetchOp(TurnedOp):
         for pairs in resume_slices(eng.layout, msg.policy, n, msg.skip_chunks, eng.chunk_tokens, SLICE_OBJECTS):
             part = [((keys[c], g), lengths[g]) for c, g in pairs]
             es = objects.l1.get_many([oid for oid, _ in part])
-            if None not in es and list(map(_state, es)).count(ready) == len(es) \
-                    and list(map(_ns, es)).count(ns) == len(es):
-                full = cast(list[Entry], es)
-                objects.pin_all(full)
-                self.held += full
-                in_l1 += len(full)
+            if all_ready(es, ns):
+                objects.pin_all(es)
+                self.held += es
+                in_l1 += len(es)
             else:
                 for (oid, length), e in zip(part, es, strict=True):
                     if e is None:
